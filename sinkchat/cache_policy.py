@@ -1,0 +1,121 @@
+"""Pure integer bookkeeping of what the KV cache holds: which tokens, at which slots, and what to evict next.
+
+No torch here. The tensor cache (`kv_cache.py`) does what this module decides; keeping the decision pure makes it
+exhaustively testable and lets snapshots, previews and the recompute baseline share one truth.
+
+Positions are *in-cache*: the token in slot i is always at RoPE position i (StreamingLLM, sec. 3.2). Evicting a block
+therefore shifts every later slot (and its RoPE position) down by the block's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ContextFull(RuntimeError):
+    """The `dense` policy cannot take more tokens: the model's context is full."""
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Remove `count` slots starting at slot `start`; the slots after them move down by `count`."""
+
+    start: int
+    count: int
+
+
+def plan_eviction(
+    policy: str, n_sink: int, capacity: int, evict_chunk: int, cache_len: int, incoming: int
+) -> Eviction | None:
+    """What to evict so that `incoming` new tokens fit into a cache of `capacity` holding `cache_len`.
+
+    - sink: keep slots [0, n_sink) forever, evict the oldest of the rest, at least `evict_chunk` at a time
+      (amortises the re-rotation; one big shift per chunk instead of a tiny one per token).
+    - window: the naive sliding window: the same, but nothing is pinned, so the first tokens go first.
+    - dense: never evicts; raises ContextFull instead.
+    """
+    if incoming < 0 or cache_len < 0:
+        raise ValueError("negative lengths")
+    need = cache_len + incoming - capacity
+    if need <= 0:
+        return None
+    if policy == "dense":
+        raise ContextFull(
+            f"the context is full ({capacity} tokens) and policy 'dense' never evicts; "
+            "use --policy sink to keep going"
+        )
+    pinned = n_sink if policy == "sink" else 0
+    evictable = cache_len - pinned
+    if need > evictable:
+        raise ValueError(f"{incoming} incoming tokens cannot fit a cache of {capacity} with {pinned} pinned")
+    count = min(max(need, evict_chunk), evictable)
+    return Eviction(start=pinned, count=count)
+
+
+@dataclass
+class Ledger:
+    """Token ids and absolute stream indices of the tokens in the cache, slot by slot.
+
+    `seen` counts every token ever fed; `evicted` every token dropped. Invariant: len(ids) == len(abs_index)
+    == seen - evicted (after `clear`, both counters keep running so totals stay truthful).
+    """
+
+    ids: list[int] = field(default_factory=list)
+    abs_index: list[int] = field(default_factory=list)
+    seen: int = 0
+    evicted: int = 0
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def append(self, token_ids: list[int]) -> None:
+        self.ids.extend(token_ids)
+        self.abs_index.extend(range(self.seen, self.seen + len(token_ids)))
+        self.seen += len(token_ids)
+
+    def evict(self, ev: Eviction) -> tuple[list[int], int, int]:
+        """Drop the slots of `ev`; return (dropped ids, first absolute index, last absolute index + 1)."""
+        end = ev.start + ev.count
+        if ev.count <= 0 or end > len(self.ids):
+            raise ValueError(f"bad eviction {ev} for {len(self.ids)} slots")
+        dropped = self.ids[ev.start : end]
+        first, last = self.abs_index[ev.start], self.abs_index[end - 1] + 1
+        del self.ids[ev.start : end]
+        del self.abs_index[ev.start : end]
+        self.evicted += ev.count
+        return dropped, first, last
+
+    def truncate(self, length: int) -> None:
+        """Forget slots >= length (rolls back a half-done step; the tokens were never really seen)."""
+        removed = len(self.ids) - length
+        if removed < 0:
+            raise ValueError("truncate cannot grow the ledger")
+        del self.ids[length:]
+        del self.abs_index[length:]
+        self.seen -= removed
+
+    def clear(self) -> None:
+        self.evicted += len(self.ids)
+        self.ids.clear()
+        self.abs_index.clear()
+
+    def holds_stream_start(self) -> bool:
+        """True while the stream's very first token is still in slot 0 (what `window` loses at its first eviction)."""
+        return bool(self.abs_index) and self.abs_index[0] == 0
+
+    def state(self) -> dict[str, object]:
+        return {"ids": list(self.ids), "abs_index": list(self.abs_index), "seen": self.seen, "evicted": self.evicted}
+
+    @classmethod
+    def from_state(cls, st: dict[str, object]) -> "Ledger":
+        led = cls(list(st["ids"]), list(st["abs_index"]), int(st["seen"]), int(st["evicted"]))  # type: ignore[arg-type]
+        if len(led.ids) != len(led.abs_index):
+            raise ValueError("ledger ids and indices differ in length")
+        return led
+
+
+def chunk_sizes(total: int, max_chunk: int) -> list[int]:
+    """Split a prefill of `total` tokens into chunks no larger than `max_chunk`."""
+    if max_chunk < 1:
+        raise ValueError("max_chunk must be >= 1")
+    return [min(max_chunk, total - i) for i in range(0, total, max_chunk)]

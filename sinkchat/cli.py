@@ -1,0 +1,70 @@
+"""The thin click group. Subcommands live with their clients and are imported lazily, so `sinkchat --help` and a
+mistyped flag answer at once without importing torch."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+# Must be set before torch/OpenMP start: spinning OpenMP waits make a 2-core box ~30x slower under load.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import click  # noqa: E402
+
+from sinkchat.cliopts import common_options  # noqa: E402
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "chat": ("sinkchat.ui.repl", "chat_command"),
+    "ppl": ("sinkchat.evaluate", "ppl_command"),
+    "demo": ("sinkchat.demo", "demo_command"),
+    "probe-sinks": ("sinkchat.demo", "probe_sinks_command"),
+    "bench": ("sinkchat.bench", "bench_command"),
+    "summarize": ("sinkchat.pipe", "summarize_command"),
+    "agent": ("sinkchat.agent", "agent_command"),
+    "soak": ("sinkchat.soak", "soak_command"),
+    "logs": ("sinkchat.transcript", "logs_command"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [name for name, (mod, _) in COMMANDS.items() if importlib.util.find_spec(mod) is not None]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        mod, attr = COMMANDS[name]
+        if importlib.util.find_spec(mod) is None:
+            return None
+        return getattr(importlib.import_module(mod), attr)
+
+
+@click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@common_options
+@click.pass_context
+def main(ctx: click.Context, **opts: Any) -> None:
+    """sinkchat: chat, summarize logs and run agents forever on one 4-bit model and one attention-sink KV cache.
+
+    With no command, starts `sinkchat chat`. Options given here apply to every command; settings come from flags,
+    then SINKCHAT_* environment variables, then a .env file in the working directory.
+    """
+    ctx.obj = opts
+    if ctx.invoked_subcommand is None:
+        chat = ctx.command.get_command(ctx, "chat")  # type: ignore[attr-defined]
+        if chat is None:
+            raise click.ClickException("the chat command is not installed")
+        ctx.invoke(chat)
+
+
+def run() -> None:
+    try:
+        main(standalone_mode=True)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

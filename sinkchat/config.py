@@ -1,0 +1,211 @@
+"""Settings as frozen dataclasses, resolved from flags > environment (SINKCHAT_*) > .env > defaults.
+
+No torch import here: the CLI reads settings (and `--help` runs) without paying for torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+POLICIES = ("sink", "window", "dense")
+QUANTS = ("nf4", "fp4", "int8", "none")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# Every SINKCHAT_* setting: name -> (default, meaning). `.env.example` is generated from / checked against this.
+ENV_SETTINGS: dict[str, tuple[str, str]] = {
+    "SINKCHAT_MODEL": ("", "model: HF id, local folder or .gguf file (empty = bundled SmolLM2-135M-Instruct)"),
+    "SINKCHAT_QUANT": ("nf4", "weight quantization: nf4, fp4, int8 (bitsandbytes) or none"),
+    "SINKCHAT_DEVICE": ("auto", "auto, cpu or cuda"),
+    "SINKCHAT_DTYPE": ("auto", "compute dtype: auto, float32, bfloat16, float16"),
+    "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
+    "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
+    "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),
+    "SINKCHAT_CACHE": ("0", "cache capacity in tokens, sinks included (0 = min(2048, model context))"),
+    "SINKCHAT_EVICT_CHUNK": ("0", "tokens evicted per eviction event (0 = capacity/16)"),
+    "SINKCHAT_TEMPERATURE": ("0.7", "sampling temperature (0 = greedy)"),
+    "SINKCHAT_TOP_P": ("0.9", "nucleus sampling threshold"),
+    "SINKCHAT_TOP_K": ("40", "top-k sampling (0 = off)"),
+    "SINKCHAT_REPETITION_PENALTY": ("1.1", "repetition penalty (1 = off)"),
+    "SINKCHAT_MAX_TOKENS": ("512", "maximum tokens per reply"),
+    "SINKCHAT_SEED": ("", "random seed (empty = random)"),
+    "SINKCHAT_HOME": ("", "data dir for history, logs, snapshots (empty = XDG user data dir)"),
+    "SINKCHAT_CACHE_DIR": ("", "dir for converted models (empty = XDG user cache dir)"),
+    "SINKCHAT_GAUGE_EVERY": ("4", "compute the sink-attention gauge every N decode steps (0 = off)"),
+}
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the CLI prints it as one line."""
+
+
+_dotenv_loaded = False
+
+
+def load_dotenv_once(path: str | os.PathLike[str] = ".env") -> None:
+    """Read `.env` from the working directory without overriding real environment variables."""
+    global _dotenv_loaded
+    if _dotenv_loaded:
+        return
+    _dotenv_loaded = True
+    p = Path(path)
+    if not p.is_file():
+        return
+    try:
+        lines = p.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        key = key.strip().removeprefix("export ").strip()
+        value = value.strip().strip('"').strip("'")
+        if key.startswith("SINKCHAT_") and key not in os.environ:
+            os.environ[key] = value
+
+
+def env(name: str, cast: Callable[[str], Any] = str) -> Any:
+    """Value of a SINKCHAT_* setting (environment, then .env, then the documented default)."""
+    load_dotenv_once()
+    raw = os.environ.get(name, ENV_SETTINGS[name][0])
+    try:
+        return cast(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={raw!r} is not a valid value ({ENV_SETTINGS[name][1]})") from None
+
+
+def opt_int(raw: str) -> int | None:
+    return int(raw) if str(raw).strip() else None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None = bundled default
+    quant: str = "nf4"
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANTS:
+            raise ConfigError(f"--quant must be one of {', '.join(QUANTS)}, not {self.quant!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.threads < 0:
+            raise ConfigError("--threads must be >= 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the KV cache keeps. `capacity` counts the sinks; 0 means 'pick from the model's context'."""
+
+    policy: str = "sink"
+    n_sink: int = 4
+    capacity: int = 0
+    evict_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.n_sink < 0:
+            raise ConfigError("--sinks must be >= 0")
+        if self.capacity < 0 or self.evict_chunk < 0:
+            raise ConfigError("--cache and --evict-chunk must be >= 0")
+        if self.capacity and self.capacity < self.n_sink + 8:
+            raise ConfigError(f"--cache {self.capacity} is too small: need at least sinks + 8 = {self.n_sink + 8}")
+
+    def resolved(self, max_positions: int) -> "CacheConfig":
+        """Fill the automatic sizes for a model whose trained context is `max_positions`."""
+        cap = self.capacity or min(2048, max_positions)
+        if cap > max_positions:
+            raise ConfigError(f"--cache {cap} exceeds the model's trained context ({max_positions} tokens)")
+        chunk = self.evict_chunk or max(1, (cap - self.n_sink) // 16)
+        chunk = min(chunk, cap - self.n_sink - 1)
+        return replace(self, capacity=cap, evict_chunk=max(1, chunk))
+
+    @property
+    def window(self) -> int:
+        return self.capacity - self.n_sink
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 40
+    repetition_penalty: float = 1.1
+    max_tokens: int = 512
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.temperature <= 10.0):
+            raise ConfigError("temperature must be between 0 and 10")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ConfigError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k must be >= 0")
+        if not (0.0 < self.repetition_penalty <= 10.0):
+            raise ConfigError("repetition_penalty must be in (0, 10]")
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    gauge_every: int = 4
+
+
+def settings_from_env() -> Settings:
+    """Settings from the environment and `.env` alone; CLI flags are applied on top with `dataclasses.replace`."""
+    return Settings(
+        model=ModelConfig(
+            model=env("SINKCHAT_MODEL") or None,
+            quant=env("SINKCHAT_QUANT"),
+            device=env("SINKCHAT_DEVICE"),
+            dtype=env("SINKCHAT_DTYPE"),
+            threads=env("SINKCHAT_THREADS", int),
+        ),
+        cache=CacheConfig(
+            policy=env("SINKCHAT_POLICY"),
+            n_sink=env("SINKCHAT_SINKS", int),
+            capacity=env("SINKCHAT_CACHE", int),
+            evict_chunk=env("SINKCHAT_EVICT_CHUNK", int),
+        ),
+        sampling=SamplingConfig(
+            temperature=env("SINKCHAT_TEMPERATURE", float),
+            top_p=env("SINKCHAT_TOP_P", float),
+            top_k=env("SINKCHAT_TOP_K", int),
+            repetition_penalty=env("SINKCHAT_REPETITION_PENALTY", float),
+            max_tokens=env("SINKCHAT_MAX_TOKENS", int),
+            seed=env("SINKCHAT_SEED", opt_int),
+        ),
+        gauge_every=env("SINKCHAT_GAUGE_EVERY", int),
+    )
+
+
+def data_dir() -> Path:
+    """Where history, logs and snapshots live (SINKCHAT_HOME or the XDG user data dir)."""
+    home = env("SINKCHAT_HOME")
+    if home:
+        return Path(home).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "sinkchat"
+
+
+def cache_dir() -> Path:
+    """Where converted models live (SINKCHAT_CACHE_DIR or the XDG user cache dir)."""
+    d = env("SINKCHAT_CACHE_DIR")
+    if d:
+        return Path(d).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sinkchat"

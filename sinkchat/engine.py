@@ -1,0 +1,258 @@
+"""The one Engine: owns the model, tokenizer, the persistent sink cache and the ledger of what it holds.
+
+gpt-fast shape: `_forward` (one model call at explicit in-cache positions), `_make_room` (evict before a call), and
+`feed` / `generate` built from them. Positions come from one place, the cache length. Every public method is a
+generator of events; nothing here prints. A call interrupted mid-forward (Ctrl-C) rolls the cache back to the last
+completed step, so the cache and the ledger always agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
+from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.gauge import SinkGauge
+from sinkchat.kv_cache import SinkKVCache, rope_from_model
+from sinkchat.sampling import make_generator, sample
+from sinkchat.turns import Conversation
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 256
+PREVIEW_CHARS = 60
+
+
+class IncrementalDecoder:
+    """Streams text token by token without splitting multi-byte characters (vLLM's prefix/read offsets)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cache: CacheConfig = CacheConfig(),
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        system: str | None = None,
+        gauge_every: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
+        rerotate: bool = True,
+    ) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.cache_cfg = cache.resolved(self.max_positions)
+        self.sampling = sampling
+        self.generator = make_generator(sampling.seed)
+        self.rope = rope_from_model(model)
+        self.rerotate = rerotate
+        self.n_layers = model.config.num_hidden_layers
+        self.cache = SinkKVCache(self.n_layers, self.cache_cfg.capacity, self.rope, rerotate)
+        self.ledger = Ledger()
+        self.conv = Conversation(tokenizer, system)
+        self.gauge = SinkGauge(model, self.rope)
+        self.gauge_every = gauge_every
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.last_logits: torch.Tensor | None = None  # [V] after the last fed token
+        self.last_reply_ids: list[int] = []
+        self.stop_ids = _stop_ids(tokenizer, model)
+
+    # ----------------------------------------------------------------------------------------------- core steps
+    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` at in-cache positions [L, L+q); return logits [q or 1, V]. Rolls back if interrupted."""
+        L = self.cache.length
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
+        pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
+        try:
+            with torch.no_grad():
+                out = self.model(
+                    input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
+                    logits_to_keep=0 if all_logits else 1,
+                )
+        except BaseException:
+            self.cache.truncate(L)
+            raise
+        self.ledger.append(ids)
+        logits = out.logits[0]  # [q or 1, V]
+        self.last_logits = logits[-1].float()
+        return logits
+
+    def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
+        """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
+        c = self.cache_cfg
+        ev = plan_eviction(c.policy, c.n_sink, c.capacity, c.evict_chunk, self.cache.length, incoming)
+        if ev is not None:
+            yield self._evict(ev)
+
+    def _evict(self, ev: Eviction) -> EvictionEvent:
+        t0 = time.perf_counter()
+        self.cache.evict(ev)
+        dropped, first, last = self.ledger.evict(ev)
+        preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
+        preview = " ".join(preview.split())[:PREVIEW_CHARS]
+        c = self.cache_cfg
+        return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0)
+
+    def _step(self, ids: list[int], all_logits: bool = False) -> Iterator[EvictionEvent | torch.Tensor]:
+        yield from self._make_room(len(ids))
+        yield self._forward(ids, all_logits)
+
+    # ----------------------------------------------------------------------------------------------- public API
+    @property
+    def max_chunk(self) -> int:
+        pinned = self.cache_cfg.n_sink if self.cache_cfg.policy == "sink" else 0
+        return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - pinned))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:
+        """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""
+        ids = list(ids)
+        pos = 0
+        for n in chunk_sizes(len(ids), self.max_chunk):
+            t0 = time.perf_counter()
+            for item in self._step(ids[pos : pos + n], all_logits):
+                if isinstance(item, torch.Tensor):
+                    if all_logits:
+                        yield item
+                else:
+                    yield item
+            pos += n
+            yield PrefillEvent(n, time.perf_counter() - t0, self.cache.length)
+
+    def feed(self, text: str) -> Iterator[Event]:
+        """Feed raw text (no template) into the cache."""
+        yield from self.feed_ids(self.encode(text))  # type: ignore[misc]
+
+    def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
+        """Template only the new message (plus assistant header) and feed it."""
+        delta = self.conv.delta_for(role, content, add_generation_prompt)
+        yield from self.feed(delta)
+
+    def generate(
+        self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None
+    ) -> Iterator[Event]:
+        """Sample tokens until EOS, a stop string or max_tokens. Each yielded token is already in the cache, so
+        closing the generator (Ctrl-C) leaves the cache consistent; `last_reply_ids` holds what was produced."""
+        cfg = sampling or self.sampling
+        limit = max_tokens or cfg.max_tokens
+        if self.last_logits is None:
+            raise RuntimeError("nothing has been fed yet")
+        dec = IncrementalDecoder(self.tokenizer)
+        self.last_reply_ids = ids = []
+        text, reason, t_start = "", "length", time.perf_counter()
+        for i in range(limit):
+            t0 = time.perf_counter()
+            recent = self.ledger.ids[-64:]
+            tok = sample(self.last_logits, cfg, recent, self.generator)
+            gauge_now = self.gauge_every > 0 and i % self.gauge_every == 0
+            self.gauge.armed = gauge_now
+            try:
+                for item in self._step([tok]):
+                    if isinstance(item, EvictionEvent):
+                        yield item
+            finally:
+                self.gauge.armed = False
+            ids.append(tok)
+            if tok in self.stop_ids:
+                reason = "eos"
+                break
+            piece = dec.add(tok)
+            text += piece
+            yield TokenEvent(tok, piece, time.perf_counter() - t0, self.cache.length)
+            if gauge_now:
+                g = self.measure_gauge()
+                if g is not None:
+                    yield g
+            if stop and any(s in text for s in stop):
+                reason = "stop"
+                break
+        yield DoneEvent(reason, len(ids), time.perf_counter() - t_start, text, tuple(ids))
+
+    def measure_gauge(self, n: int | None = None) -> GaugeEvent | None:
+        n = n or max(1, self.cache_cfg.n_sink or 4)
+        return self.gauge.measure(self.cache, n, self.ledger.holds_stream_start())
+
+    def chat(self, content: str, role: str = "user", max_tokens: int | None = None) -> Iterator[Event]:
+        """One chat turn: feed the templated user message, generate the reply, record it in the conversation."""
+        yield from self.add_message(role, content)
+        try:
+            yield from self.generate(max_tokens)
+        finally:
+            self.conv.add_reply(self.reply_text())
+
+    def reply_text(self) -> str:
+        """The last reply exactly as it is in the cache (special tokens included)."""
+        return self.tokenizer.decode(self.last_reply_ids, skip_special_tokens=False)
+
+    # ----------------------------------------------------------------------------------------------- control
+    def clear(self) -> None:
+        """Empty the cache and the conversation (the system prompt is fed again with the next message)."""
+        self.cache.reset()
+        self.ledger.clear()
+        self.conv.reset()
+        self.last_logits = None
+
+    def reconfigure(self, **changes: Any) -> list[EvictionEvent]:
+        """Change policy / n_sink / capacity / evict_chunk live. Shrinking evicts now; growing reallocates."""
+        if "capacity" in changes and "evict_chunk" not in changes:
+            changes["evict_chunk"] = 0  # re-derive from the new capacity
+        new = replace(self.cache_cfg, **changes).resolved(self.max_positions)
+        events: list[EvictionEvent] = []
+        excess = self.cache.length - new.capacity
+        if excess > 0:
+            if new.policy == "dense":
+                raise ConfigError(f"the cache holds {self.cache.length} tokens, more than --cache {new.capacity}")
+            pinned = new.n_sink if new.policy == "sink" else 0
+            events.append(self._evict(Eviction(pinned, excess)))
+        if new.capacity != self.cache.capacity:
+            state = self.cache.state()
+            self.cache = SinkKVCache(self.n_layers, new.capacity, self.rope, self.rerotate)
+            if state:
+                self.cache.load_state(state)
+        self.cache_cfg = new
+        return events
+
+    def set_sampling(self, **changes: Any) -> None:
+        self.sampling = replace(self.sampling, **changes)
+        if "seed" in changes:
+            self.generator = make_generator(self.sampling.seed)
+
+
+def _stop_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            ids.add(tid)
+    return ids

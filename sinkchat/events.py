@@ -1,0 +1,67 @@
+"""Dataclasses the Engine yields. Clients (REPL, summarizer, agent, soak) fold them; the Engine never prints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefillEvent:
+    """A chunk of input went through the model."""
+
+    tokens: int
+    seconds: float
+    cache_len: int
+
+
+@dataclass(frozen=True)
+class EvictionEvent:
+    """`count` tokens left the cache: absolute stream indices [first, last) and a preview of their text."""
+
+    count: int
+    first: int
+    last: int
+    preview: str
+    policy: str
+    cache_len: int  # after the eviction
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token; `text` is the newly decodable text (may be '' while a multi-byte char is incomplete)."""
+
+    token_id: int
+    text: str
+    seconds: float
+    cache_len: int
+
+
+@dataclass(frozen=True)
+class GaugeEvent:
+    """Share of the latest query's attention on the first `n` cache slots, mean over heads, per layer and overall.
+
+    `holds_start` tells whether those slots still hold the stream's first tokens (False once `window` evicted them).
+    `recent` is the same share for the most recent `n` slots and `uniform` what an even spread would give.
+    """
+
+    share: float
+    per_layer: tuple[float, ...]
+    recent: float
+    uniform: float
+    n: int
+    holds_start: bool
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Generation ended. reason: 'eos' | 'stop' | 'length' | 'cancelled'."""
+
+    reason: str
+    tokens: int
+    seconds: float
+    text: str = ""
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+Event = PrefillEvent | EvictionEvent | TokenEvent | GaugeEvent | DoneEvent

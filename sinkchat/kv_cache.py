@@ -1,0 +1,236 @@
+"""The attention-sink KV cache, built on transformers' public `Cache` / `CacheLayerMixin` API.
+
+Design (gpt-fast / mlx-lm style): each layer owns a preallocated `[B, H_kv, capacity, D]` buffer and a length. The
+Engine evicts *between* forward calls, so during a forward `update` only appends, and `get_seq_length` /
+`get_mask_sizes` (read by transformers before `update`) already describe the post-eviction state. Eviction removes a
+block of slots and shifts the later slots down; because positions are in-cache (slot i = RoPE position i), the shifted
+keys are re-rotated by -count in fp32 so the buffer equals what keys computed at their new positions would be.
+
+Re-rotation error does not accumulate without bound: a key is rotated at most once per eviction it survives, i.e. at
+most capacity / evict_chunk times before it leaves the cache, and sinks (slots < n_sink) are never rotated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sinkchat.cache_policy import Eviction
+
+log = logging.getLogger(__name__)
+
+# rope_type values whose inverse frequencies do not depend on the position (for positions below the trained
+# context, which in-cache positions never exceed), so a shift by -n is the exact inverse of a shift by +n.
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional"}
+
+
+class UnsupportedModel(ValueError):
+    """The model's position encoding cannot be re-rotated by this cache."""
+
+
+@dataclass
+class Rope:
+    """What re-rotation needs: fp32 inverse frequencies [rot_dim/2]; rot_dim < head_dim means partial rotary."""
+
+    inv_freq: torch.Tensor  # [rot_dim // 2], fp32
+    head_dim: int
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, shift: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the angle shift*inv_freq, computed in fp64 so large shifts stay exact to fp32 precision."""
+        ang = float(shift) * self.inv_freq.to(torch.float64)  # [R/2]
+        ang = torch.cat([ang, ang])  # [R], rotate_half layout
+        return ang.cos().to(device=device, dtype=torch.float32), ang.sin().to(device=device, dtype=torch.float32)
+
+    def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
+        """Rotate keys k [B, H, T, D] from position p to p + shift (shift may be negative); math in fp32."""
+        cos, sin = self.cos_sin(shift, k.device)
+        r = self.rot_dim
+        kr = k[..., :r].float()  # [B, H, T, R]
+        half = r // 2
+        rotated = torch.cat([-kr[..., half:], kr[..., :half]], dim=-1)
+        out = (kr * cos + rotated * sin).to(k.dtype)
+        if r == k.shape[-1]:
+            return out
+        return torch.cat([out, k[..., r:]], dim=-1)
+
+
+def rope_from_model(model: torch.nn.Module) -> Rope:
+    """Find the model's rotary embedding and check that its family can be re-rotated; raise UnsupportedModel if not."""
+    cfg = model.config
+    name = getattr(cfg, "model_type", "?")
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModel(
+            f"model type '{name}' mixes attention kinds ({sorted(set(layer_types))}); "
+            "sinkchat's cache supports models whose every layer uses full attention"
+        )
+    rope_params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rope_params, dict) and "rope_type" not in rope_params and rope_params:
+        rope_params = next(iter(rope_params.values())) if isinstance(next(iter(rope_params.values())), dict) else {}
+    rope_type = (rope_params or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModel(f"model type '{name}' uses RoPE type '{rope_type}', which sinkchat cannot re-rotate")
+    emb = None
+    base = getattr(model, "model", model)
+    emb = getattr(base, "rotary_emb", None)
+    if emb is None or not hasattr(emb, "inv_freq"):
+        raise UnsupportedModel(
+            f"model type '{name}' has no rotary position embedding (RoPE) that sinkchat can find; "
+            "only RoPE models (Llama, Qwen2, Mistral, Gemma, Phi-3, ...) are supported"
+        )
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    inv = emb.original_inv_freq if hasattr(emb, "original_inv_freq") else emb.inv_freq
+    inv = inv.detach().to("cpu", torch.float32).clone()
+    if 2 * inv.numel() > head_dim:
+        raise UnsupportedModel(f"model type '{name}': rotary dim {2 * inv.numel()} exceeds head dim {head_dim}")
+    return Rope(inv_freq=inv, head_dim=head_dim)
+
+
+class SinkLayer(CacheLayerMixin):
+    """One layer's keys/values in a fixed buffer of `capacity` slots; `length` slots are live."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int, **kwargs: object) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, dk = key_states.shape
+        dv = value_states.shape[-1]
+        self.keys = key_states.new_zeros(b, h, self.capacity, dk)  # [B, H_kv, cap, D]
+        self.values = value_states.new_zeros(b, h, self.capacity, dv)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v [B, H_kv, q, D]; return views of all live slots [B, H_kv, length, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow ({end} > {self.capacity}): evict before the forward pass")
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def evict(self, start: int, count: int, rope: Rope | None) -> None:
+        """Drop slots [start, start+count); move the later ones down and re-rotate their keys by -count."""
+        if not self.is_initialized or count <= 0:
+            return
+        src, n = start + count, self.length - start - count
+        if n < 0:
+            raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
+        if n:
+            k = self.keys[:, :, src : src + n]  # [B, H_kv, n, D]
+            k = rope.rotate(k, -count) if rope is not None else k.clone()
+            self.keys[:, :, start : start + n] = k
+            self.values[:, :, start : start + n] = self.values[:, :, src : src + n].clone()
+        self.length -= count
+
+    def truncate(self, length: int) -> None:
+        """Forget slots >= length (stale data past `length` is overwritten by the next update)."""
+        self.length = min(self.length, length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.truncate(self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer (constant once initialised)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class SinkKVCache(Cache):
+    """The one persistent cache: a `Cache` of `SinkLayer`s plus the RoPE needed to re-rotate on eviction.
+
+    `rerotate=False` gives the naive absolute-position variant (used only to measure what in-cache positions buy).
+    """
+
+    def __init__(self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True) -> None:
+        super().__init__(layers=[SinkLayer(capacity) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.rope = rope if rerotate else None
+
+    def evict(self, ev: Eviction) -> None:
+        for layer in self.layers:
+            layer.evict(ev.start, ev.count, self.rope)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors (allocated, i.e. at capacity: this is what RSS sees)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the live slots only."""
+        if not self.layers or not self.layers[0].is_initialized:
+            return 0
+        per_slot = sum(layer.nbytes for layer in self.layers) / self.capacity
+        return int(per_slot * self.length)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Live slots as flat tensors {'k.{i}': [B, H_kv, L, D], 'v.{i}': ...} (safetensors-ready copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                out[f"k.{i}"] = layer.keys[:, :, : layer.length].contiguous().clone()
+                out[f"v.{i}"] = layer.values[:, :, : layer.length].contiguous().clone()
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state`; shapes must match this cache (checked: a mismatch raises ValueError)."""
+        for i, layer in enumerate(self.layers):
+            k, v = state.get(f"k.{i}"), state.get(f"v.{i}")
+            if k is None or v is None:
+                raise ValueError(f"snapshot lacks layer {i}")
+            if k.shape[-2] > self.capacity:
+                raise ValueError("snapshot holds more tokens than this cache's capacity")
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            if layer.keys.shape[:2] != k.shape[:2] or layer.keys.shape[-1] != k.shape[-1]:
+                raise ValueError(f"snapshot layer {i} has shape {tuple(k.shape)}, cache expects {tuple(layer.keys.shape)}")
+            layer.length = 0
+            layer.update(k.to(layer.keys.dtype), v.to(layer.values.dtype))

@@ -1,0 +1,85 @@
+"""Template only the NEW turn, with the model's own chat template; history is never re-encoded.
+
+The trick: render the whole conversation with the template, and feed only the text past what is already in the cache.
+`fed` mirrors, as template text, what the cache has seen in this conversation. After a reply the template usually
+adds a closing (ChatML: '<|im_end|>\\n'); whatever of it the model did not generate itself is fed with the next turn,
+so a reply cut by Ctrl-C or max_tokens is still closed properly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Conversation:
+    """Messages so far plus the template text the cache has been fed for them."""
+
+    tokenizer: Any
+    system: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    fed: str = ""
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        msgs = ([{"role": "system", "content": self.system}] if self.system is not None else []) + messages
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        if not tmpl:
+            return _plain_render(msgs, add_generation_prompt)
+        return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def delta_for(self, role: str, content: str, add_generation_prompt: bool = True) -> str:
+        """Text to feed for a new message (and the assistant header after it); records the message."""
+        self.messages.append({"role": role, "content": content})
+        full = self._render(self.messages, add_generation_prompt)
+        if full.startswith(self.fed):
+            delta = full[len(self.fed) :]
+        else:
+            # Templates that rewrite history (date stamps, dropped reasoning) cannot be extended by prefix; fall back
+            # to rendering the closing of the last turn plus the new message alone.
+            log.warning("chat template is not prefix-stable; templating the new turn on its own")
+            prev = self._render(self.messages[:-1], False)
+            alone = self._render(self.messages, add_generation_prompt)
+            common = _common_prefix_len(prev, alone)
+            delta = _closing(self.fed, prev) + alone[common:]
+        self.fed += delta
+        return delta
+
+    def add_reply(self, text: str) -> None:
+        """Record the assistant reply as generated; `text` must be exactly what the model produced (stop tokens
+        included as text), because it is now in the cache."""
+        self.messages.append({"role": "assistant", "content": _strip_eos(text, self.tokenizer)})
+        self.fed += text
+
+    def reset(self) -> None:
+        self.messages.clear()
+        self.fed = ""
+
+
+def _strip_eos(text: str, tokenizer: Any) -> str:
+    for tok in (getattr(tokenizer, "eos_token", None), "<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
+        if tok and text.endswith(tok):
+            return text[: -len(tok)]
+    return text
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _closing(fed: str, prev: str) -> str:
+    """The part of the rendered history after what was fed (e.g. the '<|im_end|>\\n' closing a cut reply)."""
+    return prev[len(fed) :] if prev.startswith(fed) else ""
+
+
+def _plain_render(msgs: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    """For base models without a chat template: a simple, prefix-stable transcript format."""
+    out = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in msgs)
+    return out + ("Assistant:" if add_generation_prompt else "")
