@@ -29,13 +29,20 @@ class SinkGauge:
         self.armed = False
         self._handles = []
         for i, attn in enumerate(self.attn):
-            target = getattr(attn, "q_norm", None) or attn.q_proj
-            self._handles.append(target.register_forward_hook(self._make_hook(i)))
+            # q_norm (Qwen3/Gemma3) follows q_proj; Phi-3 fuses q, k, v into qkv_proj (q first)
+            target = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
+            if target is None:
+                raise ValueError(f"cannot find the query projection of {type(attn).__name__}")
+            fused = target is getattr(attn, "qkv_proj", None)
+            self._handles.append(target.register_forward_hook(self._make_hook(i, fused)))
 
-    def _make_hook(self, i: int) -> Any:
+    def _make_hook(self, i: int, fused: bool) -> Any:
+        width = self.n_heads * self.head_dim
+
         def hook(module: Any, args: Any, out: torch.Tensor) -> None:
             if self.armed:
-                self.queries[i] = out[:, -1:].detach()  # [B, 1, H*D] or [B, 1, H, D]
+                q = out[:, -1:].detach()  # [B, 1, H*D] or [B, 1, H, D] (or [B, 1, (H+2Hkv)*D] fused)
+                self.queries[i] = q[..., :width] if fused else q
 
         return hook
 

@@ -1,0 +1,79 @@
+"""Pure bookkeeping: what gets evicted, and the ledger of what the cache holds."""
+
+import pytest
+
+from sinkchat.cache_policy import ContextFull, Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.config import CacheConfig, ConfigError
+
+
+def test_no_eviction_while_it_fits():
+    assert plan_eviction("sink", 4, 100, 10, 90, 10) is None
+    assert plan_eviction("window", 4, 100, 10, 0, 100) is None
+
+
+def test_sink_evicts_a_chunk_after_the_sinks():
+    assert plan_eviction("sink", 4, 100, 10, 100, 1) == Eviction(start=4, count=10)
+    # a big incoming block evicts at least what it needs
+    assert plan_eviction("sink", 4, 100, 10, 100, 37) == Eviction(start=4, count=37)
+
+
+def test_window_evicts_from_slot_zero():
+    assert plan_eviction("window", 4, 100, 10, 100, 1) == Eviction(start=0, count=10)
+
+
+def test_eviction_never_exceeds_what_is_evictable():
+    ev = plan_eviction("sink", 4, 20, 50, 20, 1)
+    assert ev == Eviction(start=4, count=16)
+
+
+def test_dense_raises_when_full():
+    with pytest.raises(ContextFull):
+        plan_eviction("dense", 4, 100, 10, 95, 10)
+
+
+def test_incoming_larger_than_cache_is_rejected():
+    with pytest.raises(ValueError):
+        plan_eviction("sink", 4, 20, 5, 10, 30)
+
+
+def test_ledger_tracks_absolute_indices_through_evictions():
+    led = Ledger()
+    led.append(list(range(100, 120)))  # 20 tokens, abs 0..19
+    dropped, first, last = led.evict(Eviction(4, 6))
+    assert dropped == list(range(104, 110)) and (first, last) == (4, 10)
+    assert led.abs_index == [0, 1, 2, 3] + list(range(10, 20))
+    led.append([7, 8])
+    assert led.abs_index[-2:] == [20, 21] and led.seen == 22 and led.evicted == 6
+    assert len(led) == led.seen - led.evicted
+    assert led.holds_stream_start()
+    led.evict(Eviction(0, 3))
+    assert not led.holds_stream_start()
+
+
+def test_ledger_truncate_and_state_roundtrip():
+    led = Ledger()
+    led.append([1, 2, 3, 4, 5])
+    led.truncate(3)
+    assert led.ids == [1, 2, 3] and led.seen == 3
+    again = Ledger.from_state(led.state())
+    assert again == led
+    with pytest.raises(ValueError):
+        led.truncate(10)
+
+
+def test_chunk_sizes_cover_everything():
+    assert chunk_sizes(10, 4) == [4, 4, 2]
+    assert sum(chunk_sizes(1001, 256)) == 1001
+    assert chunk_sizes(0, 4) == []
+
+
+def test_cache_config_resolution_and_validation():
+    c = CacheConfig().resolved(8192)
+    assert c.capacity == 2048 and c.evict_chunk == (2048 - 4) // 16
+    assert CacheConfig(capacity=64).resolved(8192).window == 60
+    with pytest.raises(ConfigError):
+        CacheConfig(capacity=10000).resolved(8192)
+    with pytest.raises(ConfigError):
+        CacheConfig(policy="lru")
+    with pytest.raises(ConfigError):
+        CacheConfig(capacity=5, n_sink=4)

@@ -1,0 +1,54 @@
+"""`sinkchat ppl` on a real long text that ships with the OS (the GPL-3 text in Debian's base-files)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+@pytest.fixture(scope="module")
+def ppl_run(tmp_path_factory):
+    if not TEXT.is_file():
+        pytest.skip("GPL-3 text not present")
+    out = tmp_path_factory.mktemp("ppl")
+    cmd = [sys.executable, "-m", "sinkchat.cli", "ppl", str(TEXT), "--quant", "none", "--cache", "128",
+           "--policy", "sink", "--policy", "window", "--policy", "recompute", "--tokens", "1100", "--bin", "100",
+           "--recompute-every", "5", "--json", "--plot", str(out / "ppl.png")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout), out
+
+
+def test_window_collapses_after_first_eviction_and_sink_does_not(ppl_run):
+    summary, _ = ppl_run
+    pols = summary["policies"]
+    sink, window = pols["sink"], pols["window"]
+    # identical until the first eviction at token ~128 (same tokens, same positions): first bin equal
+    assert sink["bins"][0] == pytest.approx(window["bins"][0], rel=1e-3)
+    # after it, the naive window is worse in (nearly) every later bin, and clearly worse overall
+    later = list(zip(sink["bins"][2:], window["bins"][2:]))
+    assert sum(w > 1.1 * s for s, w in later) >= 0.8 * len(later)
+    assert window["ppl"] > 1.3 * sink["ppl"]
+
+
+def test_sink_is_within_a_few_percent_of_recompute(ppl_run):
+    summary, _ = ppl_run
+    pols = summary["policies"]
+    assert summary["recompute_targets"] >= 200
+    ratio = pols["sink"]["sampled_ppl"] / pols["recompute"]["sampled_ppl"]
+    assert ratio < 1.05, ratio
+    assert pols["window"]["sampled_ppl"] / pols["recompute"]["sampled_ppl"] > 1.3
+    assert all(math.isfinite(v["ppl"]) for v in pols.values())
+
+
+def test_plot_written(ppl_run):
+    _, out = ppl_run
+    png = out / "ppl.png"
+    assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,303 @@
+"""The chat REPL driven end to end without a terminal: a real Engine on a tiny random model (fast) and on the real
+bundled model, through prompt-toolkit's pipe input (the interactive path) and click's CliRunner (the pipe path)."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+
+from sinkchat.config import CacheConfig, SamplingConfig
+from sinkchat.engine import Engine
+from sinkchat.events import PrefillEvent, TokenEvent
+from sinkchat.ui.commands import COMMANDS, SlashCompleter
+from sinkchat.ui.render import Renderer, toolbar_text
+from sinkchat.ui.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
+
+from conftest import tiny_model
+
+
+class CharTokenizer:
+    """One token per printable ASCII char (ids 0-94), 95 = newline, 96 = <eos>; a ChatML-like template."""
+
+    eos_token_id = 96
+    eos_token = "<eos>"
+    unk_token_id = None
+    chat_template = "fake"
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out = []
+        for ch in text.replace("<eos>", "\x00"):
+            o = ord(ch)
+            out.append(96 if ch == "\x00" else 95 if ch == "\n" else o - 32 if 32 <= o < 127 else ord("?") - 32)
+        return out
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        parts = []
+        for i in ids:
+            i = int(i)
+            if i == 96:
+                parts.append("" if skip_special_tokens else "<eos>")
+            else:
+                parts.append("\n" if i == 95 else chr(32 + i) if i < 95 else "~")
+        return "".join(parts)
+
+    def convert_tokens_to_ids(self, tok: str) -> None:
+        return None
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}<eos>\n" for m in msgs)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+def fake_engine(capacity: int = 64, max_tokens: int = 6, policy: str = "sink") -> Engine:
+    model = tiny_model("llama", layers=2, max_pos=512)
+    model.config.eos_token_id = 96
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.eos_token_id = 96
+    return Engine(model, CharTokenizer(), CacheConfig(policy=policy, n_sink=4, capacity=capacity),
+                  SamplingConfig(temperature=0, max_tokens=max_tokens, repetition_penalty=1.0), system="be brief")
+
+
+def make_loop(engine: Any, tty: bool = False) -> tuple[ChatLoop, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    return ChatLoop(engine, Renderer(out, err, tty=tty, live=False)), out, err
+
+
+def consistent(engine: Engine) -> bool:
+    led = engine.ledger
+    return engine.cache.length == len(led.ids) == led.seen - led.evicted
+
+
+# ----------------------------------------------------------------------------------------------- fast fake engine
+def test_multi_turn_and_empty_line_sends_nothing():
+    eng = fake_engine(capacity=256)
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["", "   "]))
+    assert eng.ledger.seen == 0 and eng.conv.messages == []
+    loop.run(lines_reader(["hello", "", "how are you"]))
+    roles = [m["role"] for m in eng.conv.messages]
+    assert roles == ["user", "assistant", "user", "assistant"]
+    assert eng.conv.messages[2]["content"] == "how are you"
+    # the cache holds exactly the template text fed so far (one char = one token in this tokenizer)
+    assert eng.cache.length == len(eng.encode(eng.conv.fed))
+    assert consistent(eng)
+    # off a terminal, stdout holds only the replies; the status line goes to stderr
+    replies = [eng.tokenizer.decode(eng.tokenizer.encode(m["content"])) for m in eng.conv.messages[1::2]]
+    assert out.getvalue() == "".join(r + "\n" for r in replies)
+    assert "sink(4)" in err.getvalue() and "seen" in err.getvalue()
+
+
+def test_ctrl_c_during_reply_keeps_cache_consistent(monkeypatch):
+    eng = fake_engine(capacity=256, max_tokens=20)
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["first"]))
+    seen0 = eng.ledger.seen
+    real_generate = eng.generate
+    counts = {"prefill": 0, "tokens": 0}
+
+    def interrupted_generate(*a, **k):
+        for ev in real_generate(*a, **k):
+            if isinstance(ev, TokenEvent):
+                counts["tokens"] += 1
+                if counts["tokens"] == 3:
+                    raise KeyboardInterrupt
+            yield ev
+
+    orig_on_event = loop.on_event
+
+    def on_event(ev):
+        if isinstance(ev, PrefillEvent):
+            counts["prefill"] += ev.tokens
+        orig_on_event(ev)
+
+    monkeypatch.setattr(eng, "generate", interrupted_generate)
+    monkeypatch.setattr(loop, "on_event", on_event)
+    loop.run(lines_reader(["second question"]))
+    assert "reply stopped" in err.getvalue()
+    # the prompt and the 3 generated tokens are in the cache, nothing else
+    assert eng.cache.length == seen0 + counts["prefill"] + 3 == len(eng.ledger.ids)
+    assert eng.conv.messages[-1]["role"] == "assistant"
+    assert eng.conv.messages[-1]["content"] == eng.reply_text() and len(eng.last_reply_ids) == 3
+    monkeypatch.setattr(eng, "generate", real_generate)
+    loop.run(lines_reader(["third"]))  # the next turn works and extends the conversation by prefix
+    assert [m["role"] for m in eng.conv.messages] == ["user", "assistant"] * 3
+    assert eng.cache.length == len(eng.encode(eng.conv.fed)) and consistent(eng)
+
+
+def test_ctrl_c_during_prompt_prefill_closes_turn(monkeypatch):
+    eng = fake_engine(capacity=256)
+    loop, _, _ = make_loop(eng)
+    real_add = eng.add_message
+
+    def cut_add(*a, **k):
+        for ev in real_add(*a, **k):
+            yield ev
+            raise KeyboardInterrupt
+
+    eng.prefill_chunk = 4
+    monkeypatch.setattr(eng, "add_message", cut_add)
+    loop.run(lines_reader(["a long enough message to need several chunks"]))
+    assert consistent(eng) and eng.conv.messages[-1] == {"role": "assistant", "content": ""}
+    monkeypatch.setattr(eng, "add_message", real_add)
+    loop.run(lines_reader(["next"]))
+    assert consistent(eng) and eng.conv.messages[-2]["content"] == "next"
+
+
+def test_slash_commands_each_kind(tmp_path):
+    eng = fake_engine(capacity=64)
+    loop, out, err = make_loop(eng)
+    before = eng.sampling
+    loop.run(lines_reader(["/help", "/set temperature abc", "/set top_p 5", "/set nonsense 1", "/frobnicate"]))
+    e = err.getvalue()
+    assert all(c in e for c in COMMANDS)  # /help lists every command
+    assert "not a valid float" in e and "top_p must be in (0, 1]" in e and "usage: /set" in e
+    assert "unknown command /frobnicate" in e
+    assert eng.sampling == before  # bad values changed nothing
+    loop.run(lines_reader(["/set temperature 0.5", "/set top_k 7", "/set max_tokens 3"]))
+    assert (eng.sampling.temperature, eng.sampling.top_k, eng.sampling.max_tokens) == (0.5, 7, 3)
+    loop.run(lines_reader(["/set temperature 0", "hi there", "/stats", "/evictions"]))
+    assert "tokens seen" in err.getvalue() and eng.conv.messages
+    loop.run(lines_reader(["/sinks 2"]))
+    assert (eng.cache_cfg.n_sink, eng.cache_cfg.capacity) == (2, 62)
+    loop.run(lines_reader(["/window 40"]))
+    assert eng.cache_cfg.capacity == 42 and eng.cache.capacity == 42 and consistent(eng)
+    loop.run(lines_reader(["/window 3", "/sinks x", "/policy bogus"]))
+    assert eng.cache_cfg.capacity == 42 and eng.cache_cfg.policy == "sink"
+    # /save then /clear then /load: the transcript comes back and the cache holds it again
+    path = tmp_path / "t.json"
+    msgs = [dict(m) for m in eng.conv.messages]
+    loop.run(lines_reader([f"/save {path}"]))
+    data = json.loads(path.read_text())
+    assert data["messages"] == msgs and data["settings"]["sampling"]["top_k"] == 7
+    assert not list(tmp_path.glob(".*tmp"))  # temp file renamed away
+    loop.run(lines_reader(["/clear"]))
+    assert eng.cache.length == 0 and eng.conv.messages == []
+    loop.run(lines_reader(["/set top_k 1", f"/load {path}"]))
+    assert eng.conv.messages == msgs and eng.sampling.top_k == 7 and eng.cache.length > 0 and consistent(eng)
+    loop.run(lines_reader(["/load /nonexistent/x.json"]))
+    assert "cannot read" in err.getvalue() and eng.conv.messages == msgs
+    # /system: mid-conversation it enters the stream as a system message
+    loop.run(lines_reader(["/system speak like a pirate"]))
+    assert eng.conv.messages[-1] == {"role": "system", "content": "speak like a pirate"} and consistent(eng)
+    loop.run(lines_reader(["/clear", "/system new prompt", "hello"]))
+    assert eng.conv.system == "new prompt" and eng.conv.fed.startswith("<system>new prompt")
+    loop.run(lines_reader(["/edit"]))
+    assert "/edit needs a terminal" in err.getvalue()
+    loop.run(lines_reader(["/bye", "never sent"]))
+    assert eng.conv.messages[-2]["content"] == "hello"
+
+
+def test_policy_switch_live_and_evictions_show():
+    eng = fake_engine(capacity=48, max_tokens=12)
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["tell me a story about the sea", "and then?", "/policy window"]))
+    assert eng.ledger.evicted > 0 and loop.metrics.eviction_count > 0
+    assert "⟂ evicted" in err.getvalue()
+    assert eng.cache_cfg.policy == "window" and not eng.ledger.holds_stream_start() is None
+    loop.run(lines_reader(["more please", "/policy sink", "go on"]))
+    assert eng.cache_cfg.policy == "sink" and consistent(eng) and eng.cache.length <= 48
+    s = loop.stats()
+    text = toolbar_text(s)
+    assert f"evicted {eng.ledger.evicted} ({loop.metrics.eviction_count}x)" in text
+    assert f"{eng.cache.length}/48" in text and "RSS" in text and "sink" in text and "tok/s" in text
+    loop.run(lines_reader(["/evictions"]))
+    assert "evictions (" in err.getvalue()
+
+
+def test_huge_paste_and_multiline_and_invalid_utf8():
+    eng = fake_engine(capacity=64, max_tokens=2)
+    eng.prefill_chunk = 4096
+    loop, out, err = make_loop(eng)
+    big = ("lorem ipsum dolor sit amet " * 40000)[: 1 << 20]  # 1 MiB in one line
+    loop.run(stream_reader(io.BytesIO(big.encode() + b"\n")))
+    assert eng.ledger.seen > 1 << 20 and eng.cache.length <= 64 and consistent(eng)
+    assert "more evictions this turn" in err.getvalue()  # the flood is summarised, not printed line by line
+    loop.run(stream_reader(io.BytesIO(b'"""first line\nsecond \xff\xfe line\nlast"""\n/bye\n')))
+    assert eng.conv.messages[-2]["content"] == "first line\nsecond \ufffd\ufffd line\nlast"
+
+
+def test_prompt_toolkit_pipe_input(tmp_path):
+    from prompt_toolkit.application import create_app_session
+    from prompt_toolkit.input import create_pipe_input
+    from prompt_toolkit.output import DummyOutput
+
+    eng = fake_engine(capacity=64)
+    loop, out, err = make_loop(eng, tty=True)
+    with create_pipe_input() as inp, create_app_session(input=inp, output=DummyOutput()):
+        session = make_prompt_session(loop, tmp_path / "hist")
+        inp.send_text("hello\r")
+        inp.send_text("line one\x1b\rline two\r")  # Esc-Enter inserts a newline
+        inp.send_text("\x03")  # Ctrl-C at the prompt: just a new prompt
+        inp.send_text('"""\rblock a\rblock b"""\r')
+        inp.send_text("/set max_tokens zz\r")
+        inp.send_text("\x04")  # Ctrl-D exits
+        loop.run(prompt_reader(session))
+    users = [m["content"] for m in eng.conv.messages if m["role"] == "user"]
+    assert users == ["hello", "line one\nline two", "block a\nblock b"]
+    assert "not a valid int" in out.getvalue()  # on a terminal, feedback is shown on stdout
+    assert "hello" in (tmp_path / "hist").read_text()
+    frag = loop.toolbar()
+    assert any("KV" in t for _, t in frag) and any("evicted" in t for _, t in frag)
+    comps = [c.text for c in SlashCompleter().get_completions(
+        __import__("prompt_toolkit").document.Document("/po"), None)]
+    assert comps == ["/policy"]
+    comps = [c.text for c in SlashCompleter().get_completions(
+        __import__("prompt_toolkit").document.Document("/policy w"), None)]
+    assert comps == ["window"]
+
+
+def test_cli_pipe_path_invalid_utf8(monkeypatch, tmp_path):
+    """CliRunner through `chat_command` with open_engine swapped for the fake engine: plain stdout, no traceback."""
+    from click.testing import CliRunner
+
+    import sinkchat.ui.repl as repl
+
+    monkeypatch.setattr(repl, "open_engine", lambda settings, system, progress=None: fake_engine())
+    res = CliRunner().invoke(repl.chat_command, ["--system", "x"], input=b"hi \xff\xfe\n/nope\n\nbye\n")
+    assert res.exit_code == 0, res.output
+    assert res.exception is None and "\x1b[" not in res.stdout
+    assert "unknown command /nope" in res.stderr
+    res = CliRunner().invoke(repl.chat_command, ["--system", "x", "--system-file", "y"], input="")
+    assert res.exit_code == 2 and "not both" in res.stderr
+
+
+# ----------------------------------------------------------------------------------------------- real model
+@pytest.fixture(scope="module")
+def real_engine(bundled):
+    return lambda **kw: Engine(bundled.model, bundled.tokenizer, CacheConfig(n_sink=4, capacity=kw.get("cap", 96)),
+                               SamplingConfig(temperature=0, max_tokens=kw.get("max_tokens", 10)),
+                               system="You are a helpful assistant.")
+
+
+def test_real_model_conversation_commands_ctrl_c(real_engine, monkeypatch):
+    eng = real_engine(cap=96, max_tokens=10)
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["What is the capital of France?", "/set max_tokens 8", "And of Italy?"]))
+    replies = [m["content"] for m in eng.conv.messages if m["role"] == "assistant"]
+    assert len(replies) == 2 and all(r.strip() for r in replies)
+    assert "Paris" in out.getvalue()
+    assert eng.ledger.evicted > 0 and "⟂ evicted" in err.getvalue() and consistent(eng)
+    loop.run(lines_reader(["/policy window", "Say hi.", "/policy sink", "Say bye."]))
+    assert eng.cache_cfg.policy == "sink" and not eng.ledger.holds_stream_start() and consistent(eng)
+    # Ctrl-C after two tokens: exactly those two stay in the cache
+    real_generate = eng.generate
+
+    def cut(*a, **k):
+        n = 0
+        for ev in real_generate(*a, **k):
+            yield ev
+            n += isinstance(ev, TokenEvent)
+            if n == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(eng, "generate", cut)
+    loop.run(lines_reader(["Count to ten."]))
+    assert len(eng.last_reply_ids) == 2 and consistent(eng)
+    assert eng.ledger.ids[-2:] == eng.last_reply_ids
+    monkeypatch.setattr(eng, "generate", real_generate)
+    loop.run(lines_reader(["What is 1+1?"]))
+    assert eng.conv.messages[-1]["role"] == "assistant" and eng.conv.messages[-1]["content"].strip()
+    assert consistent(eng) and "evicted" in toolbar_text(loop.stats())
