@@ -1,0 +1,39 @@
+"""Settings precedence (flags > environment > .env > defaults) and the documented setting list."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from sinkchat import config
+from sinkchat.cliopts import build_settings
+from sinkchat.config import ENV_SETTINGS, ConfigError, settings_from_env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_env_example_lists_every_setting_with_its_default():
+    text = (ROOT / ".env.example").read_text()
+    for key, (default, _) in ENV_SETTINGS.items():
+        assert f"\n{key}={default}\n" in text, key
+
+
+def test_precedence_flag_env_dotenv(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("SINKCHAT_SINKS=2\nSINKCHAT_CACHE=300\nexport SINKCHAT_POLICY=window\n")
+    monkeypatch.setattr(config, "_dotenv_loaded", False)
+    for k in ("SINKCHAT_SINKS", "SINKCHAT_CACHE", "SINKCHAT_POLICY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SINKCHAT_CACHE", "500")  # the real environment beats .env
+    s = build_settings({"sinks": 8})  # a flag beats both
+    assert (s.cache.n_sink, s.cache.capacity, s.cache.policy) == (8, 500, "window")
+    for k in ("SINKCHAT_SINKS", "SINKCHAT_POLICY"):
+        os.environ.pop(k, None)
+
+
+def test_bad_env_value_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("SINKCHAT_CACHE", "lots")
+    with pytest.raises(ConfigError, match="SINKCHAT_CACHE"):
+        settings_from_env()
