@@ -175,6 +175,8 @@ def parse_reply(text: str) -> Parsed:
     spans, unclosed = _objects(body)
     first_error = ""
     for span in spans:
+        if ":" not in span:
+            continue  # prose braces ("{name}", a set), not an attempt at a call
         try:
             obj = loads_lenient(span)
         except (json.JSONDecodeError, ValueError) as e:
@@ -226,6 +228,18 @@ class ToolsTokenizer:
     def apply_chat_template(self, messages: Any, **kw: Any) -> Any:
         kw.setdefault("tools", self._tools)
         return self._tok.apply_chat_template(messages, **kw)
+
+
+# One demonstrated exchange, fed as real turns before the first task: a 135M model copies the shape of earlier
+# assistant turns far more reliably than it follows a written instruction.
+FEW_SHOT = [
+    ("user", "Task: Save the sum of 2 and 5 in the notes."),
+    ("assistant", '{"tool": "calculator", "args": {"expression": "2 + 5"}}'),
+    ("user", "Tool result (calculator): 7"),
+    ("assistant", '{"tool": "notes", "args": {"action": "append", "text": "2 + 5 = 7"}}'),
+    ("user", "Tool result (notes): note saved to NOTES.md"),
+    ("assistant", '{"final": "I saved 2 + 5 = 7 in the notes."}'),
+]
 
 
 def render_system(template: str, tools_text: str, workspace: str) -> str:

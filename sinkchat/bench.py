@@ -53,6 +53,7 @@ class Run:
     decode_tokens: int = 0
     max_ms: float = 0.0
     evictions: int = 0
+    evict_ms_max: float = 0.0  # the longest single eviction (shift + re-rotation), from EvictionEvent.seconds
     kv_bytes_start: int = 0  # KV bytes right after the prefill (sink: equal to kv_bytes, the cache never grows)
     gauge_every: int = 0
     latencies_ms: list[float] = field(default_factory=list, repr=False)
@@ -89,15 +90,15 @@ def _finish(run: Run, lat: list[float], rss: list[int]) -> Run:
     return run
 
 
-def _decode(engine: Any, n: int) -> tuple[list[float], list[int], int]:
-    """Greedy-decode exactly n tokens (stop tokens disabled); per-token wall latency, RSS samples, evictions."""
+def _decode(engine: Any, n: int) -> tuple[list[float], list[int], list[float]]:
+    """Greedy-decode exactly n tokens (stop tokens disabled); per-token wall latency, RSS samples, eviction secs."""
     from sinkchat.events import EvictionEvent, TokenEvent
 
     saved_stop = engine.stop_ids
     engine.stop_ids = set()
     lat: list[float] = []
     rss: list[int] = []
-    evictions = 0
+    evictions: list[float] = []
     try:
         t_prev = time.perf_counter()
         for ev in engine.generate(max_tokens=n):
@@ -107,7 +108,7 @@ def _decode(engine: Any, n: int) -> tuple[list[float], list[int], int]:
                 t_prev = now
                 rss.append(rss_bytes())
             elif isinstance(ev, EvictionEvent):
-                evictions += 1
+                evictions.append(ev.seconds)
     finally:
         engine.stop_ids = saved_stop
     return lat, rss, evictions
@@ -132,7 +133,8 @@ def bench_stream(engine: Any, policy: str, cache: int, ids: list[int], decode: i
     kv_start = engine.cache.nbytes
     lat, rss_dec, evictions = _decode(engine, decode)
     run = Run(policy, cache, toks / secs if secs else 0.0, 0.0, 0.0, 0.0, 0.0, engine.cache.nbytes,
-              prefill_tokens=int(toks), evictions=evictions, kv_bytes_start=kv_start, gauge_every=engine.gauge_every)
+              prefill_tokens=int(toks), evictions=len(evictions), evict_ms_max=1000 * max(evictions, default=0.0),
+              kv_bytes_start=kv_start, gauge_every=engine.gauge_every)
     return _finish(run, lat, rss + rss_dec)
 
 
@@ -168,6 +170,17 @@ def gauge_overhead(engine: Any, tokens: int, rounds: int = 2) -> dict[str, Any]:
     default_every = engine.gauge_every or 4
     block = max(1, tokens // rounds)
     lat: dict[str, list[float]] = {"off": [], "on": []}
+    calls: list[float] = []
+    measure = engine.measure_gauge
+
+    def timed(*a: Any, **k: Any) -> Any:  # the gauge's own cost, robust to machine load unlike tok/s on vs off
+        t0 = time.perf_counter()
+        try:
+            return measure(*a, **k)
+        finally:
+            calls.append(time.perf_counter() - t0)
+
+    engine.measure_gauge = timed
     try:
         for _ in range(rounds):
             for name, every in (("off", 0), ("on", default_every)):
@@ -175,12 +188,17 @@ def gauge_overhead(engine: Any, tokens: int, rounds: int = 2) -> dict[str, Any]:
                 lat[name].extend(_decode(engine, block)[0])
     finally:
         engine.gauge_every = default_every
+        del engine.measure_gauge  # back to the class method
     off, on = (len(lat[k]) / sum(lat[k]) if sum(lat[k]) else 0.0 for k in ("off", "on"))
     return {
         "cache": engine.cache_cfg.capacity, "gauge_every": default_every, "tokens_each": len(lat["on"]),
         "off_tok_s": off, "on_tok_s": on, "off_p50_ms": percentile([1000 * x for x in lat["off"]], 50),
         "on_p50_ms": percentile([1000 * x for x in lat["on"]], 50),
         "overhead_pct": 100.0 * (off / on - 1.0) if on else float("nan"),
+        "measure_calls": len(calls), "measure_ms_p50": percentile([1000 * x for x in calls], 50),
+        # the measured call cost spread over the tokens it covers, relative to the median token latency
+        "est_overhead_pct": 100.0 * percentile(calls, 50) / default_every / statistics.median(lat["off"])
+        if calls and lat["off"] else float("nan"),
     }
 
 
@@ -223,20 +241,22 @@ def run_bench(engine: Any, ids: list[int], policies: list[str], caches: list[int
 def format_report(res: dict[str, Any]) -> str:
     lines = [f"threads {res['threads']}, {res['n_sink']} sinks, evict chunk {res['evict_chunk']}, "
              f"decode {res['decode_tokens']} tokens (recompute {res['recompute_tokens']})"]
-    hdr = ("policy", "cache", "prefill t/s", "decode t/s", "p50 ms", "p99 ms", "max ms", "evict", "peak MB",
-           "steady MB", "KV MiB")
+    hdr = ("policy", "cache", "prefill t/s", "decode t/s", "p50 ms", "p99 ms", "max ms", "evict", "evict ms",
+           "peak MB", "steady MB", "KV MiB")
     lines.append(f"{hdr[0]:<10}{hdr[1]:>6}" + "".join(f"{h:>12}" for h in hdr[2:]))
     for r in res["runs"]:
         lines.append(
             f"{r['policy']:<10}{r['cache']:>6}{r['prefill_tok_s']:>12.1f}{r['decode_tok_s']:>12.2f}"
             f"{r['p50_ms']:>12.1f}{r['p99_ms']:>12.1f}{r['max_ms']:>12.1f}{r['evictions']:>12}"
+            f"{r['evict_ms_max']:>12.1f}"
             f"{r['peak_rss_mb']:>12.0f}{r['steady_rss_mb']:>12.0f}{r['kv_bytes'] / MB:>12.2f}")
     for c, s in res["sink_vs_recompute_decode_speedup"].items():
         lines.append(f"sink decode is {s:.1f}x recompute at cache {c}")
     g = res.get("gauge_overhead")
     if g:
         lines.append(f"sink gauge (every {g['gauge_every']} tokens, cache {g['cache']}): {g['on_tok_s']:.2f} tok/s on "
-                     f"vs {g['off_tok_s']:.2f} off ({g['overhead_pct']:+.1f}% time), {g['tokens_each']} tokens each")
+                     f"vs {g['off_tok_s']:.2f} off ({g['overhead_pct']:+.1f}% time), {g['tokens_each']} tokens each; "
+                     f"one measurement {g['measure_ms_p50']:.2f} ms = {g['est_overhead_pct']:.1f}% of decode time")
     lines.append("timings come from one run on a shared machine: compare runs of the same invocation")
     return "\n".join(lines)
 
@@ -255,11 +275,11 @@ def _parse_list(raw: str, cast: Callable[[str], Any], name: str) -> list[Any]:
 @click.option("--policies", default=",".join(BENCH_POLICIES), show_default=True,
               help="comma-separated subset of sink,dense,recompute")
 @click.option("--caches", default=",".join(map(str, DEFAULT_CACHES)), show_default=True, help="cache sizes (tokens)")
-@click.option("--decode", "decode", type=click.IntRange(1, None), default=96, show_default=True,
+@click.option("--decode", "decode", type=click.IntRange(1, None), default=64, show_default=True,
               help="tokens decoded per sink/dense run")
-@click.option("--recompute-tokens", type=click.IntRange(1, None), default=6, show_default=True,
+@click.option("--recompute-tokens", type=click.IntRange(1, None), default=3, show_default=True,
               help="tokens decoded per recompute run (each costs a full forward over the cache)")
-@click.option("--gauge-tokens", type=click.IntRange(0, None), default=64, show_default=True,
+@click.option("--gauge-tokens", type=click.IntRange(0, None), default=48, show_default=True,
               help="tokens per setting for the gauge on/off comparison (0 = skip)")
 @click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None,
               help="text to prefill with (default: the demo's bundled text)")

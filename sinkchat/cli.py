@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summarize": ("sinkchat.pipe", "summarize_command"),
     "agent": ("sinkchat.agent", "agent_command"),
     "soak": ("sinkchat.soak", "soak_command"),
-    "logs": ("sinkchat.transcript", "logs_command"),
+    "logs": ("sinkchat.logs_cli", "logs_command"),
 }
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -83,20 +82,6 @@ def setup_logging(verbose: int) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
 
 
-def quiet_libraries() -> None:
-    """Silence library progress bars and advisories that would garble a terminal UI."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as tlog
-
-        tlog.disable_progress_bar()
-        tlog.set_verbosity_error()
-    except Exception:  # noqa: BLE001
-        pass
-
-
 def read_prompt(name: str) -> str:
     """A prompt file from prompts/ (name without extension)."""
     p = PROMPTS_DIR / f"{name}.txt"
@@ -119,14 +104,13 @@ def user_errors() -> Iterator[None]:
         raise click.ClickException(str(e)) from None
     except Exception as e:
         name = type(e).__name__
-        if name in ("LoadError", "UnsupportedModel", "SnapshotError"):
+        if name in ("LoadError", "UnsupportedModel", "SnapshotError", "LogError"):
             raise click.ClickException(str(e)) from None
         raise
 
 
 def open_engine(settings: Settings, system: str | None, progress: Callable[[str], None] | None = None) -> Any:
     """Load the model and build the Engine (the one bootstrap every client shares)."""
-    quiet_libraries()
     from sinkchat.engine import Engine
     from sinkchat.loader import load
 

@@ -174,21 +174,24 @@ def render_markdown(s: dict[str, Any]) -> str:
          f"Text: `{s['text']}`, {s['tokens']} tokens; cache {s['cache']} tokens ({s['n_sink']} sinks), "
          f"threads {s['threads']}. Measured on this model only: the size of each effect depends on the model.", "",
          "## 1. Perplexity by policy", "",
-         "| policy | ppl (all targets) | ppl after the cache fills | first eviction at target |",
-         "|---|---|---|---|"]
+         "| policy | ppl, all targets | ppl after the cache fills | ppl on recompute's targets after it fills "
+         "| first eviction at target |", "|---|---|---|---|---|"]
+    rec = s.get("recompute_after", {})
     for name, e in pol.items():
-        after = fmt(jump[name]["after_all"]) if name in jump else "n/a (sampled, below)"
+        allt = fmt(e["ppl"]) if name != "recompute" else "—"
+        after = fmt(jump[name]["after_all"]) if name in jump else "—"
         first = e["first_eviction_target"] if e["first_eviction_target"] is not None else "never"
-        L.append(f"| {name} | {fmt(e['ppl'])} | {after} | {first} |")
+        L.append(f"| {name} | {allt} | {after} | {fmt(rec[name]) if name in rec else '—'} | {first} |")
     w, k = jump.get("window"), jump.get("sink")
     if w and k:
         L += ["", f"Over the {s['jump_span']} targets before / after the cache first fills: window "
               f"{fmt(w['before'])} -> {fmt(w['after'])} (x{fmt(w['after'] / w['before'])}); sink "
               f"{fmt(k['before'])} -> {fmt(k['after'])} (x{fmt(k['after'] / k['before'])})."]
-    if "recompute" in pol:
-        L += ["", f"On the {s['ppl']['recompute_targets']} targets scored by recompute (first {s['recompute_span']} "
-              "tokens): " + ", ".join(f"{n} {fmt(e['sampled_ppl'])}" for n, e in pol.items()) + "."]
-    L += ["", f"Per-bin ppl ({s['bin']} tokens per bin): see `ppl.png`.", "",
+    if rec:
+        L += ["", f"recompute re-encodes the last {s['cache']} tokens for every {s['recompute_every']}th target of the "
+              f"first {s['recompute_span']} tokens; {s['recompute_after_targets']} of its targets come after the "
+              f"cache fills (sink / recompute there: {fmt(rec['sink'] / rec['recompute'])}; few targets, so noisy)."]
+    L += ["", f"Per-bin ppl ({s['bin']} tokens per bin; recompute is too sparse to bin): see `ppl.png`.", "",
           f"## 2. Where attention goes at long range (dense cache, {len(g['query_positions'])} query positions "
           f"from {g['query_positions'][0]} to {g['query_positions'][-1]})", "",
           f"Mean over layers and heads: first {g['n']} positions {g['first_mean']:.3f}, most recent {g['n']} "
@@ -234,10 +237,6 @@ def plot_attention(s: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _engine(settings: Any, engine: Any, say: Callable[[str], None]) -> Any:
-    return engine if engine is not None else open_engine(settings, system=None, progress=say)
-
-
 def _progress(quiet: bool) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -257,7 +256,7 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
     path = text_path or str(default_text_path())
     text = read_text(path)
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
-    engine = _engine(settings, engine, say)
+    engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
     cap = settings.cache.capacity or cache_default
     n_sink = settings.cache.n_sink
     ids = engine.encode(text)[:tokens]
@@ -271,7 +270,8 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
     with _progress(quiet) as bar:
         for pol in ("window", "sink"):
             task = bar.add_task(f"{pol} (cache {cap})", total=len(ids))
-            results[pol] = stream_policy(engine, ids, pol, cap, n_sink, 32, lambda p, t=task: bar.update(t, completed=p))
+            results[pol] = stream_policy(engine, ids, pol, cap, n_sink, 32,
+                                         lambda p, t=task: bar.update(t, completed=p))
         evict_chunk = engine.cache_cfg.evict_chunk
         task = bar.add_task("dense + attention gauge", total=len(ids))
         results["dense"], attention = dense_with_gauge(engine, ids, 32, n, len(ids) // 2,
@@ -296,14 +296,21 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
         "text": path, "tokens": len(ids), "cache": cap, "n_sink": n_sink, "evict_chunk": evict_chunk,
         "threads": torch.get_num_threads(), "bin": bin_size, "jump_span": bin_size,
         "recompute_span": span if "recompute" in results else 0,
-        "ppl": summarize(results, bin_size),
+        "recompute_every": recompute_every, "ppl": summarize(results, bin_size),
         "jump": {k: window_jump(results[k], cap, bin_size) for k in ("window", "sink", "dense")},
         "attention": attention, "ablation": abl,
     }
+    if "recompute" in results:
+        idx = [i for i, v in enumerate(results["recompute"].nll) if i >= cap - 1 and not math.isnan(v)]
+        summary["recompute_after_targets"] = len(idx)
+        if idx:
+            summary["recompute_after"] = {k: r.ppl(idx) for k, r in results.items()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(render_markdown(summary))
-    plot(summary["ppl"], bin_size, str(out / "ppl.png"), f"{Path(path).name}: cache {cap}, {n_sink} sinks")
+    binned = {k: v for k, v in summary["ppl"].items() if k != "policies"}
+    binned["policies"] = {k: v for k, v in summary["ppl"]["policies"].items() if k != "recompute"}
+    plot(binned, bin_size, str(out / "ppl.png"), f"{Path(path).name}: cache {cap}, {n_sink} sinks")
     plot_attention(summary, out / "attention.png")
     return summary
 
@@ -313,7 +320,7 @@ def run_probe(settings: Any, text_path: str | None, tokens: int, cache_default: 
     """Attention share of positions 0..7 at long range, and ppl after the cache fills with k sinks for each k."""
     path = text_path or str(default_text_path())
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
-    engine = _engine(settings, engine, say)
+    engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
     ids = engine.encode(read_text(path))[:tokens]
     cap = settings.cache.capacity or cache_default
     if len(ids) < 2 * cap or cap < max(counts) + 8:
@@ -350,7 +357,8 @@ def format_probe(r: dict[str, Any]) -> str:
 
 
 @click.command("demo")
-@click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None, help="text file (default: a bundled one)")
+@click.option("--text", "text_path", type=click.Path(dir_okay=False), default=None,
+              help="text file (default: a system-provided one, e.g. the GPL-3 text)")
 @click.option("--tokens", type=click.IntRange(64, None), default=2048, show_default=True, help="tokens to stream")
 @click.option("--bin", "bin_size", type=click.IntRange(8, None), default=128, show_default=True, help="tokens per bin")
 @click.option("--recompute-span", type=click.IntRange(0, None), default=768, show_default=True,

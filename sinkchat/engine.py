@@ -126,6 +126,11 @@ class Engine:
         return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - pinned))
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:

@@ -6,6 +6,7 @@ transformers' GGUF path re-dequantizes and rebuilds the tokenizer on every load 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -84,16 +85,33 @@ def convert_gguf(path: Path, progress: Progress) -> Path:
         import gguf  # noqa: F401
     except ImportError:
         raise LoadError("loading a .gguf file needs the `gguf` package: pip install gguf") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two sinkchat processes starting at once convert once, not twice
+        if not (out / "sinkchat-converted.json").is_file():
+            progress(f"converting {path.name} (once; cached in {out.parent})")
+            _convert_into(path, out, digest)
+    return out
+
+
+def _convert_into(path: Path, out: Path, digest: str) -> None:
+    """Dequantize the GGUF with transformers and write config + safetensors + tokenizer, atomically (temp + rename)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    progress(f"converting {path.name} (once; cached in {out.parent})")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    old_tqdm = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws its own bar; we report progress ourselves
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    finally:
+        if old_tqdm is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = old_tqdm
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         cfg = model.config
@@ -108,13 +126,12 @@ def convert_gguf(path: Path, progress: Progress) -> Path:
         (tmp / "sinkchat-converted.json").write_text(
             json.dumps({"source": str(path), "sha256_prefix": digest, "version": CONVERT_VERSION})
         )
-        if out.exists():
+        if out.exists():  # a half-written folder from a crash (no marker): replace it
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def resolve_source(name: str | None, progress: Progress) -> tuple[str, str]:
@@ -214,6 +231,22 @@ def _bnb_linear(bnb: Any, mod: Any, quant: str, dtype: Any, device: str) -> Any:
     return new.to(device)
 
 
+def quiet_libraries() -> None:
+    """Silence library progress bars and advisories that would garble a terminal UI (we report progress ourselves)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in ("bitsandbytes", "transformers", "accelerate", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 def set_threads(threads: int) -> None:
     """Pin torch's intra-op threads. 1 is the default: on a busy 2-core box a second OpenMP thread can make every op
     ~30x slower (spinning waits), and this model is too small to gain from two."""
@@ -226,6 +259,7 @@ def set_threads(threads: int) -> None:
 def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes."""
     progress = progress or (lambda msg: log.info(msg))
+    quiet_libraries()
     t0 = time.perf_counter()
     set_threads(cfg.threads)
     source, src = resolve_source(cfg.model, progress)

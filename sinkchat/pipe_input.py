@@ -1,4 +1,5 @@
-"""Input side of `sinkchat summarize`: reading lines as they arrive, cleaning, filtering, dedupe, batching, accounting.
+"""The plumbing of `sinkchat summarize` around the model: reading lines as they arrive, cleaning, filtering, dedupe,
+batching, accounting, and the output blocks.
 
 No model here, so all of it is unit-testable in milliseconds. A reader thread turns bytes into numbered `Line`s and
 puts them on a bounded queue, so a slow model never blocks reading and `--interval` works without EOF. Under
@@ -9,12 +10,13 @@ summarized, filtered, deduped or skipped (`Period`).
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 READ_SIZE = 65536
 POLL_SECONDS = 0.2
@@ -108,8 +110,14 @@ def clean_line(raw: bytes, total: int, max_chars: int) -> tuple[str, bool]:
 
 # ------------------------------------------------------------------------------------------------- byte sources
 def stream_chunks(stream: Any, stop: threading.Event) -> Iterator[bytes]:
-    """Bytes from a binary stream as they arrive (read1 returns what a pipe has, without waiting to fill a buffer)."""
-    read = getattr(stream, "read1", None) or stream.read
+    """Bytes from a binary stream as they arrive, without waiting to fill a buffer. A real file descriptor is read
+    with os.read: a daemon thread blocked inside a buffered read holds the buffer's lock, and the interpreter aborts
+    at exit ("could not acquire lock ... at interpreter shutdown") when it then flushes or closes that stream."""
+    try:
+        fd = stream.fileno()
+        read: Callable[[int], bytes] = lambda n: os.read(fd, n)  # noqa: E731
+    except (AttributeError, OSError, ValueError):
+        read = getattr(stream, "read1", None) or stream.read
     while not stop.is_set():
         data = read(READ_SIZE)
         if not data:
@@ -339,3 +347,53 @@ class Batcher:
     def take_period(self) -> Period:
         p, self.period = self.period, Period()
         return p
+
+
+# ------------------------------------------------------------------------------------------------- output
+FORMATS = ("text", "jsonl", "markdown")
+
+
+class OutputClosed(Exception):
+    """stdout went away (SIGPIPE / EPIPE): stop quietly."""
+
+
+class Output:
+    """One block per summary on stdout, flushed at once so a reader of the pipe sees it before EOF."""
+
+    def __init__(self, fmt: str, stream: TextIO) -> None:
+        self.fmt, self.stream = fmt, stream
+
+    def write(self, block: dict[str, Any]) -> None:
+        try:
+            self.stream.write(render_block(block, self.fmt))
+            self.stream.flush()
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise OutputClosed() from e
+        except OSError as e:
+            if e.errno == 32:  # EPIPE seen through a wrapper
+                raise OutputClosed() from e
+            raise
+
+
+def counts_text(b: dict[str, Any]) -> str:
+    parts = [f"{b['summarized']} summarized"] + [f"{b[k]} {k}" for k in ("filtered", "deduped", "skipped") if b[k]]
+    return f"{b['lines']} lines: " + ", ".join(parts)
+
+
+def render_block(b: dict[str, Any], fmt: str) -> str:
+    """One summary block in the chosen format (jsonl: exactly one line)."""
+    if fmt == "jsonl":
+        return json.dumps(b, ensure_ascii=False) + "\n"
+    summary = b["summary"] or "(no lines to summarize)"
+    final = " (final)" if b["final"] else ""
+    if fmt == "markdown":
+        return (f"### {b['time']} · lines {b['first_line']}–{b['last_line']}{final}\n\n"
+                f"_{counts_text(b)} · {b['tokens_fed']} tokens fed, {b['tokens_evicted']} evicted_\n\n{summary}\n\n")
+    return f"[{b['time']}] lines {b['first_line']}-{b['last_line']}{final} ({counts_text(b)})\n{summary}\n\n"
+
+
+def fill(template: str, **values: Any) -> str:
+    """Replace {name} placeholders; any other braces in a user's prompt file stay as they are."""
+    for k, v in values.items():
+        template = template.replace("{" + k + "}", str(v))
+    return template

@@ -151,12 +151,19 @@ def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: P
                 os.close(dfd)
         except OSError:  # some filesystems cannot fsync a directory; the rename is still atomic
             pass
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise SnapshotError(f"cannot write snapshot {path}: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - OSError, or safetensors' own error for a failed write
+        _remove(tmp)
+        raise SnapshotError(f"cannot write snapshot {path}: {getattr(e, 'strerror', None) or e}") from None
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
+
+
+def _remove(p: Path) -> None:
+    try:
+        p.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 # ------------------------------------------------------------------------------------------------ load

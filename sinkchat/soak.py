@@ -9,7 +9,6 @@ a broken forward back, so the cache stays consistent and the next step just runs
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -26,10 +25,12 @@ from typing import Any, Callable
 import click
 
 from sinkchat.cliopts import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
-from sinkchat.events import EvictionEvent, GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.events import GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.metrics import cuda_bytes, human_bytes, percentile, rss_bytes
-from sinkchat.soak_report import EXIT_FAIL, header_thresholds, pop_thresholds, threshold_options, verdict_table, write_report
-from sinkchat.soak_scenarios import Fault, InputExhausted, Probe, make_scenario
+from sinkchat.soak_report import (
+    EXIT_FAIL, Recorder, load_run, pop_thresholds, recorded_thresholds, threshold_options, verdict_table, write_report,
+)
+from sinkchat.soak_scenarios import Fault, InputExhausted, Probe, Scores, check_input, make_scenario
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ class Terminated(KeyboardInterrupt):
 
 def parse_duration(text: str) -> float:
     """'8h', '90m', '1h30m', '45s', '2.5h' or plain seconds -> seconds."""
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd]?)", text.strip().lower())
-    if not parts or re.sub(r"[\d.\s smhd]", "", text.strip().lower()) or "".join(a + b for a, b in parts) != re.sub(r"\s", "", text.strip().lower()):
+    s = re.sub(r"\s", "", text.lower())
+    if not re.fullmatch(r"(\d+(\.\d+)?[smhd]?)+", s):
         raise click.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 45s", param_hint="--duration")
-    secs = sum(float(n) * UNITS[u] for n, u in parts)
+    secs = sum(float(n) * UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd]?)", s))
     if secs <= 0:
         raise click.BadParameter("must be more than 0 seconds", param_hint="--duration")
     return secs
@@ -60,7 +61,8 @@ class Interval:
     decode_seconds: float = 0.0
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)  # seconds per decoded token
+    prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
     gauges: list[float] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)  # scenario input scored through the cache
 
@@ -73,7 +75,7 @@ class Interval:
             self.prefill_tokens += ev.tokens
             self.prefill_seconds += ev.seconds
             if ev.tokens:
-                self.latencies.append(ev.seconds / ev.tokens) if self.decode_tokens == 0 and ev.tokens else None
+                self.prefill_latencies.append(ev.seconds / ev.tokens)
         elif isinstance(ev, GaugeEvent):
             self.gauges.append(ev.share)
 
@@ -85,55 +87,6 @@ def _rate(n: float, s: float) -> float | None:
 def _ppl(nll: list[float]) -> float | None:
     vals = [v for v in nll if math.isfinite(v)]
     return round(math.exp(sum(vals) / len(vals)), 4) if vals else None
-
-
-class Recorder:
-    """metrics.jsonl (one JSON object per line, flushed + fsynced) and the session log. A failing disk is reported
-    once and the run carries on with the records kept in memory (the report is attempted again at the end)."""
-
-    def __init__(self, out_dir: Path, session: Any = None, warn: Callable[[str], None] = log.warning) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        self.session = session
-        self.warn = warn
-        self.lost: list[dict[str, Any]] = []
-        self.failed = False
-        try:
-            self.fh: Any = open(self.path, "a", encoding="utf-8")
-        except OSError as e:
-            self.fh = None
-            self._fail(e)
-
-    def _fail(self, e: OSError) -> None:
-        if not self.failed:
-            self.warn(f"cannot write {self.path}: {e.strerror or e}; keeping records in memory")
-        self.failed = True
-
-    def write(self, rec: dict[str, Any]) -> None:
-        line = json.dumps(rec, default=str) + "\n"
-        if self.fh is not None:
-            try:
-                self.fh.write(line)
-                self.fh.flush()
-                os.fsync(self.fh.fileno())
-            except OSError as e:
-                self._fail(e)
-                self.lost.append(rec)
-        else:
-            self.lost.append(rec)
-        if self.session is not None and rec.get("kind") == "sample":
-            try:
-                self.session.metrics(rec)
-                self.session.flush()
-            except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason to stop the soak
-                log.warning("session log: %s", e)
-
-    def close(self) -> None:
-        for closer in (getattr(self.fh, "close", None), getattr(self.session, "close", None)):
-            try:
-                if closer:
-                    closer()
-            except Exception as e:  # noqa: BLE001
-                self._fail(e) if isinstance(e, OSError) else log.warning("close: %s", e)
 
 
 class Soak:
@@ -150,6 +103,7 @@ class Soak:
         self.seen0, self.evicted0 = engine.ledger.seen, engine.ledger.evicted
         self.iv = Interval()
         self.steps = self.errors = self.faults = 0
+        self.fault_kinds: dict[str, int] = {}
         self.samples: deque[dict[str, Any]] = deque(maxlen=120)  # for the live sparklines
 
     @property
@@ -189,9 +143,12 @@ class Soak:
                 self.error(ev.kind, detail=ev.detail)
             else:
                 self.faults += 1
+                self.fault_kinds[ev.kind] = self.fault_kinds.get(ev.kind, 0) + 1
                 log.info("handled fault (%s): %s", ev.kind, ev.detail)
-        elif isinstance(ev, float):
-            self.iv.nll.append(ev)
+                self.rec.write({"kind": "fault", "elapsed": round(time.monotonic() - self.t0, 3), "fault": ev.kind,
+                                "detail": ev.detail[:300]})
+        elif isinstance(ev, Scores):
+            self.iv.nll.extend(ev)
         else:
             self.iv.fold(ev)
         if time.monotonic() >= self.next_sample:
@@ -210,6 +167,7 @@ class Soak:
                 self.error("probe", e)
         cuda = cuda_bytes()
         input_ppl = _ppl(iv.nll)
+        lat = iv.latencies or iv.prefill_latencies  # decode latency; per-token prefill latency for stream
         rec = {
             "kind": "sample", "t": round(time.time(), 3), "elapsed": round(now - self.t0, 3), "steps": self.steps,
             "tokens": self.tokens, "evicted": eng.ledger.evicted - self.evicted0, "cache_len": eng.cache.length,
@@ -217,8 +175,8 @@ class Soak:
             "cuda_peak": cuda[1] if cuda else None,
             "decode_tok_s": _rate(iv.decode_tokens, iv.decode_seconds),
             "prefill_tok_s": _rate(iv.prefill_tokens, iv.prefill_seconds),
-            "p50_ms": round(1000 * percentile(iv.latencies, 50), 3) if iv.latencies else None,
-            "p99_ms": round(1000 * percentile(iv.latencies, 99), 3) if iv.latencies else None,
+            "p50_ms": round(1000 * percentile(lat, 50), 3) if lat else None,
+            "p99_ms": round(1000 * percentile(lat, 99), 3) if lat else None,
             "gauge": round(sum(iv.gauges) / len(iv.gauges), 4) if iv.gauges else None,
             "ppl": input_ppl if self.probe is None else probe_ppl, "ppl_input": input_ppl, "ppl_probe": probe_ppl,
             "errors": self.errors, "faults": self.faults,
@@ -241,7 +199,8 @@ class Soak:
                     self.fold(ev)
                     if self.limit_reached():
                         break
-                self.steps += 1
+                else:
+                    self.steps += 1
                 consecutive = 0
             except InputExhausted:
                 return "input exhausted"
@@ -324,7 +283,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 @click.option("--duration", default=None, help="stop after this long: 8h, 90m, 1h30m, 45s [1h if no limit given]")
 @click.option("--tokens", type=click.IntRange(1), default=None, help="stop after N tokens processed")
 @click.option("--steps", type=click.IntRange(1), default=None, help="stop after N scenario steps (turns/tasks/blocks)")
-@click.option("--scenario", type=click.Choice(("agent", "chat", "stream")), default="chat", show_default=True)
+@click.option("--scenario", type=click.Choice(("agent", "chat", "stream")), default="agent", show_default=True)
 @click.option("--input", "input_path", type=click.Path(dir_okay=False, allow_dash=True), default=None,
               help="stream: text file (looped) or - for stdin (ends at EOF)")
 @click.option("--sample-every", type=click.FloatRange(0.5), default=30.0, show_default=True, help="seconds per record")
@@ -339,6 +298,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
                  **kw: Any) -> None:
     """Run a scenario on the one persistent cache for hours; record metrics, then judge them (report.md, PNGs).
 
+    Replies (chat, agent) default to 96 tokens; --max-tokens changes that.
     Exit status: 0 every criterion passed, 3 a criterion failed, 1 runtime error, 2 bad usage.
     `sinkchat soak report DIR` judges a run again (e.g. one that was killed).
     """
@@ -359,6 +319,8 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
             if sys.stdin.isatty():
                 raise click.UsageError("--scenario stream needs --input FILE (or - with text on stdin)")
             input_path = "-"
+        if scenario == "stream":
+            check_input(input_path)
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
         scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
                              allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
@@ -383,13 +345,17 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
                     reason = "terminated"
                 except KeyboardInterrupt:
                     reason = "interrupted"
-                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish the report; a second TERM waits
+                for sig in (signal.SIGTERM, signal.SIGINT):  # shutdown takes seconds: more signals must not
+                    signal.signal(sig, signal.SIG_IGN)  # tear the records or the report
                 soak.sample()
         finally:
             signal.signal(signal.SIGTERM, old)
         rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3),
-                   "steps": soak.steps, "tokens": soak.tokens, "errors": soak.errors, "faults": soak.faults})
+                   "steps": soak.steps, "tokens": soak.tokens, "errors": soak.errors, "faults": soak.faults,
+                   "fault_kinds": soak.fault_kinds})
         rec.close()
+        if reason == "input exhausted" and soak.tokens == 0:
+            raise click.ClickException(f"{input_path} held no text")
         if rec.failed:
             raise click.ClickException(f"the run ended ({reason}) but {rec.path} could not be written; "
                                        f"{len(rec.lost)} records were lost")
@@ -423,5 +389,5 @@ def _finish(out: Path, th: Any, headline: str) -> None:
 @threshold_options
 def report_command(directory: str, **kw: Any) -> None:
     """Judge the run in DIRECTORY again (a killed one too): rewrite report.md and the plots, print the verdicts."""
-    th = pop_thresholds(kw, base=header_thresholds(directory))
+    th = pop_thresholds(kw, base=recorded_thresholds(load_run(directory)[0]))
     _finish(Path(directory), th, f"soak run {directory}")

@@ -13,6 +13,7 @@ read-only dir) the session warns once and carries on without a log rather than c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,9 +23,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-import click
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +209,6 @@ class NullLog:
     def enabled(self) -> bool:
         return False
 
-    def __enter__(self) -> "NullLog":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class SessionLog(NullLog):
     """One session's writer. Thread-safe; any database error degrades it to a NullLog after one warning."""
@@ -358,21 +352,17 @@ def _fallback(msg: str, warn: Callable[[str], None] | None) -> NullLog:
     return null
 
 
-class _tx:
+@contextlib.contextmanager
+def _tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
     """BEGIN IMMEDIATE ... COMMIT (rollback on error): the write lock is taken up front, so waits use busy_timeout."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.conn.execute("COMMIT")
-        elif self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 # ------------------------------------------------------------------------------------------------ queries
@@ -394,14 +384,14 @@ def _reader(path: Path | str | None) -> sqlite3.Connection:
 
 def list_sessions(mode: str | None = None, limit: int = 50, path: Path | str | None = None) -> list[SessionInfo]:
     """Newest first."""
-    with _closing(_reader(path)) as c:
+    with contextlib.closing(_reader(path)) as c:
         where, args = ("WHERE s.mode = ?", (mode,)) if mode else ("", ())
         rows = c.execute(f"{_SESSION_SQL} {where} ORDER BY s.id DESC LIMIT ?", (*args, limit)).fetchall()
     return [_info(r) for r in rows]
 
 
 def get_session(session_id: int, path: Path | str | None = None) -> SessionInfo:
-    with _closing(_reader(path)) as c:
+    with contextlib.closing(_reader(path)) as c:
         r = c.execute(f"{_SESSION_SQL} WHERE s.id = ?", (session_id,)).fetchone()
     if r is None:
         raise LogError(f"no session {session_id} in the log")
@@ -418,7 +408,7 @@ def latest_session(mode: str | None = None, path: Path | str | None = None) -> S
 
 
 def turns(session_id: int, path: Path | str | None = None) -> list[Turn]:
-    with _closing(_reader(path)) as c:
+    with contextlib.closing(_reader(path)) as c:
         rows = c.execute("SELECT seq, role, text, tokens, seconds, created, reason, cache_len FROM turns "
                          "WHERE session_id = ? ORDER BY seq", (session_id,)).fetchall()
     return [Turn(*r) for r in rows]
@@ -427,7 +417,7 @@ def turns(session_id: int, path: Path | str | None = None) -> list[Turn]:
 def export(session_id: int, path: Path | str | None = None) -> dict[str, Any]:
     """Everything logged for a session as one JSON-able dict."""
     info = get_session(session_id, path)
-    with _closing(_reader(path)) as c:
+    with contextlib.closing(_reader(path)) as c:
         def rows(table: str) -> list[dict[str, Any]]:
             q = f"SELECT * FROM {table} WHERE session_id = ? ORDER BY id"
             return [{k: r[k] for k in r.keys() if k not in ("id", "session_id")} for r in c.execute(q, (session_id,))]
@@ -440,121 +430,9 @@ def export(session_id: int, path: Path | str | None = None) -> dict[str, Any]:
 
 def delete_session(session_id: int, path: Path | str | None = None) -> None:
     get_session(session_id, path)
-    with _closing(_reader(path)) as c, _tx(c):
+    with contextlib.closing(_reader(path)) as c, _tx(c):
         for table in ("turns", "tool_calls", "evictions", "metrics"):
             c.execute(f"DELETE FROM {table} WHERE session_id = ?", (session_id,))
         c.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
     snap = auto_snapshot_path(session_id, Path(path).parent if path is not None else None)
     snap.unlink(missing_ok=True)
-
-
-class _closing:
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        return self.conn
-
-    def __exit__(self, *exc: object) -> None:
-        self.conn.close()
-
-
-# ------------------------------------------------------------------------------------------------ formatting
-def _when(ts: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
-
-
-def format_sessions(sessions: list[SessionInfo]) -> str:
-    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>7}  STATUS"
-    lines = [head]
-    for s in sessions:
-        status = "ended" if s.ended else "open/crashed"
-        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {(s.model or '-')[:28]:28}  {s.turns:>5}  "
-                     f"{s.tokens:>7}  {status}")
-    return "\n".join(lines)
-
-
-def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
-    s = data["session"]
-    title = f"session {s['id']} · {s['mode']} · {s['model'] or '-'} · started {_when(s['started'])}"
-    out: list[str] = [f"# {title}" if markdown else title]
-    if s.get("system"):
-        out.append(f"**system**: {s['system']}" if markdown else f"[system] {s['system']}")
-    tools: dict[int, list[dict[str, Any]]] = {}
-    for tc in data["tool_calls"]:
-        tools.setdefault(tc["turn_seq"], []).append(tc)
-    for t in data["turns"]:
-        stat = f"{t['tokens']} tokens, {t['seconds']:.1f} s" + (f", {t['reason']}" if t.get("reason") else "")
-        if markdown:
-            out.append(f"\n## {t['role']} ({stat})\n\n{t['text']}")
-        else:
-            out.append(f"\n[{t['role']}] ({stat})\n{t['text']}")
-        for tc in tools.get(t["seq"], []):
-            mark = "ok" if tc["ok"] else "failed"
-            out.append(f"\n> tool `{tc['name']}` {tc['args']} -> {mark}: {tc['result']}" if markdown else
-                       f"  <tool {tc['name']} {tc['args']} -> {mark}: {tc['result']}>")
-    if data["evictions"]:
-        n = sum(e["count"] for e in data["evictions"])
-        out.append(f"\n_{len(data['evictions'])} evictions, {n} tokens_" if markdown else
-                   f"\n({len(data['evictions'])} evictions, {n} tokens evicted)")
-    return "\n".join(out)
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-@click.group("logs", invoke_without_command=True)
-@click.option("--mode", default=None, help="only sessions of this mode (chat, agent, summarize, soak)")
-@click.option("-n", "--limit", type=click.IntRange(1, None), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="print JSON")
-@click.pass_context
-def logs_command(ctx: click.Context, mode: str | None, limit: int, as_json: bool) -> None:
-    """List logged sessions (newest first); `logs show ID` prints one, `logs rm ID` deletes one."""
-    if ctx.invoked_subcommand is not None:
-        return
-    with _cli_errors():
-        sessions = list_sessions(mode, limit)
-    if as_json:
-        click.echo(json.dumps([asdict(s) for s in sessions], indent=1))
-    elif not sessions:
-        click.echo("no sessions logged yet")
-    else:
-        click.echo(format_sessions(sessions))
-
-
-@logs_command.command("show")
-@click.argument("session_id", type=int, required=False)
-@click.option("--json", "as_json", is_flag=True, help="export everything as JSON")
-@click.option("--markdown", is_flag=True, help="export as Markdown")
-def show_command(session_id: int | None, as_json: bool, markdown: bool) -> None:
-    """Print the transcript of session ID (default: the newest)."""
-    with _cli_errors():
-        if session_id is None:
-            latest = latest_session()
-            if latest is None:
-                raise LogError("no sessions logged yet")
-            session_id = latest.id
-        data = export(session_id)
-    click.echo(json.dumps(data, indent=1) if as_json else format_transcript(data, markdown))
-
-
-@logs_command.command("rm")
-@click.argument("session_ids", type=int, nargs=-1, required=True)
-def rm_command(session_ids: tuple[int, ...]) -> None:
-    """Delete sessions (and their automatic snapshots)."""
-    with _cli_errors():
-        for sid in session_ids:
-            delete_session(sid)
-            click.echo(f"removed session {sid}")
-
-
-class _cli_errors:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, (LogError, sqlite3.Error)):
-            raise click.ClickException(str(exc)) from None
-        from sinkchat.config import ConfigError
-
-        if isinstance(exc, ConfigError):
-            raise click.UsageError(str(exc)) from None
-

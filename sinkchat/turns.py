@@ -23,6 +23,7 @@ class Conversation:
     system: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     fed: str = ""
+    max_messages: int = 64  # older ones are long gone from the cache; keeps each turn's rendering O(1)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         msgs = ([{"role": "system", "content": self.system}] if self.system is not None else []) + messages
@@ -33,6 +34,8 @@ class Conversation:
 
     def delta_for(self, role: str, content: str, add_generation_prompt: bool = True) -> str:
         """Text to feed for a new message (and the assistant header after it); records the message."""
+        if len(self.messages) >= self.max_messages:
+            self.trim(self.max_messages // 2)
         self.messages.append({"role": role, "content": content})
         full = self._render(self.messages, add_generation_prompt)
         if full.startswith(self.fed):
@@ -58,6 +61,27 @@ class Conversation:
         self.messages.clear()
         self.fed = ""
 
+    def trim(self, keep: int) -> None:
+        """Forget all but the last `keep` messages (starting at a user message), rewriting `fed` to what the
+        template renders for them, so the next delta is exactly what it would have been. The cache is untouched:
+        this is bookkeeping for the template only."""
+        start = max(0, len(self.messages) - keep)
+        while start < len(self.messages) and self.messages[start]["role"] != "user":
+            start += 1
+        if start == 0:
+            return
+        full_all = self._render(self.messages, False)
+        kept = self.messages[start:]
+        full_kept = self._render(kept, False)
+        if full_all.startswith(self.fed):  # e.g. a reply whose closing '\n' is not fed yet
+            missing = len(full_all) - len(self.fed)
+            new_fed = full_kept[: len(full_kept) - missing]
+        elif self.fed.startswith(full_all):  # e.g. a message fed without a generation prompt after it
+            new_fed = full_kept + self.fed[len(full_all) :]
+        else:
+            return  # not prefix-stable: keep everything rather than guess
+        self.messages, self.fed = kept, new_fed
+
 
 def _strip_eos(text: str, tokenizer: Any) -> str:
     for tok in (getattr(tokenizer, "eos_token", None), "<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>"):
@@ -82,4 +106,5 @@ def _closing(fed: str, prev: str) -> str:
 def _plain_render(msgs: list[dict[str, str]], add_generation_prompt: bool) -> str:
     """For base models without a chat template: a simple, prefix-stable transcript format."""
     out = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in msgs)
-    return out + ("Assistant:" if add_generation_prompt else "")
+    # "Assistant: " + reply is a prefix of the rendered "Assistant: {reply}\n\n", so the next turn extends it
+    return out + ("Assistant: " if add_generation_prompt else "")

@@ -159,3 +159,39 @@ def test_sampling_greedy_topk_seed():
     assert draws(5) == draws(5)
     g = torch.Generator().manual_seed(0)
     assert {sample(logits, SamplingConfig(temperature=1.0, top_p=0.3, top_k=0), [], g) for _ in range(30)} == {1}
+
+
+def test_plain_template_for_base_models_is_prefix_stable(word_tok):
+    from sinkchat.turns import Conversation
+
+    conv = Conversation(word_tok, system=None)
+    first = conv.delta_for("user", "1 2 3")
+    conv.add_reply("4 5")
+    second = conv.delta_for("user", "6")
+    assert first == "User: 1 2 3\n\nAssistant: "
+    assert second == "\n\nUser: 6\n\nAssistant: "
+    assert conv.fed == conv._render(conv.messages, True)
+
+
+def test_conversation_trim_keeps_next_delta_identical(bundled):
+    from sinkchat.turns import Conversation
+
+    tok = bundled.tokenizer
+    a, b = Conversation(tok, system="Be brief."), Conversation(tok, system="Be brief.", max_messages=10_000)
+    for i in range(40):
+        da, db = a.delta_for("user", f"question {i}"), b.delta_for("user", f"question {i}")
+        assert da == db
+        a.add_reply(f"answer {i}<|im_end|>")
+        b.add_reply(f"answer {i}<|im_end|>")
+    a.max_messages = 8
+    assert a.delta_for("user", "last") == b.delta_for("user", "last")
+    assert len(a.messages) <= 8
+
+
+def test_undecodable_bytes_encode_without_error(bundled, word_tok):
+    from sinkchat.engine import Engine
+
+    eng = Engine(tiny_model(), bundled.tokenizer, CacheConfig("sink", 4, 64, 4))
+    bad = b"ok \xff\xfe bytes".decode("utf-8", "surrogateescape")
+    ids = eng.encode(bad)
+    assert ids and "\ufffd" in bundled.tokenizer.decode(ids)

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+import torch
 
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.engine import Engine
@@ -17,6 +18,8 @@ from sinkchat.ui.render import Renderer, toolbar_text
 from sinkchat.ui.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
 
 from conftest import tiny_model
+
+torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than the math on a busy 2-core box
 
 
 class CharTokenizer:
@@ -125,6 +128,14 @@ def test_ctrl_c_during_reply_keeps_cache_consistent(monkeypatch):
     loop.run(lines_reader(["third"]))  # the next turn works and extends the conversation by prefix
     assert [m["role"] for m in eng.conv.messages] == ["user", "assistant"] * 3
     assert eng.cache.length == len(eng.encode(eng.conv.fed)) and consistent(eng)
+    # piped input (`sinkchat chat < file`): Ctrl-C stops the reply consistently, then ends the run
+    monkeypatch.setattr(eng, "generate", interrupted_generate)
+    counts["tokens"] = 0
+    loop.exit_on_interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(lines_reader(["fourth", "never read"]))
+    assert consistent(eng) and eng.conv.messages[-2]["content"] == "fourth"
+    assert eng.conv.messages[-1]["role"] == "assistant"
 
 
 def test_ctrl_c_during_prompt_prefill_closes_turn(monkeypatch):
@@ -196,8 +207,11 @@ def test_policy_switch_live_and_evictions_show():
     loop.run(lines_reader(["tell me a story about the sea", "and then?", "/policy window"]))
     assert eng.ledger.evicted > 0 and loop.metrics.eviction_count > 0
     assert "⟂ evicted" in err.getvalue()
-    assert eng.cache_cfg.policy == "window" and not eng.ledger.holds_stream_start() is None
-    loop.run(lines_reader(["more please", "/policy sink", "go on"]))
+    assert eng.cache_cfg.policy == "window" and eng.ledger.holds_stream_start()  # sinks kept so far
+    loop.run(lines_reader(["more please"]))
+    assert not eng.ledger.holds_stream_start()  # the window evicted the stream's first tokens
+    assert "(start gone)" in toolbar_text(loop.stats())
+    loop.run(lines_reader(["/policy sink", "go on"]))
     assert eng.cache_cfg.policy == "sink" and consistent(eng) and eng.cache.length <= 48
     s = loop.stats()
     text = toolbar_text(s)
@@ -207,14 +221,30 @@ def test_policy_switch_live_and_evictions_show():
     assert "evictions (" in err.getvalue()
 
 
-def test_huge_paste_and_multiline_and_invalid_utf8():
-    eng = fake_engine(capacity=64, max_tokens=2)
+def _paste(size: int, capacity: int) -> None:
+    eng = fake_engine(capacity=capacity, max_tokens=2)
     eng.prefill_chunk = 4096
     loop, out, err = make_loop(eng)
-    big = ("lorem ipsum dolor sit amet " * 40000)[: 1 << 20]  # 1 MiB in one line
+    big = ("lorem ipsum dolor sit amet " * (size // 20))[:size]  # one line, pasted
     loop.run(stream_reader(io.BytesIO(big.encode() + b"\n")))
-    assert eng.ledger.seen > 1 << 20 and eng.cache.length <= 64 and consistent(eng)
+    assert eng.ledger.seen > size and eng.cache.length <= capacity and consistent(eng)
+    assert eng.ledger.evicted >= size - capacity
     assert "more evictions this turn" in err.getvalue()  # the flood is summarised, not printed line by line
+    assert eng.conv.messages[-1]["role"] == "assistant"
+
+
+def test_big_paste_fed_through_eviction():
+    _paste(1 << 17, 512)
+
+
+@pytest.mark.slow
+def test_one_mib_paste():
+    _paste(1 << 20, 512)
+
+
+def test_multiline_and_invalid_utf8():
+    eng = fake_engine(capacity=64, max_tokens=2)
+    loop, out, err = make_loop(eng)
     loop.run(stream_reader(io.BytesIO(b'"""first line\nsecond \xff\xfe line\nlast"""\n/bye\n')))
     assert eng.conv.messages[-2]["content"] == "first line\nsecond \ufffd\ufffd line\nlast"
 
@@ -261,7 +291,18 @@ def test_cli_pipe_path_invalid_utf8(monkeypatch, tmp_path):
     assert res.exception is None and "\x1b[" not in res.stdout
     assert "unknown command /nope" in res.stderr
     res = CliRunner().invoke(repl.chat_command, ["--system", "x", "--system-file", "y"], input="")
-    assert res.exit_code == 2 and "not both" in res.stderr
+    assert res.exit_code == 2 and "not both" in res.stderr and "Traceback" not in res.output
+    systems = []
+    monkeypatch.setattr(repl, "open_engine", lambda settings, system, progress=None: systems.append(system) or
+                        fake_engine(max_tokens=int(settings.sampling.max_tokens)))
+    (tmp_path / "sys.txt").write_text("  from a file \n")
+    res = CliRunner().invoke(repl.chat_command, ["--system-file", str(tmp_path / "sys.txt"), "--max-tokens", "3"],
+                             input="")
+    assert res.exit_code == 0 and systems[-1] == "from a file"
+    res = CliRunner().invoke(repl.chat_command, [], input="")
+    assert res.exit_code == 0 and systems[-1] == repl.read_prompt("system") and systems[-1]
+    res = CliRunner().invoke(repl.chat_command, ["--system-file", str(tmp_path / "missing.txt")], input="")
+    assert res.exit_code == 2 and "cannot read --system-file" in res.stderr
 
 
 # ----------------------------------------------------------------------------------------------- real model
@@ -273,7 +314,7 @@ def real_engine(bundled):
 
 
 def test_real_model_conversation_commands_ctrl_c(real_engine, monkeypatch):
-    eng = real_engine(cap=96, max_tokens=10)
+    eng = real_engine(cap=48, max_tokens=10)
     loop, out, err = make_loop(eng)
     loop.run(lines_reader(["What is the capital of France?", "/set max_tokens 8", "And of Italy?"]))
     replies = [m["content"] for m in eng.conv.messages if m["role"] == "assistant"]
@@ -301,3 +342,24 @@ def test_real_model_conversation_commands_ctrl_c(real_engine, monkeypatch):
     loop.run(lines_reader(["What is 1+1?"]))
     assert eng.conv.messages[-1]["role"] == "assistant" and eng.conv.messages[-1]["content"].strip()
     assert consistent(eng) and "evicted" in toolbar_text(loop.stats())
+
+
+def test_system_message_refused_by_template_changes_nothing():
+    from jinja2 import TemplateError
+
+    class StrictTokenizer(CharTokenizer):
+        def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False) -> str:
+            if any(m["role"] == "system" for m in msgs[1:]):
+                raise TemplateError("System role only allowed first")
+            return super().apply_chat_template(msgs, tokenize, add_generation_prompt)
+
+    eng = fake_engine(capacity=128)
+    eng.tokenizer = eng.conv.tokenizer = StrictTokenizer()
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["hi"]))
+    msgs, fed, length = [dict(m) for m in eng.conv.messages], eng.conv.fed, eng.cache.length
+    loop.run(lines_reader(["/system be a pirate"]))
+    assert "refused a system message" in err.getvalue() and "nothing changed" in err.getvalue()
+    assert eng.conv.messages == msgs and eng.conv.fed == fed and eng.cache.length == length
+    loop.run(lines_reader(["still works"]))
+    assert eng.conv.messages[-2]["content"] == "still works" and consistent(eng)

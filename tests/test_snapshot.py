@@ -295,3 +295,66 @@ def test_bundled_save_load_next_greedy_reply_identical(bundled, tmp_path):
     assert torch.equal(b.last_logits, a.last_logits)
     for e in (a, b):
         e.gauge.remove()
+
+
+CRASHER = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from transformers import AutoTokenizer
+from conftest import tiny_model
+from sinkchat.config import CacheConfig, SamplingConfig
+from sinkchat.engine import Engine
+from sinkchat.snapshot import AutoSnapshot
+from sinkchat.transcript import SessionLog
+tok = AutoTokenizer.from_pretrained(sys.argv[2])
+m = tiny_model("llama", layers=2, seed=2, vocab_size=len(tok))
+eng = Engine(m, tok, CacheConfig(capacity=96, n_sink=4, evict_chunk=8),
+             SamplingConfig(temperature=0.0, max_tokens=8, repetition_penalty=1.0), system="Be brief.", gauge_every=0)
+slog = SessionLog.open("chat", "tiny", {}, system="Be brief.", path=sys.argv[1])
+auto = AutoSnapshot(every=2)
+print("SESSION", slog.id, flush=True)
+for i, q in enumerate(["one", "two", "three", "four"]):
+    slog.turn("user", q)
+    for ev in eng.chat(q, max_tokens=8 if i < 3 else 10_000):
+        if i == 3:
+            print("TOKEN", flush=True)
+            time.sleep(0.05)
+    done = ev
+    slog.turn("assistant", done.text, done.tokens, done.seconds, reason=done.reason)
+    auto.after_turn(eng, slog)
+print("FINISHED", flush=True)
+"""
+
+
+def test_kill_9_mid_reply_then_resume(chat_parts, bundled, tmp_path):
+    """Library-level crash test: a process is SIGKILLed mid-reply; every completed turn is in the log and the
+    session resumes from its automatic snapshot (plus the turns logged after it)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    db = tmp_path / "sinkchat.db"
+    tests_dir = str(Path(__file__).parent)
+    p = subprocess.Popen([sys.executable, "-c", CRASHER, str(db), str(bundled.path), tests_dir],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sid = None
+    for line in p.stdout:
+        if line.startswith("SESSION"):
+            sid = int(line.split()[1])
+        if line.startswith(("TOKEN", "FINISHED")):
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL, p.stderr.read()
+    logged = turns(sid, db)
+    assert [t.role for t in logged] == ["user", "assistant"] * 3 + ["user"]  # all completed turns, no partial one
+    b = chat_engine(chat_parts)
+    slog = SessionLog.resume(sid, path=db)
+    res = resume_session(b, slog)
+    assert res.method == "snapshot" and res.turns_replayed == 2 and res.pending == "four"
+    assert [m["content"] for m in b.conv.messages if m["role"] == "user"] == ["one", "two", "three"]
+    assert b.conv.messages[-1]["role"] == "assistant"
+    done = list(b.chat(res.pending))[-1]
+    slog.turn("assistant", done.text, done.tokens)
+    assert [t.seq for t in turns(sid, db)] == list(range(1, 9))

@@ -18,6 +18,7 @@ from prompt_toolkit.document import Document
 
 from sinkchat.config import POLICIES, CacheConfig, ConfigError, SamplingConfig
 from sinkchat.metrics import human_bytes
+from sinkchat.ui import session
 from sinkchat.ui.render import eviction_line, stats_table
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def cmd_system(loop: "ChatLoop", arg: str) -> None:
     try:
         n = loop.feed_message("system", arg)
     except ConfigError as e:
-        loop.r.error(str(e))
+        loop.r.error(f"/system: {e}; nothing changed (/clear, then /system TEXT, starts over with it)")
         return
     loop.r.info(f"system message added to the conversation ({n} tokens); /clear to start over with it alone")
 
@@ -170,7 +171,10 @@ def write_atomic(path: Path, text: str) -> None:
 
 def cmd_save(loop: "ChatLoop", arg: str) -> None:
     if not arg:
-        loop.r.error("usage: /save FILE")
+        loop.r.error("usage: /save NAME (snapshot) or /save FILE.json (transcript)")
+        return
+    if not arg.lower().endswith(".json"):
+        session.save(loop, arg)
         return
     path = Path(arg).expanduser()
     data = transcript(loop)
@@ -205,7 +209,10 @@ def _parse_transcript(data: Any, max_positions: int) -> tuple[str | None, list[d
 
 def cmd_load(loop: "ChatLoop", arg: str) -> None:
     if not arg:
-        loop.r.error("usage: /load FILE")
+        loop.r.error("usage: /load NAME (snapshot) or /load FILE.json (transcript)")
+        return
+    if not session.is_transcript_file(arg):
+        session.load(loop, arg)
         return
     path = Path(arg).expanduser()
     try:
@@ -244,7 +251,9 @@ def cmd_edit(loop: "ChatLoop", arg: str) -> None:
     if text is None or not text.strip():
         loop.r.info("nothing sent")
         return
-    loop.turn(text.rstrip("\n"))
+    text = text.rstrip("\n")
+    loop.r.info(text, style="dim")  # show what is being sent; it was typed outside the prompt
+    loop.turn(text)
 
 
 def cmd_bye(loop: "ChatLoop", arg: str) -> None:
@@ -261,8 +270,9 @@ COMMANDS: dict[str, Command] = {
     "/set": Command(cmd_set, "/set KEY VALUE", f"sampling: {', '.join(SET_KEYS)}", tuple(SET_KEYS)),
     "/clear": Command(cmd_clear, "/clear", "empty the cache and start over"),
     "/evictions": Command(cmd_evictions, "/evictions", "recent eviction events"),
-    "/save": Command(cmd_save, "/save FILE", "save the transcript (JSON: messages + settings)", paths=True),
-    "/load": Command(cmd_load, "/load FILE", "load a transcript and replay it into the cache", paths=True),
+    "/save": Command(cmd_save, "/save NAME|FILE.json", "snapshot the session incl. KV cache (or a JSON transcript)",
+                     paths=True),
+    "/load": Command(cmd_load, "/load NAME|FILE.json", "restore a snapshot (or replay a JSON transcript)", paths=True),
     "/edit": Command(cmd_edit, "/edit", "compose a message in $EDITOR"),
     "/bye": Command(cmd_bye, "/bye", "exit"),
 }

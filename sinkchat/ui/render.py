@@ -22,28 +22,42 @@ Fragments = list[tuple[str, str]]
 
 
 # ------------------------------------------------------------------------------------------------- pure text pieces
-def toolbar_fragments(s: Stats) -> Fragments:
-    """The bottom toolbar as prompt-toolkit (style, text) fragments: memory, KV fill, totals, speed, gauge, policy."""
+def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
+    """The bottom toolbar as prompt-toolkit (style, text) fragments: memory, KV fill, totals, speed, gauge, policy.
+    Below ~110 columns it drops labels and the eviction count so the gauge still fits an 80-column terminal."""
     fill = s.cache_len / s.capacity if s.capacity else 0.0
-    mem = f" RSS {human_bytes(s.rss)} "
-    if s.cuda:
-        mem += f"CUDA {human_bytes(s.cuda[0])} "
     gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
     start = "" if s.holds_start or s.gauge is None else " (start gone)"
+    if width >= 110:
+        mem = f" RSS {human_bytes(s.rss)} " + (f"CUDA {human_bytes(s.cuda[0])} " if s.cuda else "")
+        return [
+            ("class:toolbar.policy", f" {s.policy}({s.n_sink}) "),
+            ("class:toolbar", mem),
+            ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
+            ("class:toolbar", f" seen {s.seen} "),
+            ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
+            ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s "),
+            ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start} "),
+        ]
+    mem = f" RSS {_short(s.rss)}" + (f" CUDA {_short(s.cuda[0])}" if s.cuda else "") + " "
     return [
         ("class:toolbar.policy", f" {s.policy}({s.n_sink}) "),
         ("class:toolbar", mem),
-        ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
-        ("class:toolbar", f" seen {s.seen} "),
-        ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
-        ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s "),
-        ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start} "),
+        ("class:toolbar.kv", f"KV {_short(s.kv_bytes)} {s.cache_len}/{s.capacity} "),
+        ("class:toolbar", f"seen {s.seen} "),
+        ("class:toolbar.evicted", f"evicted {s.evicted} "),
+        ("class:toolbar", f"{s.decode_tok_s:.1f}t/s "),
+        ("class:toolbar.gauge", f"sink {gauge_bar(s.gauge, 5)} {gauge}{'!' if start else ''} "),
     ]
 
 
-def toolbar_text(s: Stats) -> str:
+def _short(n: float) -> str:
+    return human_bytes(n).replace(" ", "").replace("iB", "")
+
+
+def toolbar_text(s: Stats, width: int = 200) -> str:
     """The toolbar as one plain string (what a test or a screen capture reads)."""
-    return "".join(t for _, t in toolbar_fragments(s))
+    return "".join(t for _, t in toolbar_fragments(s, width))
 
 
 def eviction_line(ev: EvictionEvent) -> str:
@@ -177,5 +191,9 @@ class Renderer:
 
     def _live_view(self) -> Group:
         partial = self._partial
-        status = status_line(self.stats()) if self.stats else ""
+        try:  # runs on rich's refresh thread while the engine works: never let a reading error kill it
+            status = status_line(self.stats()) if self.stats else ""
+            self._last_status = status
+        except Exception:  # noqa: BLE001
+            status = getattr(self, "_last_status", "")
         return Group(Text(partial, style="green"), Text(status, style="reverse dim", no_wrap=True, overflow="ellipsis"))

@@ -21,6 +21,7 @@ from sinkchat.config import ConfigError, data_dir
 from sinkchat.events import DoneEvent, EvictionEvent, Event, TokenEvent
 from sinkchat.metrics import Metrics, Stats, model_bytes, read_stats
 from sinkchat.ui.commands import Exit, SlashCompleter, dispatch
+from sinkchat.ui import session
 from sinkchat.ui.render import Renderer, toolbar_fragments
 
 log = logging.getLogger(__name__)
@@ -34,8 +35,14 @@ class ChatLoop:
     """The REPL core: turns lines into chat turns or slash commands, streams events to a Renderer."""
 
     def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
-                 interactive: bool = False) -> None:
+                 interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
+                 auto_snapshot: Any = None) -> None:
+        from sinkchat.transcript import NullLog
+
         self.engine = engine
+        self.slog = slog if slog is not None else NullLog()  # the SQLite session log (NullLog with --no-log)
+        self.auto_snapshot = auto_snapshot
+        self.exit_on_interrupt = exit_on_interrupt  # piped input: Ctrl-C ends the run (after a consistent stop)
         self.r = renderer
         self.metrics = metrics or Metrics()
         self.interactive = interactive
@@ -49,7 +56,13 @@ class ChatLoop:
         return read_stats(self.engine, self.metrics, self._model_nbytes)
 
     def toolbar(self) -> list[tuple[str, str]]:
-        return toolbar_fragments(self.stats())
+        try:
+            from prompt_toolkit.application import get_app
+
+            width = get_app().output.get_size().columns
+        except Exception:  # noqa: BLE001 - no running app (tests): full width
+            width = 200
+        return toolbar_fragments(self.stats(), width)
 
     # ------------------------------------------------------------------------------------------- events
     def on_event(self, ev: Event) -> None:
@@ -57,6 +70,7 @@ class ChatLoop:
         if isinstance(ev, TokenEvent):
             self.r.token(ev.text)
         elif isinstance(ev, EvictionEvent):
+            self.slog.eviction(ev)
             if self._shown < MAX_EVICTION_LINES:
                 self._shown += 1
                 self.r.eviction(ev)
@@ -72,9 +86,10 @@ class ChatLoop:
         self._hidden, self._shown = [], 0
 
     # ------------------------------------------------------------------------------------------- actions
-    def turn(self, text: str) -> DoneEvent | None:
+    def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:
         """One chat turn. Ctrl-C stops it; whatever was generated stays in the cache and the conversation."""
         eng = self.engine
+        seen0 = eng.ledger.seen
         done: DoneEvent | None = None
         interrupted = generating = False
         self.r.begin_reply()
@@ -86,6 +101,8 @@ class ChatLoop:
                         self.on_event(ev)
                 finally:
                     feed.close()
+                if log_user:
+                    session.log_turn(self, "user", text, eng.ledger.seen - seen0)
                 eng.last_reply_ids = []
                 generating = True
                 gen = eng.generate()
@@ -100,25 +117,33 @@ class ChatLoop:
                 # Record the reply even when cut (the engine.chat contract); an empty one if the prompt was cut, so
                 # the template closes the turn and the next message extends the conversation by prefix.
                 eng.conv.add_reply(eng.reply_text() if generating else "")
+                if generating:
+                    reply = done.text if done is not None else eng.tokenizer.decode(eng.last_reply_ids,
+                                                                                    skip_special_tokens=True)
+                    session.log_turn(self, "assistant", reply, len(eng.last_reply_ids), done)
+                    if self.auto_snapshot is not None:
+                        self.auto_snapshot.after_turn(eng, self.slog)
         except KeyboardInterrupt:
             interrupted = True
         finally:
             self.r.end_reply(done, interrupted)
             self._summarise_hidden()
         self.r.status(self.stats())
+        if interrupted and self.exit_on_interrupt:
+            raise KeyboardInterrupt
         return done
 
     def feed_message(self, role: str, content: str, quiet: bool = False) -> int:
         """Feed a message without a reply (transcript replay, mid-conversation system prompt); returns tokens."""
         eng = self.engine
         before = eng.ledger.seen
+        from jinja2 import TemplateError
+
         try:
             events = list(eng.add_message(role, content, add_generation_prompt=False))
-        except Exception as e:  # noqa: BLE001 - a chat template may refuse a role/position (jinja TemplateError)
+        except TemplateError as e:  # a chat template may refuse a role or position (e.g. a late system message)
             if eng.conv.messages and eng.conv.messages[-1] == {"role": role, "content": content}:
-                eng.conv.messages.pop()
-            if isinstance(e, ConfigError):
-                raise
+                eng.conv.messages.pop()  # rendering failed before anything was fed
             raise ConfigError(f"the chat template refused a {role} message here: {e}") from None
         for ev in events:
             self.metrics.fold(ev)
@@ -148,6 +173,8 @@ class ChatLoop:
                 if line.lstrip().startswith(FENCE):
                     line = self._read_block(line, read)
             except KeyboardInterrupt:
+                if self.exit_on_interrupt:
+                    raise
                 continue
             except EOFError:
                 return
@@ -156,6 +183,8 @@ class ChatLoop:
             except Exit:
                 return
             except KeyboardInterrupt:  # Ctrl-C inside a slash command (e.g. a long /load)
+                if self.exit_on_interrupt:
+                    raise
                 self.r.error("^C interrupted")
 
     @staticmethod
@@ -268,8 +297,15 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
 @click.option("--system", "system_text", default=None, metavar="TEXT",
               help="system prompt (default: prompts/system.txt)")
 @click.option("--system-file", type=click.Path(dir_okay=False), default=None, help="read the system prompt from a file")
+@click.option("--load", "load_name", default=None, metavar="NAME", help="start from a snapshot saved with /save NAME")
+@click.option("--resume", "resume_arg", is_flag=False, flag_value="", default=None, metavar="[ID]",
+              help="continue a logged session after a crash (default: the newest chat session)")
+@click.option("--snapshot-every", type=click.IntRange(0, None), default=0, show_default=True,
+              help="write an automatic snapshot every N turns (used by --resume)")
+@click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
 @common_options
-def chat_command(system_text: str | None, system_file: str | None, **kw: Any) -> None:
+def chat_command(system_text: str | None, system_file: str | None, load_name: str | None, resume_arg: str | None,
+                 snapshot_every: int, no_log: bool, **kw: Any) -> None:
     """Chat with the model forever: replies stream, the cache never overflows (attention sinks keep it sane), and
     the toolbar shows memory, cache fill, evictions and the sink gauge. /help inside lists the slash commands.
 
@@ -277,23 +313,50 @@ def chat_command(system_text: str | None, system_file: str | None, **kw: Any) ->
     `sinkchat chat < questions.txt > answers.txt` works (events and stats go to stderr)."""
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
-    stdin = click.get_binary_stream("stdin")
-    out, err = click.get_text_stream("stdout"), click.get_text_stream("stderr")
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
+    out, err = sys.stdout, sys.stderr
     tty_out = _isatty(out)
     interactive = tty_out and _isatty(stdin)
     with user_errors():
         settings = build_settings(opts)
         system = resolve_system(system_text, system_file)
+        if load_name is not None and resume_arg is not None:
+            raise ConfigError("give --load or --resume, not both")
+        resume_id = session.resume_target(resume_arg) if resume_arg is not None else None
+        if load_name is not None:
+            settings = session.settings_for_load(settings, load_name)
         engine = load_engine(settings, system, tty_out)
-        loop = ChatLoop(engine, Renderer(out, err, tty=tty_out), interactive=interactive)
+        renderer = Renderer(out, err, tty=tty_out)
+        slog = session.open_log(engine, "chat", no_log, system, lambda m: renderer.error(m), resume_id)
+        auto = None
+        if snapshot_every:
+            from sinkchat.snapshot import AutoSnapshot
+
+            auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
+        loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
+                        auto_snapshot=auto)
+        try:
+            _start(loop, load_name, resume_id, interactive, stdin)
+        finally:
+            slog.close()
+
+
+def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interactive: bool, stdin: Any) -> None:
+    """Restore (--load / --resume) if asked, then run the loop on a prompt or on stdin."""
+    engine = loop.engine
+    with user_errors():
+        if load_name is not None:
+            session.load(loop, load_name, strict=True)
+        elif resume_id is not None:
+            session.do_resume(loop, resume_id)
         if interactive:
             loaded = getattr(engine, "loaded", None)
             c = engine.cache_cfg
             what = f"{Path(loaded.source).name} ({loaded.quant}, {loaded.device})" if loaded is not None else "model"
             loop.r.info(f"sinkchat · {what} · cache {c.capacity} tokens, {c.policy} with {c.n_sink} sinks · "
                         f"/help for commands, /bye or Ctrl-D to exit", style="bold cyan")
-            session = make_prompt_session(loop, data_dir() / "history")
-            loop.run(prompt_reader(session))
+            prompt = make_prompt_session(loop, data_dir() / "history")
+            loop.run(prompt_reader(prompt))
         else:
             loop.run(stream_reader(stdin))
 

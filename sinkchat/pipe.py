@@ -1,0 +1,417 @@
+"""`sinkchat summarize`: a rolling summary of a log that keeps coming, in flat memory.
+
+How log text and chat turns share the one cache: every chunk of log lines is fed once as a user message without a
+generation prompt (`add_message(..., add_generation_prompt=False)`), so it is templated like any turn and never
+re-encoded. At a summary boundary the question (prompts/summarize.txt, with the line range) is one more user
+message, and the reply is generated into the same cache and recorded in the conversation. The conversation object
+is then trimmed to its last turns (the cache already holds the rest, or evicted it), so nothing grows with the log:
+the cache is fixed-size, the queue is bounded, the conversation is trimmed, and counters are integers.
+
+The plumbing around the model (reader thread, queue, filters, dedupe, batching, accounting, output blocks) lives
+in `pipe_input.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import stat
+import sys
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import click
+
+from sinkchat.cliopts import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
+from sinkchat.pipe_input import (
+    FORMATS, Batcher, End, Item, Notice, Output, OutputClosed, Period, Reader, fill, follow_chunks, stream_chunks,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_FLUSH = 0.5  # feed a partial chunk after this long without new lines
+LIVE_EVERY = 0.25  # status refresh on a terminal
+PLAIN_EVERY = 10.0  # plain status lines when stderr is not a terminal
+DEFAULT_SUMMARY_TOKENS = 128
+
+
+class Status:
+    """Progress on stderr: one live line on a terminal, a plain line every PLAIN_EVERY seconds otherwise."""
+
+    def __init__(self, stream: TextIO, quiet: bool, line: Callable[[], str] | None = None) -> None:
+        self.stream, self.quiet = stream, quiet
+        self.line = line
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.every = LIVE_EVERY if self.tty else PLAIN_EVERY
+        self.last = time.monotonic()
+        self.live = False
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.quiet = True  # stderr is gone; keep working without it
+
+    def clear(self) -> None:
+        if self.live:
+            self._write("\r\x1b[K")
+            self.live = False
+
+    def notice(self, message: str) -> None:
+        if not self.quiet:
+            self.clear()
+            self._write(f"sinkchat: {message}\n")
+
+    def done(self) -> None:
+        """The last status, left on screen as a plain line."""
+        if not self.quiet and self.line is not None:
+            self.clear()
+            self._write(self.line() + "\n")
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or self.line is None or (not force and now - self.last < self.every):
+            return
+        self.last = now
+        text = self.line()
+        if self.tty:
+            width = max(20, _term_width() - 1)
+            self._write("\r\x1b[K" + text[:width])
+            self.live = True
+        else:
+            self._write(text + "\n")
+
+
+def _term_width() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns or 120
+    except (OSError, ValueError):
+        return 120
+
+
+def settle_conversation(engine: Any, keep: int) -> None:
+    """Close the last turn in the cache and trim the conversation to its last `keep` messages, so its memory and
+    the cost of templating the next turn stay flat however long the log runs. The cache is not touched beyond the
+    closing text (it already holds, or has evicted, everything before)."""
+    conv = engine.conv
+    try:
+        full = conv._render(conv.messages, False)
+        if not full.startswith(conv.fed):
+            return  # a template that rewrites history: leave it to the conversation's own fallback
+        closing = full[len(conv.fed):]
+        if closing:
+            for _ in engine.feed(closing):
+                pass
+            conv.fed += closing
+        kept = conv.messages[-keep:]
+        rendered = conv._render(kept, False)
+    except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone
+        log.debug("conversation not trimmed: %s", e)
+        return
+    conv.messages[:] = kept
+    conv.fed = rendered
+
+
+class Summarizer:
+    """The consumer: takes items off the queue, feeds chunks, asks for a summary every N lines / T seconds."""
+
+    def __init__(self, engine: Any, batcher: Batcher, out: Output, status: Status, *, prompt: str, every: int,
+                 interval: float, max_tokens: int) -> None:
+        from sinkchat.metrics import Metrics, model_bytes
+
+        self.engine, self.batcher, self.out, self.status = engine, batcher, out, status
+        self.prompt, self.every, self.interval, self.max_tokens = prompt, every, interval, max_tokens
+        self.metrics = Metrics()
+        self.model_nbytes = model_bytes(engine.model)
+        self.mark = (engine.ledger.seen, engine.ledger.evicted)
+        self.totals = Period()
+        self.summaries = 0
+        self.error: str | None = None
+        self.due = self._next_due()
+        self.queued: Callable[[], int] = lambda: 0  # lines read but not yet taken (the command wires the queue in)
+        status.line = self.status_text
+
+    def _next_due(self) -> float:
+        return time.monotonic() + self.interval if self.interval > 0 else float("inf")
+
+    def _events(self, events: Any) -> str:
+        """Fold engine events into the metrics (keeps the status live); returns the generated text, if any."""
+        from sinkchat.events import DoneEvent
+
+        text = ""
+        for ev in events:
+            self.metrics.fold(ev)
+            if isinstance(ev, DoneEvent):
+                text = ev.text
+            self.status.tick()
+        return text
+
+    def status_text(self) -> str:
+        from sinkchat.metrics import read_stats, status_line
+
+        t, p = self.totals, self.batcher.period
+        read = t.lines + p.lines
+        return (f"lines {read}: fed {t.summarized + p.summarized} filt {t.filtered + p.filtered} "
+                f"dup {t.deduped + p.deduped} skip {t.skipped + p.skipped} queue {self.queued()} | "
+                f"summaries {self.summaries} | "
+                + status_line(read_stats(self.engine, self.metrics, self.model_nbytes)))
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def handle(self, item: Item) -> bool:
+        """Account one queue item; False at the end of input."""
+        if isinstance(item, Notice):
+            self.status.notice(item.message)
+            return True
+        self.batcher.add(item)
+        if isinstance(item, End):
+            if item.error:
+                self.error = item.error
+                self.status.notice(f"input error: {item.error}")
+            return False
+        return True
+
+    def feed_chunk(self) -> None:
+        text = self.batcher.take_chunk()
+        if text is None:
+            return
+        self._events(self.engine.add_message("user", text, add_generation_prompt=False))
+        settle_conversation(self.engine, keep=1)
+
+    def boundary(self) -> None:
+        """After an item: summarize when N lines or the interval are reached, else feed a full chunk."""
+        p = self.batcher.period
+        if p.lines and ((self.every and p.lines >= self.every) or time.monotonic() >= self.due):
+            self.summarize()
+        elif self.batcher.full:
+            self.feed_chunk()
+
+    def summarize(self, final: bool = False) -> None:
+        """Ask the model about the lines since the last summary and print one block."""
+        self.batcher.end_run()
+        self.feed_chunk()
+        p = self.batcher.period
+        text = ""
+        if p.summarized:
+            note = f" {p.skipped} lines were skipped because they came faster than they could be read." if p.skipped else ""
+            question = fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
+                            summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
+                            note=note)
+            self._events(self.engine.add_message("user", question))
+            try:
+                text = self._events(self.engine.generate(self.max_tokens)).strip()
+            finally:
+                self.engine.conv.add_reply(self.engine.reply_text())
+            settle_conversation(self.engine, keep=2)
+        self.emit(self.batcher.take_period(), text, final)
+
+    def emit(self, p: Period, text: str, final: bool) -> None:
+        from sinkchat.metrics import rss_bytes
+
+        led, cache = self.engine.ledger, self.engine.cache
+        block = {
+            "time": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "first_line": p.first_line, "last_line": p.last_line, "lines": p.lines, "summarized": p.summarized,
+            "filtered": p.filtered, "deduped": p.deduped, "skipped": p.skipped, "truncated": p.truncated,
+            "tokens_fed": led.seen - self.mark[0], "tokens_evicted": led.evicted - self.mark[1],
+            "kv_bytes": cache.nbytes, "cache_len": cache.length, "capacity": self.engine.cache_cfg.capacity,
+            "rss": rss_bytes(), "final": final, "summary": text,
+        }
+        self.mark = (led.seen, led.evicted)
+        for k in ("summarized", "filtered", "deduped", "skipped", "truncated"):
+            setattr(self.totals, k, getattr(self.totals, k) + getattr(p, k))
+        self.summaries += 1
+        self.due = self._next_due()
+        self.status.clear()
+        self.out.write(block)
+        self.status.tick(force=not self.status.tty)
+
+    # ------------------------------------------------------------------------------------------------ loops
+    def run(self, q: "queue.Queue[Item]") -> None:
+        """Until the input ends: take lines as they come, feed idle chunks, summarize on time."""
+        while True:
+            wait = min(self.due - time.monotonic(), self.status.every)
+            if self.batcher.chunk:
+                wait = min(wait, IDLE_FLUSH)
+            try:
+                item = q.get(timeout=max(0.01, wait))
+            except queue.Empty:
+                if self.batcher.chunk:
+                    self.feed_chunk()
+                if time.monotonic() >= self.due:
+                    if self.batcher.period.lines:
+                        self.summarize()
+                    else:
+                        self.due = self._next_due()
+                self.status.tick()
+                continue
+            if not self.handle(item):
+                break
+            self.boundary()
+            self.status.tick()
+        self.finish()
+
+    def drain(self, q: "queue.Queue[Item]") -> None:
+        """After Ctrl-C: take what was already read, without waiting for more."""
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if not self.handle(item):
+                return
+            if self.batcher.full:
+                self.feed_chunk()
+
+    def finish(self) -> None:
+        """The final summary of whatever is pending (nothing is printed when nothing is pending)."""
+        self.batcher.end_run()
+        if self.batcher.period.lines:
+            self.summarize(final=True)
+        self.status.done()
+        if self.totals.lines == 0 and not self.error:
+            self.status.notice("no input lines; nothing to summarize")
+
+
+def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise click.UsageError(f"{flag} {pattern!r} is not a valid regular expression: {e}") from None
+
+
+@click.command("summarize")
+@click.option("--file", "file_path", type=click.Path(dir_okay=False), default=None, help="read this file instead of stdin")
+@click.option("--follow", "follow_path", type=click.Path(dir_okay=False), default=None,
+              help="follow this file like `tail -F` (survives rotation and truncation); ends with Ctrl-C")
+@click.option("--from-end", is_flag=True, help="with --follow: skip what the file already holds")
+@click.option("--every", type=click.IntRange(0, None), default=100, show_default=True,
+              help="summarize every N input lines (0 = only on --interval and at the end)")
+@click.option("--interval", type=click.FloatRange(0, None), default=300.0, show_default=True,
+              help="summarize at least every SECONDS when lines came in (0 = off)")
+@click.option("--chunk-lines", type=click.IntRange(1, None), default=32, show_default=True, help="lines fed per chunk")
+@click.option("--chunk-tokens", type=click.IntRange(1, None), default=256, show_default=True, help="tokens fed per chunk")
+@click.option("--grep", default=None, help="keep only lines matching this regex")
+@click.option("--exclude", default=None, help="drop lines matching this regex")
+@click.option("--dedupe/--no-dedupe", default=True, show_default=True, help="count repeated identical lines like uniq -c")
+@click.option("--max-line-chars", type=click.IntRange(16, None), default=500, show_default=True,
+              help="longer lines are cut, with a marker")
+@click.option("--backpressure", type=click.Choice(("drop", "block")), default=None,
+              help="when the model falls behind: drop lines (counted as skipped) or block the writer "
+                   "[default: block for --file or a redirected file, drop for pipes and --follow]")
+@click.option("--queue-lines", type=click.IntRange(1, None), default=10000, show_default=True,
+              help="lines read ahead of the model before back-pressure starts")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True)
+@click.option("--prompt", "prompt_path", type=click.Path(dir_okay=False), default=None,
+              help="question template instead of prompts/summarize.txt ({first_line} {last_line} {lines} {skipped} ...)")
+@click.option("--quiet", "-q", is_flag=True, help="no progress or notices on stderr")
+@common_options
+@click.pass_context
+def summarize_command(ctx: click.Context, file_path: str | None, follow_path: str | None, from_end: bool, every: int,
+                      interval: float, chunk_lines: int, chunk_tokens: int, grep: str | None, exclude: str | None,
+                      dedupe: bool, max_line_chars: int, backpressure: str | None, queue_lines: int, fmt: str,
+                      prompt_path: str | None, quiet: bool, **kw: Any) -> None:
+    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize`.
+
+    Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
+    what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
+    input: a final summary, exit 0. Ctrl-C: a final summary of the pending lines, exit 130.
+    """
+    opts = pop_common(kw)
+    setup_logging(opts["verbose"] or 0)
+    status = Status(sys.stderr, quiet)
+    with user_errors():
+        if file_path and follow_path:
+            raise click.UsageError("use either --file or --follow, not both")
+        grep_re, exclude_re = _compile(grep, "--grep"), _compile(exclude, "--exclude")
+        if prompt_path:
+            try:
+                prompt = Path(prompt_path).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise click.UsageError(f"cannot read --prompt {prompt_path}: {getattr(e, 'strerror', None) or e}") from None
+        else:
+            prompt = read_prompt("summarize")
+        if opts["max_tokens"] is None and not os.environ.get("SINKCHAT_MAX_TOKENS"):
+            opts["max_tokens"] = DEFAULT_SUMMARY_TOKENS
+        settings = build_settings(opts)
+        stop = threading.Event()
+        q: "queue.Queue[Item]" = queue.Queue(maxsize=queue_lines)
+        reader_box: list[Reader] = []
+        if follow_path:
+            chunks: Any = follow_chunks(follow_path, stop, lambda m: reader_box[0].notice(m), from_end=from_end)
+            mode = backpressure or "drop"
+        else:
+            stream = _open_input(file_path)
+            regular = _is_regular(stream)
+            chunks = stream_chunks(stream, stop)
+            mode = backpressure or ("block" if file_path or regular else "drop")
+            if not file_path and not regular and getattr(sys.stdin, "isatty", lambda: False)():
+                status.notice("reading log lines from the terminal; end with Ctrl-D")
+        reader = Reader(chunks, q, max_line_chars=max_line_chars, backpressure=mode, stop=stop)
+        reader_box.append(reader)
+        reader.start()  # reading starts while the model loads
+        try:
+            engine = open_engine(settings, system=None, progress=status.notice)
+        except KeyboardInterrupt:
+            stop.set()
+            ctx.exit(130)  # Ctrl-C while loading: nothing was summarized yet
+        batcher = Batcher(lambda s: len(engine.encode(s)), chunk_lines, chunk_tokens, grep_re, exclude_re, dedupe)
+        summ = Summarizer(engine, batcher, Output(fmt, sys.stdout), status, prompt=prompt, every=every,
+                          interval=interval, max_tokens=settings.sampling.max_tokens)
+        summ.queued = q.qsize
+        code = 0
+        try:
+            try:
+                summ.run(q)
+            except KeyboardInterrupt:
+                code = 130
+                stop.set()
+                status.clear()
+                try:
+                    summ.drain(q)
+                    summ.finish()
+                except KeyboardInterrupt:
+                    pass
+        except OutputClosed:
+            stop.set()
+            _silence_stdout()
+            ctx.exit(0)
+        except Exception as e:
+            if type(e).__name__ == "TemplateError":
+                raise click.ClickException(f"the model's chat template refused the log turns: {e}") from None
+            raise
+        if code == 0 and summ.error:
+            code = 1
+        ctx.exit(code)
+
+
+def _open_input(file_path: str | None) -> Any:
+    if not file_path:
+        return getattr(sys.stdin, "buffer", sys.stdin)
+    try:
+        return open(file_path, "rb")  # noqa: SIM115 - owned by the reader thread until exit
+    except OSError as e:
+        raise click.ClickException(f"cannot read {file_path}: {e.strerror}") from None
+
+
+def _is_regular(stream: Any) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush cannot complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

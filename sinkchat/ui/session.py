@@ -1,0 +1,115 @@
+"""Sessions for the chat REPL: the SQLite log, automatic snapshots, `--load`, `--resume` and /save, /load.
+
+Kept apart from repl.py so the loop stays about chatting; everything here is a thin layer over
+`sinkchat.transcript` (the log) and `sinkchat.snapshot` (KV-cache snapshots).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from sinkchat.config import ConfigError, Settings
+
+if TYPE_CHECKING:
+    from sinkchat.ui.repl import ChatLoop
+
+
+def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
+             resume_id: int | None = None) -> Any:
+    """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored."""
+    from sinkchat.transcript import NullLog, SessionLog
+
+    if no_log:
+        return NullLog()
+    if resume_id is not None:
+        return SessionLog.resume(resume_id, warn=warn)
+    loaded = getattr(engine, "loaded", None)
+    settings = {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling),
+                "quant": getattr(loaded, "quant", None)}
+    return SessionLog.open(mode, getattr(loaded, "source", None), settings, system=system, warn=warn)
+
+
+def settings_for_load(settings: Settings, name: str) -> Settings:
+    """Before loading a snapshot at start-up: build the engine with the snapshot's cache shape (else it is refused)."""
+    from sinkchat.snapshot import snapshot_info, snapshot_path
+
+    head = snapshot_info(snapshot_path(name))
+    cc = head.get("cache") or {}
+    cache = replace(settings.cache, capacity=int(cc.get("capacity", settings.cache.capacity)),
+                    n_sink=int(cc.get("n_sink", settings.cache.n_sink)))
+    return replace(settings, cache=cache)
+
+
+def resume_target(arg: str) -> int:
+    """--resume with no value means the newest chat session."""
+    from sinkchat.transcript import latest_session
+
+    if arg:
+        try:
+            return int(arg)
+        except ValueError:
+            raise ConfigError(f"--resume takes a session id (see `sinkchat logs`), not {arg!r}") from None
+    info = latest_session("chat")
+    if info is None:
+        raise ConfigError("no chat session to resume (see `sinkchat logs`)")
+    return info.id
+
+
+def do_resume(loop: "ChatLoop", session_id: int) -> None:
+    from sinkchat.snapshot import resume_session
+
+    res = resume_session(loop.engine, loop.slog, session_id)
+    loop.r.info(f"resumed session {session_id}: {res.describe()}")
+    if res.pending:
+        loop.r.info("re-sending the last message, which never got a reply")
+        loop.turn(res.pending, log_user=False)
+
+
+def is_transcript_file(arg: str) -> bool:
+    """A JSON transcript (vs. a snapshot name or .safetensors file)."""
+    p = Path(arg).expanduser()
+    if p.suffix.lower() == ".json":
+        return True
+    try:
+        with open(p, "rb") as f:
+            return f.read(1) in (b"{", b"[")
+    except OSError:
+        return False
+
+
+def save(loop: "ChatLoop", arg: str) -> None:
+    """/save NAME|FILE.safetensors: a full snapshot (cache, conversation, settings)."""
+    from sinkchat.snapshot import SnapshotError, save_snapshot, snapshot_path
+
+    try:
+        path = save_snapshot(loop.engine, snapshot_path(arg), loop.slog.pointer())
+    except (SnapshotError, OSError) as e:
+        loop.r.error(f"/save: {e}")
+        return
+    loop.r.info(f"saved snapshot ({loop.engine.cache.length} tokens in cache) to {path}; /load {arg} restores it")
+
+
+def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
+    """/load NAME|FILE: a snapshot; the next reply is what the saved session would have said. `strict` (for --load)
+    raises instead of reporting, so a bad start-up snapshot ends the program with a one-line error."""
+    from sinkchat.snapshot import SnapshotError, load_snapshot, snapshot_path
+
+    try:
+        head = load_snapshot(loop.engine, snapshot_path(arg))
+    except SnapshotError as e:
+        if strict:
+            raise
+        loop.r.error(f"/load: {e}")
+        return
+    eng = loop.engine
+    loop.r.info(f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
+                f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
+
+
+def log_turn(loop: "ChatLoop", role: str, text: str, tokens: int, done: Any = None) -> None:
+    if done is None:
+        loop.slog.turn(role, text, tokens)
+    else:
+        loop.slog.turn(role, text, tokens, done.seconds, reason=done.reason, cache_len=loop.engine.cache.length)

@@ -1,0 +1,421 @@
+"""`sinkchat summarize`: reader/filter/batcher units (no model), the Summarizer on a tiny random model, the CLI in
+subprocesses on a tiny saved model (bad input, empty input, SIGPIPE, --follow + truncation + SIGINT) and one run of
+the real bundled model on a real Debian changelog streamed through a pipe."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from sinkchat.pipe_input import (
+    Batcher, End, LineSplitter, Line, Notice, Reader, clean_line, follow_chunks, stream_chunks,
+)
+
+WAIT = 240.0  # generous per-step timeout for subprocess output on a loaded 2-core box (never asserted on)
+
+
+# ----------------------------------------------------------------------------------------------------- units
+def test_splitter_keeps_bounded_prefix_of_a_huge_line_split_across_reads():
+    sp = LineSplitter(100)
+    out = []
+    big = b"a" * 10_000_000
+    for i in range(0, len(big), 65536):
+        out += sp.feed(big[i : i + 65536])
+    out += sp.feed(b"\nnext\npartial")
+    assert [(len(k), t) for k, t in out] == [(100, 10_000_000), (4, 4)]
+    assert len(sp.buf) <= 100
+    assert sp.flush() == (b"partial", 7)
+    assert sp.flush() is None
+
+
+def test_clean_line_handles_crlf_invalid_utf8_control_bytes_ansi_and_length():
+    assert clean_line(b"hello\r", 6, 50) == ("hello", False)
+    text, cut = clean_line(b"bad \xff\xfe end", 10, 50)
+    assert text == "bad \ufffd\ufffd end" and not cut
+    raw = b"\x1b[31mred\x1b[0m\x00x\ty"
+    assert clean_line(raw, len(raw), 50) == ("red\ufffdx\ty", False)
+    text, cut = clean_line(b"x" * 40, 1000, 30)
+    assert cut and text.startswith("x" * 30) and "1000 bytes" in text and "xxxx" * 8 not in text
+    text, cut = clean_line("é".encode() * 40, 80, 30)
+    assert cut and text.startswith("é" * 30) and "40 chars" in text
+
+
+def _read_all(data: bytes, **kw) -> list:
+    q: queue.Queue = queue.Queue()
+    r = Reader(stream_chunks(io.BytesIO(data), threading.Event()), q, max_line_chars=kw.pop("max_chars", 50), **kw)
+    r.start()
+    r.join(10)
+    items = []
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+def test_reader_numbers_lines_and_ends_with_a_partial_line():
+    items = _read_all(b"one\r\ntwo\n\n\x00\x01bin\nlast without newline")
+    lines = [i for i in items if isinstance(i, Line)]
+    assert [(l.no, l.text) for l in lines] == [(1, "one"), (2, "two"), (3, ""), (4, "\ufffd\ufffdbin"),
+                                               (5, "last without newline")]
+    assert items[-1] == End(5, 0, None)
+    assert _read_all(b"") == [End(0, 0, None)]
+
+
+def test_reader_drop_backpressure_accounts_every_line():
+    n = 5000
+    data = b"".join(b"line %d\n" % i for i in range(n))
+    q: queue.Queue = queue.Queue(maxsize=7)
+    r = Reader(stream_chunks(io.BytesIO(data), threading.Event()), q, max_line_chars=50, backpressure="drop")
+    r.start()
+    b = Batcher(lambda s: len(s.split()), chunk_lines=10**9, chunk_tokens=10**9, dedupe=False)
+    seen = []
+    while True:
+        item = q.get(timeout=10)
+        b.add(item)
+        if isinstance(item, End):
+            break
+        seen.append(item.no)
+        time.sleep(0.002)  # a slow consumer
+    p = b.period
+    assert p.skipped > 0  # the queue of 7 overflowed
+    assert p.lines == n and p.first_line == 1 and p.last_line == n and p.consistent()
+    assert p.summarized == len(seen) and seen == sorted(seen)
+    assert len(b.chunk) == len(seen)  # every kept line would be fed
+
+
+def test_batcher_filters_dedupes_and_chunks():
+    b = Batcher(lambda s: len(s), chunk_lines=4, chunk_tokens=10**6,
+                grep=re.compile("err|warn|dup"), exclude=re.compile("ignore"))
+    texts = ["err a", "noise", "dup", "dup", "dup", "warn ignore me", "err b", "err b"]
+    for i, t in enumerate(texts, 1):
+        b.add(Line(i, t))
+    p = b.period
+    assert (p.summarized, p.filtered, p.deduped) == (3, 2, 3) and p.lines == 8 and p.consistent()
+    assert b.chunk == ["err a", "dup", "(the line above repeated 2 more times)", "err b"] and b.full
+    assert b.take_chunk() == "err a\ndup\n(the line above repeated 2 more times)\nerr b"
+    b.end_run()  # a summary boundary closes the open run of "err b"
+    assert b.chunk == ["(the line above repeated 1 more times)"]
+    b.add(End(8, skipped_before=0))
+    done = b.take_period()
+    assert done.lines == 8 and b.period.lines == 0
+    b.add(Line(12, "dup", skipped_before=3))  # lines 9-11 were dropped by the reader
+    assert (b.period.first_line, b.period.skipped, b.period.summarized) == (9, 3, 1) and b.period.consistent()
+    b2 = Batcher(lambda s: 5, chunk_lines=100, chunk_tokens=12)
+    b2.add(Line(1, "a"))
+    assert not b2.full
+    b2.add(Line(2, "b"))
+    assert b2.full  # 2 lines x (5 tokens + newline) >= 12
+
+
+def test_follow_survives_append_truncation_and_rotation(tmp_path):
+    path = tmp_path / "app.log"
+    path.write_bytes(b"a1\na2\npart")
+    stop = threading.Event()
+    q: queue.Queue = queue.Queue()
+    box: list = []
+    r = Reader(follow_chunks(str(path), stop, lambda m: box[0].notice(m), poll=0.02), q, max_line_chars=50, stop=stop)
+    box.append(r)
+    r.start()
+
+    def take(n):
+        got = []
+        while len(got) < n:
+            got.append(q.get(timeout=10))
+        return got
+
+    assert [i.text for i in take(2)] == ["a1", "a2"]
+    with open(path, "ab") as f:
+        f.write(b"ial\na3\n")  # the partial line is completed, not split
+    assert [i.text for i in take(2)] == ["partial", "a3"]
+    path.write_bytes(b"b1\n")  # truncated and rewritten shorter
+    got = take(2)
+    assert isinstance(got[0], Notice) and "truncated" in got[0].message and got[1].text == "b1"
+    os.rename(path, tmp_path / "app.log.1")
+    path.write_bytes(b"c1\nc2\n")
+    got = take(3)
+    assert "replaced" in got[0].message and [g.text for g in got[1:]] == ["c1", "c2"]
+    assert [g.no for g in got[1:]] == [6, 7]  # numbering runs on across files
+    stop.set()
+    r.join(5)
+    assert not r.is_alive()
+    q2: queue.Queue = queue.Queue()  # --from-end: only what is appended after we start
+    stop2 = threading.Event()
+    r2 = Reader(follow_chunks(str(path), stop2, print, from_end=True, poll=0.02), q2, max_line_chars=50, stop=stop2)
+    r2.start()
+    for _ in range(300):  # append until the reader (which may start late) sees something
+        with open(path, "ab") as f:
+            f.write(b"new\n")
+        try:
+            first = q2.get(timeout=0.1)
+            break
+        except queue.Empty:
+            continue
+    assert first == Line(1, "new")  # what the file held before (c1, c2) was skipped
+    stop2.set()
+    r2.join(5)
+
+
+def test_render_block_formats():
+    from sinkchat.pipe_input import render_block
+
+    b = {"time": "T", "first_line": 3, "last_line": 9, "lines": 7, "summarized": 5, "filtered": 1, "deduped": 0,
+         "skipped": 1, "tokens_fed": 10, "tokens_evicted": 2, "final": True, "summary": "it broke"}
+    assert json.loads(render_block(b, "jsonl")) == b and render_block(b, "jsonl").count("\n") == 1
+    assert render_block(b, "text").startswith("[T] lines 3-9 (final) (7 lines: 5 summarized, 1 filtered, 1 skipped)\nit broke")
+    assert "### T · lines 3–9" in render_block(b, "markdown")
+
+
+# ----------------------------------------------------------------------------------------------------- tiny model
+class CharTok:
+    """Characters as token ids (mod 128), with a ChatML-like template (prefix-stable, like the bundled model's)."""
+
+    chat_template = "chatml"
+    eos_token_id = eos_token = unk_token_id = None
+
+    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):
+        out = "".join(f"<{m['role']}>{m['content']}</>\n" for m in msgs)
+        return out + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+    def convert_tokens_to_ids(self, tok):
+        return None
+
+
+def test_summarizer_feeds_once_keeps_memory_flat_and_accounts_lines():
+    from conftest import tiny_model
+
+    from sinkchat.config import CacheConfig, SamplingConfig
+    from sinkchat.engine import Engine
+    from sinkchat.pipe import Output, Status, Summarizer
+
+    eng = Engine(tiny_model(max_pos=4096), CharTok(), CacheConfig(capacity=96, n_sink=4),
+                 SamplingConfig(temperature=0, max_tokens=3))
+    out = io.StringIO()
+    b = Batcher(lambda s: len(s), chunk_lines=3, chunk_tokens=10**6, exclude=re.compile("skip"))
+    s = Summarizer(eng, b, Output("jsonl", out), Status(io.StringIO(), quiet=True), prompt="sum {first_line}-{last_line}",
+                   every=10, interval=0, max_tokens=3)
+    q: queue.Queue = queue.Queue()
+    n = 95
+    for i in range(1, n + 1):
+        q.put(Line(i, "skip me" if i % 7 == 0 else f"event {i // 3}"))
+    q.put(End(n, skipped_before=0))
+    s.run(q)
+    blocks = [json.loads(l) for l in out.getvalue().splitlines()]
+    assert [(x["first_line"], x["last_line"]) for x in blocks] == [(i, min(i + 9, n)) for i in range(1, n + 1, 10)]
+    assert blocks[-1]["final"] and not any(x["final"] for x in blocks[:-1])
+    assert sum(x["lines"] for x in blocks) == n
+    assert sum(x["filtered"] for x in blocks) == n // 7 and sum(x["deduped"] for x in blocks) > 0
+    assert sum(x["tokens_fed"] for x in blocks) == eng.ledger.seen >= 10 * 96  # >= 10x capacity went through
+    assert len({x["kv_bytes"] for x in blocks}) == 1 and all(x["cache_len"] <= 96 for x in blocks)
+    assert len(eng.conv.messages) <= 2  # the conversation is trimmed, not growing with the log
+
+
+# ----------------------------------------------------------------------------------------------------- subprocesses
+def _cli(*args: str, model: str | None, stdin=subprocess.PIPE, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sinkchat.cli", "summarize", "--format", "jsonl", "--temperature", "0",
+           "--interval", "0", *args]
+    if model:
+        cmd += ["--model", model, "--quant", "none"]
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+class Lines:
+    """Reads a pipe line by line in a thread, so a test can wait for the next line with a timeout."""
+
+    def __init__(self, pipe) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.all: list[str] = []
+        threading.Thread(target=self._run, args=(pipe,), daemon=True).start()
+
+    def _run(self, pipe) -> None:
+        for raw in pipe:
+            line = raw.decode("utf-8", "replace")
+            self.all.append(line)
+            self.q.put(line)
+        self.q.put(None)
+
+    def next(self) -> str | None:
+        return self.q.get(timeout=WAIT)
+
+    def until(self, pred) -> str:
+        while True:
+            line = self.next()
+            assert line is not None, "stream ended early"
+            if pred(line):
+                return line
+
+
+def _check_accounting(blocks: list[dict], total: int) -> None:
+    assert blocks and blocks[0]["first_line"] == 1 and blocks[-1]["last_line"] == total
+    for a, b in zip(blocks, blocks[1:]):
+        assert b["first_line"] == a["last_line"] + 1
+    for x in blocks:
+        assert x["lines"] == x["last_line"] - x["first_line"] + 1
+        assert x["lines"] == x["summarized"] + x["filtered"] + x["deduped"] + x["skipped"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    """A tiny random Llama with the bundled model's real tokenizer and chat template, saved as a model folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from sinkchat.loader import resolve_source
+
+    _, src = resolve_source(None, lambda m: None)
+    tok = AutoTokenizer.from_pretrained(src)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    d = tmp_path_factory.mktemp("tiny-model")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture
+def run_inprocess(monkeypatch):
+    """Runs `sinkchat summarize` in this process (click's runner) on a tiny random model: the whole command, minus
+    a second interpreter and a model load."""
+    from click.testing import CliRunner
+    from conftest import tiny_model
+
+    import sinkchat.pipe as pipe
+    from sinkchat.engine import Engine
+
+    def fake_open_engine(settings, system=None, progress=None):
+        return Engine(tiny_model(max_pos=4096), CharTok(), settings.cache, settings.sampling, system=system)
+
+    monkeypatch.setattr(pipe, "open_engine", fake_open_engine)
+
+    def run(data: bytes, *args: str):
+        res = CliRunner().invoke(pipe.summarize_command, ["--format", "jsonl", "--temperature", "0", *args],
+                                 input=data)
+        blocks = [json.loads(l) for l in res.stdout.splitlines()]
+        return res, blocks
+
+    return run
+
+
+def test_cli_bad_input_binary_utf8_crlf_and_a_10mb_line(run_inprocess):
+    data = (b"same\n" * 5 + b"start\r\nwindows line\r\n" + bytes(range(256)) + b"\nbad utf8 \xff\xfe\xc3\x28 end\n"
+            + b"x" * 10_000_000 + b"\nafter the long line\nno newline at the end")
+    total = data.count(b"\n") + 1
+    res, blocks = run_inprocess(data, "--every", "6", "--cache", "64", "--max-tokens", "3", "--backpressure", "block")
+    assert res.exit_code == 0 and res.exception is None, res.output
+    _check_accounting(blocks, total)
+    assert sum(x["truncated"] for x in blocks) == 1 and sum(x["deduped"] for x in blocks) == 4
+    assert len({x["kv_bytes"] for x in blocks}) == 1
+
+
+def test_cli_empty_input_bad_regex_and_filters(run_inprocess):
+    res, blocks = run_inprocess(b"")
+    assert res.exit_code == 0 and res.exception is None and blocks == [] and "no input lines" in res.stderr
+    res, _ = run_inprocess(b"x\n", "--grep", "([")
+    assert res.exit_code == 2 and "not a valid regular expression" in res.stderr and res.exception is not None
+    assert isinstance(res.exception, SystemExit)  # a usage error, not a crash
+    res, blocks = run_inprocess(b"ok 1\nERROR disk\nok 2\nERROR net\n", "--grep", "ERROR", "--every", "2",
+                                "--cache", "64", "--max-tokens", "2")
+    assert res.exit_code == 0 and [(b["summarized"], b["filtered"]) for b in blocks] == [(1, 1), (1, 1)]
+    res, blocks = run_inprocess(b"a\nb\n", "--exclude", ".", "--cache", "64")
+    assert res.exit_code == 0 and blocks[0]["summarized"] == 0 and blocks[0]["filtered"] == 2
+    assert blocks[0]["summary"] == "" and blocks[0]["tokens_fed"] == 0  # nothing left: the model is not asked
+
+
+def test_cli_closed_stdout_exits_quietly(tiny_dir):
+    p = _cli("--every", "1", "--cache", "64", "--max-tokens", "2", model=tiny_dir)
+    errs = Lines(p.stderr)
+    p.stdin.write(b"one\ntwo\n")
+    p.stdin.flush()
+    first = p.stdout.readline()
+    assert first and json.loads(first)["first_line"] == 1, (first, errs.all)
+    p.stdout.close()  # the reader of our output goes away (like `| head -1`)
+    try:
+        for i in range(50):
+            p.stdin.write(b"more %d\n" % i)
+            p.stdin.flush()
+        p.stdin.close()
+    except BrokenPipeError:
+        pass  # it already exited
+    rc = p.wait(timeout=WAIT)
+    time.sleep(0.2)
+    assert rc == 0, (rc, errs.all)
+    assert not any("Traceback" in l or "Error" in l for l in errs.all), errs.all
+
+
+def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
+    log = tmp_path / "app.log"
+    log.write_text("".join(f"boot step {i}\n" for i in range(1, 26)))
+    p = _cli("--follow", str(log), "--every", "10", "--cache", "64", "--max-tokens", "2", model=tiny_dir,
+             stdin=subprocess.DEVNULL)
+    outs, errs = Lines(p.stdout), Lines(p.stderr)
+    blocks = [json.loads(outs.next()) for _ in range(2)]  # 1-10, 11-20: before any EOF (there is none)
+    with open(log, "a") as f:
+        f.write("".join(f"late line {i}\n" for i in range(26, 31)))
+    blocks.append(json.loads(outs.next()))  # 21-30: the appended lines were read
+    log.write_text("".join(f"after truncation {i}\n" for i in range(1, 9)))  # shorter than before
+    errs.until(lambda l: "truncated" in l)
+    time.sleep(1.0)  # let the reader queue lines 31-38 before Ctrl-C
+    p.send_signal(signal.SIGINT)
+    while (line := outs.next()) is not None:
+        blocks.append(json.loads(line))
+    assert p.wait(timeout=WAIT) == 130
+    assert not any("Traceback" in l for l in errs.all), errs.all
+    _check_accounting(blocks, 30 + 8)
+    assert [(b["first_line"], b["last_line"]) for b in blocks] == [(1, 10), (11, 20), (21, 30), (31, 38)]
+    assert blocks[-1]["final"]
+
+
+# ----------------------------------------------------------------------------------------------------- real model
+def _changelog(min_lines: int) -> tuple[str, list[bytes]]:
+    for path in sorted(glob.glob("/usr/share/doc/*/changelog.Debian.gz")):
+        with gzip.open(path) as f:
+            lines = f.read().splitlines(keepends=True)
+        if len(lines) >= min_lines:
+            return path, lines
+    pytest.skip("no Debian changelog with enough lines on this machine")
+
+
+def test_real_model_summarizes_a_debian_changelog_through_a_pipe():
+    path, lines = _changelog(400)
+    lines = lines[:120]
+    cap = 128
+    p = _cli("--every", "40", "--cache", str(cap), "--max-tokens", "16", "--backpressure", "block", model=None)
+    outs = Lines(p.stdout)
+    errs = Lines(p.stderr)
+    p.stdin.write(b"".join(lines[:90]))
+    p.stdin.flush()
+    early = [json.loads(outs.next()) for _ in range(2)]  # the pipe is still open: no EOF yet
+    assert p.poll() is None
+    assert [(b["first_line"], b["last_line"]) for b in early] == [(1, 40), (41, 80)]
+    p.stdin.write(b"".join(lines[90:]))
+    p.stdin.close()
+    blocks = early
+    while (line := outs.next()) is not None:
+        blocks.append(json.loads(line))
+    assert p.wait(timeout=WAIT) == 0, "".join(errs.all)[-2000:]
+    _check_accounting(blocks, 120)
+    assert [(b["first_line"], b["last_line"]) for b in blocks] == [(1, 40), (41, 80), (81, 120)]
+    assert all(b["summary"].strip() for b in blocks), blocks  # the model said something for each
+    fed = sum(b["tokens_fed"] for b in blocks)
+    assert fed >= 10 * cap, (path, fed)
+    assert len({b["kv_bytes"] for b in blocks}) == 1 and blocks[0]["kv_bytes"] > 0
+    assert all(b["cache_len"] <= cap and b["capacity"] == cap for b in blocks)
+    assert not any("Traceback" in l for l in errs.all)

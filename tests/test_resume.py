@@ -1,0 +1,74 @@
+"""Sessions through the real CLI: /save + --load gives the same next reply; kill -9 mid-reply, then --resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sinkchat import transcript
+
+BASE = [sys.executable, "-m", "sinkchat.cli", "chat", "--cache", "96", "--temperature", "0", "--max-tokens", "16",
+        "--system", "You are terse."]
+
+
+def run_chat(args, stdin, home, timeout=300):
+    env = dict(os.environ, SINKCHAT_HOME=str(home))
+    return subprocess.run(BASE + args, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_save_then_load_gives_the_same_next_reply(tmp_path):
+    a = run_chat([], "Name a color.\nName a city.\n/save snap1\nName a fruit.\n", tmp_path)
+    assert a.returncode == 0, a.stderr[-1500:]
+    replies_a = [r for r in a.stdout.split("\n") if r.strip()]
+    assert (tmp_path / "snapshots" / "snap1.safetensors").is_file()
+    b = run_chat(["--load", "snap1"], "Name a fruit.\n", tmp_path)
+    assert b.returncode == 0, b.stderr[-1500:]
+    replies_b = [r for r in b.stdout.split("\n") if r.strip()]
+    assert replies_b and replies_b[-1] == replies_a[-1]
+
+
+def test_corrupt_snapshot_refused_at_start(tmp_path):
+    (tmp_path / "snapshots").mkdir(parents=True)
+    (tmp_path / "snapshots" / "bad.safetensors").write_bytes(b"\x00" * 100)
+    r = run_chat(["--load", "bad"], "hi\n", tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Error" in r.stderr
+
+
+def test_kill_9_mid_reply_then_resume(tmp_path):
+    env = dict(os.environ, SINKCHAT_HOME=str(tmp_path))
+    p = subprocess.Popen(BASE[:-4] + ["--max-tokens", "200", "--snapshot-every", "1", "--system", "You are terse."],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    p.stdin.write("Say hello.\n")
+    p.stdin.flush()
+    # wait until the first turn is logged, then ask for a long reply and kill -9 while it streams
+    db = tmp_path / "sinkchat.db"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if db.exists():
+            s = transcript.latest_session("chat", path=db)
+            if s is not None and s.turns >= 2:
+                break
+        time.sleep(0.5)
+    else:
+        p.kill()
+        pytest.fail("first turn never logged")
+    p.stdin.write("Write a very long story about a dragon.\n")
+    p.stdin.flush()
+    time.sleep(4)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    sid = transcript.latest_session("chat", path=db).id
+    before = transcript.turns(sid, path=db)
+    assert [t.role for t in before][:2] == ["user", "assistant"]
+    r = run_chat(["--resume", str(sid)], "Thanks, bye.\n", tmp_path)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "resumed session" in r.stderr
+    after = transcript.turns(sid, path=db)
+    assert len(after) > len(before)
+    assert after[-1].role == "assistant" and after[-2].role == "user" and after[-2].text == "Thanks, bye."
+    assert after[-1].text.strip()
