@@ -6,6 +6,7 @@ transformers' GGUF path re-dequantizes and rebuilds the tokenizer on every load 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -100,18 +101,11 @@ def _convert_into(path: Path, out: Path, digest: str) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    old_tqdm = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # transformers' GGUF reader draws its own bar; we report progress ourselves
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    finally:
-        if old_tqdm is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = old_tqdm
+    # transformers' GGUF reader draws its own tqdm bar on stderr; we report progress ourselves
+    with warnings.catch_warnings(), open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        warnings.simplefilter("ignore")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
     try:
         cfg = model.config
