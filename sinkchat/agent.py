@@ -371,8 +371,21 @@ def agent_command(task: str | None, workspace: str | None, max_steps: int, forev
 def _interactive(agent: Agent, display: Display, max_steps: int) -> None:
     """Each line typed is a task; Ctrl-C stops the running task, Ctrl-D leaves."""
     from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
 
-    session: PromptSession[str] = PromptSession()
+    from sinkchat.config import data_dir
+    from sinkchat.metrics import read_stats
+    from sinkchat.ui.render import toolbar_fragments
+
+    def toolbar() -> Any:  # the same live status bar as `sinkchat chat`
+        return toolbar_fragments(read_stats(agent.engine, display.metrics, display.model_nbytes))
+
+    try:
+        data_dir().mkdir(parents=True, exist_ok=True)
+        history: Any = FileHistory(str(data_dir() / "agent-history"))
+    except OSError:
+        history = None
+    session: PromptSession[str] = PromptSession(history=history, bottom_toolbar=toolbar, refresh_interval=0.5)
     while True:
         try:
             line = session.prompt("task> ").strip()
