@@ -132,15 +132,14 @@ class Agent:
         if not self.keep_messages or len(conv.messages) <= self.keep_messages or conv.system is None:
             return  # without a system message an empty render may not be a prefix (templates add a default one)
         try:
-            full = conv._render(conv.messages, False)
+            closing = conv.closing()
             base = conv._render([], False)
             probe = conv._render([{"role": "user", "content": "x"}], True)
         except Exception:  # noqa: BLE001 - a template that cannot render this: keep the history as it is
             log.debug("cannot compact the conversation", exc_info=True)
             return
-        if not full.startswith(conv.fed) or not probe.startswith(base):
+        if closing is None or not probe.startswith(base):
             return
-        closing = full[len(conv.fed):]
         if closing:
             yield from self.engine.feed(closing)
         conv.messages.clear()

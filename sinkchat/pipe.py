@@ -101,21 +101,16 @@ def settle_conversation(engine: Any, keep: int) -> None:
     closing text (it already holds, or has evicted, everything before)."""
     conv = engine.conv
     try:
-        full = conv._render(conv.messages, False)
-        if not full.startswith(conv.fed):
+        closing = conv.closing()
+        if closing is None:
             return  # a template that rewrites history: leave it to the conversation's own fallback
-        closing = full[len(conv.fed):]
         if closing:
             for _ in engine.feed(closing):
                 pass
             conv.fed += closing
-        kept = conv.messages[-keep:]
-        rendered = conv._render(kept, False)
+        conv.trim(keep)
     except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone
         log.debug("conversation not trimmed: %s", e)
-        return
-    conv.messages[:] = kept
-    conv.fed = rendered
 
 
 class Summarizer:

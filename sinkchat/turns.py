@@ -61,6 +61,13 @@ class Conversation:
         self.messages.clear()
         self.fed = ""
 
+    def closing(self) -> str | None:
+        """Template text that closes what has been fed (e.g. ChatML's '\\n' after a reply's '<|im_end|>'), or None
+        when the template rewrites history and has no such prefix. Clients that restart their bookkeeping feed it
+        first, so the cache ends on a complete turn."""
+        full = self._render(self.messages, False)
+        return full[len(self.fed) :] if full.startswith(self.fed) else None
+
     def trim(self, keep: int) -> None:
         """Forget all but the last `keep` messages (starting at a user message), rewriting `fed` to what the
         template renders for them, so the next delta is exactly what it would have been. The cache is untouched:
