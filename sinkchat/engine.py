@@ -19,6 +19,7 @@ from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.gauge import SinkGauge
+from sinkchat.interrupts import deferred_sigint
 from sinkchat.kv_cache import SinkKVCache, rope_from_model
 from sinkchat.sampling import make_generator, sample
 from sinkchat.turns import Conversation
@@ -80,23 +81,29 @@ class Engine:
         self.stop_ids = _stop_ids(tokenizer, model)
 
     # ----------------------------------------------------------------------------------------------- core steps
-    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Run `ids` at in-cache positions [L, L+q); return logits [q or 1, V]. Rolls back if interrupted."""
+    def _forward(self, ids: list[int], all_logits: bool = False, record: list[int] | None = None) -> torch.Tensor:
+        """Run `ids` at in-cache positions [L, L+q); return logits [q or 1, V].
+
+        Ctrl-C during the model call rolls the cache back to L; once the call returns, the ledger (and `record`)
+        are updated before any Ctrl-C is delivered, so the cache and the ledger always agree."""
         L = self.cache.length
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
-        try:
-            with torch.no_grad():
-                out = self.model(
-                    input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
-                    logits_to_keep=0 if all_logits else 1,
-                )
-        except BaseException:
-            self.cache.truncate(L)
-            raise
-        self.ledger.append(ids)
-        logits = out.logits[0]  # [q or 1, V]
-        self.last_logits = logits[-1].float()
+        with deferred_sigint() as guard:
+            try:
+                with guard.interruptible(), torch.no_grad():
+                    out = self.model(
+                        input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
+                        logits_to_keep=0 if all_logits else 1,
+                    )
+            except BaseException:
+                self.cache.truncate(L)
+                raise
+            self.ledger.append(ids)
+            if record is not None:
+                record.extend(ids)
+            logits = out.logits[0]  # [q or 1, V]
+            self.last_logits = logits[-1].float()
         return logits
 
     def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
@@ -108,16 +115,19 @@ class Engine:
 
     def _evict(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
-        self.cache.evict(ev)
-        dropped, first, last = self.ledger.evict(ev)
+        with deferred_sigint():
+            self.cache.evict(ev)
+            dropped, first, last = self.ledger.evict(ev)
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
         preview = " ".join(preview.split())[:PREVIEW_CHARS]
         c = self.cache_cfg
         return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0)
 
-    def _step(self, ids: list[int], all_logits: bool = False) -> Iterator[EvictionEvent | torch.Tensor]:
+    def _step(
+        self, ids: list[int], all_logits: bool = False, record: list[int] | None = None
+    ) -> Iterator[EvictionEvent | torch.Tensor]:
         yield from self._make_room(len(ids))
-        yield self._forward(ids, all_logits)
+        yield self._forward(ids, all_logits, record)
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
@@ -176,12 +186,11 @@ class Engine:
             gauge_now = self.gauge_every > 0 and i % self.gauge_every == 0
             self.gauge.armed = gauge_now
             try:
-                for item in self._step([tok]):
+                for item in self._step([tok], record=ids):  # ids gains tok together with the cache
                     if isinstance(item, EvictionEvent):
                         yield item
             finally:
                 self.gauge.armed = False
-            ids.append(tok)
             if tok in self.stop_ids:
                 reason = "eos"
                 break
@@ -216,10 +225,11 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- control
     def clear(self) -> None:
         """Empty the cache and the conversation (the system prompt is fed again with the next message)."""
-        self.cache.reset()
-        self.ledger.clear()
-        self.conv.reset()
-        self.last_logits = None
+        with deferred_sigint():
+            self.cache.reset()
+            self.ledger.clear()
+            self.conv.reset()
+            self.last_logits = None
 
     def reconfigure(self, **changes: Any) -> list[EvictionEvent]:
         """Change policy / n_sink / capacity / evict_chunk live. Shrinking evicts now; growing reallocates."""

@@ -1,0 +1,96 @@
+"""Ctrl-C that lands at the worst possible bytecode: between a cache mutation and the ledger's matching update.
+
+A timer-driven SIGINT (see test_faults) hits these gaps only by chance; here the signal is raised exactly inside
+them, so a regression fails every run."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conftest import tiny_model
+from sinkchat.cache_policy import Ledger
+from sinkchat.config import CacheConfig, SamplingConfig
+from sinkchat.engine import Engine
+from sinkchat.interrupts import deferred_sigint
+
+
+def _sigint() -> None:
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def _engine(word_tok) -> Engine:
+    eng = Engine(tiny_model(), word_tok, CacheConfig(policy="sink", n_sink=4, capacity=32, evict_chunk=4),
+                 SamplingConfig(temperature=0.0, max_tokens=100))
+    list(eng.feed_ids(list(range(5, 35))))  # 30 of 32 slots
+    return eng
+
+
+def test_deferred_sigint_is_delivered_after_the_body():
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint():
+            _sigint()
+            done.append("body finished")
+    assert done == ["body finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interruptible_span_raises_at_once():
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_sigint() as guard:
+            with guard.interruptible():
+                _sigint()
+                pytest.fail("the interrupt should have been raised inside the span")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigint_between_cache_eviction_and_ledger_eviction(word_tok, monkeypatch):
+    eng = _engine(word_tok)
+    real = Ledger.evict
+
+    def evict_then_interrupted(self, ev):
+        _sigint()  # lands after the cache already shifted its keys
+        return real(self, ev)
+
+    monkeypatch.setattr(Ledger, "evict", evict_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(eng.feed_ids([40, 41, 42, 43]))  # needs room: evicts
+    assert eng.ledger.evicted > 0
+    assert eng.cache.length == len(eng.ledger)
+
+
+def test_sigint_after_the_forward_before_the_ledger_records_it(word_tok, monkeypatch):
+    eng = _engine(word_tok)
+    real = Ledger.append
+    n0 = len(eng.ledger)
+
+    def append_interrupted(self, ids):
+        _sigint()  # the forward pass has written K/V already
+        return real(self, ids)
+
+    monkeypatch.setattr(Ledger, "append", append_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in eng.generate(5):
+            pass
+    monkeypatch.setattr(Ledger, "append", real)
+    assert eng.cache.length == len(eng.ledger) == n0 + 1  # the token was kept, and is recorded
+    assert eng.last_reply_ids == eng.ledger.ids[-1:]  # the reply record agrees with the cache
+    list(eng.feed_ids([7, 8]))
+    assert eng.cache.length == len(eng.ledger)
+
+
+def test_sigint_inside_the_model_call_rolls_back(word_tok):
+    eng = _engine(word_tok)
+    n0 = len(eng.ledger)
+    handle = eng.model.model.layers[0].register_forward_hook(lambda *a: _sigint())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(eng.feed_ids([50, 51]))
+    finally:
+        handle.remove()
+    assert eng.cache.length == len(eng.ledger) == n0
+    list(eng.feed_ids([50, 51]))
+    assert eng.cache.length == len(eng.ledger) == n0 + 2
