@@ -18,7 +18,7 @@ PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 
 COMMON = [
     click.option("--model", "-m", default=None, help="HF id, local folder or .gguf file [env SINKCHAT_MODEL; default: bundled SmolLM2-135M-Instruct]"),
-    click.option("--quant", type=click.Choice(QUANTS), default=None, help="weight quantization [env SINKCHAT_QUANT; default nf4]"),
+    click.option("--quant", type=click.Choice(QUANTS), default=None, help="weight quantization: auto = q4 on CPU, nf4 on CUDA [env SINKCHAT_QUANT; default auto]"),
     click.option("--device", type=click.Choice(DEVICES), default=None, help="[env SINKCHAT_DEVICE; default auto]"),
     click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
     click.option("--threads", type=click.IntRange(0, 256), default=None, help="torch threads [env SINKCHAT_THREADS; default 1]"),

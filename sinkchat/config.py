@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 POLICIES = ("sink", "window", "dense")
-QUANTS = ("nf4", "fp4", "int8", "none")
+QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # Every SINKCHAT_* setting: name -> (default, meaning). `.env.example` is generated from / checked against this.
 ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_MODEL": ("", "model: HF id, local folder or .gguf file (empty = bundled SmolLM2-135M-Instruct)"),
-    "SINKCHAT_QUANT": ("nf4", "weight quantization: nf4, fp4, int8 (bitsandbytes) or none"),
+    "SINKCHAT_QUANT": ("auto", "weight quantization: auto (q4 on CPU, nf4 on CUDA), q4 (asymmetric int4, group 32, "
+                       "torch CPU kernel), nf4, fp4, int8 (bitsandbytes) or none"),
     "SINKCHAT_DEVICE": ("auto", "auto, cpu or cuda"),
     "SINKCHAT_DTYPE": ("auto", "compute dtype: auto, float32, bfloat16, float16"),
     "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
@@ -86,7 +87,7 @@ def opt_int(raw: str) -> int | None:
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None = None  # None = bundled default
-    quant: str = "nf4"
+    quant: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 1

@@ -1,0 +1,165 @@
+"""`--quant q4`: weight-only 4-bit linears in the GGUF Q4_1 layout, run by torch's own CPU int4 kernel.
+
+Why not bitsandbytes NF4 for the bundled model: its weights are *already* Q4_1 (blocks of 32: w = d·q + m,
+q in 0..15). NF4 has a fixed, symmetric code book and cannot hold those values, so re-quantizing them costs +16%
+perplexity. An asymmetric group-32 layout (scale + zero point per block) holds them exactly: ggml's Q4_1 sets
+m = min and d = (max − min)/15, so a min/max requantization recovers the same d, m and q. Only the per-block
+scale and zero are rounded, to the kernel's compute dtype (bf16: ~3 significant digits).
+
+The kernel (`aten._weight_int4pack_mm_for_cpu`, the one torchao's int4 weight-only CPU path uses) reads half a
+byte per weight instead of four, which is what bounds decode speed on a CPU. Activations go in as bf16 and come
+back as the model's dtype; everything outside the linears stays in fp32.
+
+For other checkpoints (plain fp16/fp32 weights) the same min/max round-to-nearest with 32-weight groups is a
+standard asymmetric 4-bit scheme (RTN, as in GPTQ/AWQ's baseline and HQQ without its optimisation step).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+GROUP = 32
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def available() -> bool:
+    """The CPU int4 kernel exists in this torch build."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def quantize(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min/max round-to-nearest 4-bit: w [N, K] -> q int32 [N, K] in 0..15, scale [N, K/g], zero [N, K/g].
+
+    The kernel dequantizes as (q − 8)·scale + zero, so zero = min + 8·scale."""
+    n, k = w.shape
+    wg = w.detach().to(torch.float64).reshape(n, k // group, group)  # [N, K/g, g]
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K/g]
+    scale = (hi - lo) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # constant block: q = 0 gives lo exactly
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    return q, scale, lo + 8 * scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """Inverse of `quantize` in fp64 (the reference the tests compare the kernel with): [N, K]."""
+    n, k = q.shape
+    qg = q.to(torch.float64).reshape(n, k // group, group)
+    return ((qg - 8) * scale[..., None].double() + zero[..., None].double()).reshape(n, k)
+
+
+def fits(lin: nn.Linear, group: int = GROUP) -> bool:
+    """The kernel's shape rules: K a multiple of the group (and of 2 for packing), N a multiple of 16."""
+    return lin.in_features % group == 0 and lin.out_features % 16 == 0
+
+
+class Int4Linear(nn.Module):
+    """A drop-in nn.Linear whose weight is packed 4-bit with a (scale, zero) pair per 32 weights."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype
+        q, scale, zero = quantize(linear.weight.data.float())
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # uint8 [N, K/2]
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("scales_zeros", sz.to(compute_dtype))
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.data.clone(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
+        y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N]
+        y = y.to(x.dtype).reshape(*lead, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the kernel sees it, [N, K] fp32 (for tests and `probe` tools)."""
+        eye = torch.eye(self.in_features, dtype=self.compute_dtype)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().T
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, asym int4"
+
+
+def quantize_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> tuple[int, int]:
+    """Swap every fitting nn.Linear (except `skip`) for an Int4Linear; return (4-bit weights, all linear weights)."""
+    total = quantized = 0
+    for name, mod in list(model.named_modules()):
+        if not isinstance(mod, nn.Linear):
+            continue
+        total += mod.weight.numel()
+        if any(name.endswith(s) for s in skip) or not fits(mod):
+            log.info("q4: keeping %s in %s", name, mod.weight.dtype)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Int4Linear(mod))
+        quantized += mod.weight.numel()
+    return quantized, total
+
+
+class Int8Table(nn.Module):
+    """The tied token table in int8, one scale per row: embedding lookups and the output projection share it.
+
+    The bundled GGUF stores this table as Q8_0 (int8, a scale per 32); per-row int8 is the layout torch's CPU kernel
+    (`aten._weight_int8pack_mm`) runs, 4x smaller than fp32, so the 49k x 576 output projection reads 28 MB per
+    token instead of 113 MB. Rows round to within half a step of rowmax/127."""
+
+    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        super().__init__()
+        w = weight.detach().float()  # [V, D]
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # [V]
+        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [V, D]
+        self.register_buffer("scale", scale)  # fp32 [V], for lookups
+        self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
+        self.compute_dtype = compute_dtype
+        self.num_embeddings, self.embedding_dim = w.shape
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] fp32
+        return self.q[ids].float() * self.scale[ids][..., None]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # x [..., D] -> logits [..., V] in x's dtype
+        lead = x.shape[:-1]
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.embedding_dim).to(self.compute_dtype), self.q, self.scale_c)
+        return y.to(x.dtype).reshape(*lead, self.num_embeddings)
+
+
+class Int8Embedding(nn.Module):
+    def __init__(self, table: Int8Table, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.table = table
+        self.padding_idx = padding_idx
+        self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.lookup(ids)
+
+
+class Int8Head(nn.Module):
+    def __init__(self, table: Int8Table) -> None:
+        super().__init__()
+        self.table = table
+        self.in_features, self.out_features = table.embedding_dim, table.num_embeddings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table.project(x)
+
+
+def quantize_tied_table(model: Any) -> bool:
+    """Replace a tied embedding + lm_head pair by one Int8Table; False (nothing changed) when they are not tied."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear) or head.bias is not None:
+        return False
+    if emb.weight.data_ptr() != head.weight.data_ptr() or emb.weight.shape[1] % 16:
+        return False
+    table = Int8Table(emb.weight.data)
+    model.set_input_embeddings(Int8Embedding(table, emb.padding_idx))
+    model.set_output_embeddings(Int8Head(table))
+    return True
