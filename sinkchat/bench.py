@@ -235,7 +235,14 @@ def run_bench(engine: Any, ids: list[int], policies: list[str], caches: list[int
         "n_sink": n_sink, "evict_chunk": evict_chunk, "decode_tokens": decode, "recompute_tokens": recompute_tokens,
         "kv_bytes_per_token": kv_bytes_per_token(engine.model),
         "process_rss_mb": rss_bytes() / MB,
+        "process_peak_rss_mb": _max_rss_mb(),  # includes loading and quantizing the model
     }
+
+
+def _max_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -252,6 +259,8 @@ def format_report(res: dict[str, Any]) -> str:
             f"{r['peak_rss_mb']:>12.0f}{r['steady_rss_mb']:>12.0f}{r['kv_bytes'] / MB:>12.2f}")
     for c, s in res["sink_vs_recompute_decode_speedup"].items():
         lines.append(f"sink decode is {s:.1f}x recompute at cache {c}")
+    lines.append(f"process RSS now {res['process_rss_mb']:.0f} MB, peak {res['process_peak_rss_mb']:.0f} MB "
+                 "(the peak includes loading the model)")
     g = res.get("gauge_overhead")
     if g:
         lines.append(f"sink gauge (every {g['gauge_every']} tokens, cache {g['cache']}): {g['on_tok_s']:.2f} tok/s on "

@@ -114,9 +114,12 @@ class Int8Table(nn.Module):
 
     def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         super().__init__()
-        w = weight.detach().float()  # [V, D]
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # [V]
-        self.register_buffer("q", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))  # [V, D]
+        w = weight.detach()  # [V, D]
+        scale = (w.abs().amax(1).float() / 127).clamp(min=1e-12)  # [V]
+        q = torch.empty(w.shape, dtype=torch.int8)
+        for i in range(0, w.shape[0], 4096):  # in row blocks: whole-table temporaries would cost 3 x 113 MB of RSS
+            q[i : i + 4096] = torch.round(w[i : i + 4096].float() / scale[i : i + 4096, None]).clamp(-127, 127)
+        self.register_buffer("q", q)  # int8 [V, D]
         self.register_buffer("scale", scale)  # fp32 [V], for lookups
         self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
         self.compute_dtype = compute_dtype

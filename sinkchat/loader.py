@@ -19,7 +19,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sinkchat.config import ModelConfig, cache_dir
 
@@ -200,6 +200,20 @@ def quantize_q4(model: Any) -> float:
     return quantized / max(1, total)
 
 
+def _quantize(model: Any, quant: str, dtype: Any, device: str, progress: Progress) -> float:
+    """Quantize a fully loaded model in place; return the share of decoder linear weights now in 4/8 bits."""
+    if quant == "none":
+        return 0.0
+    if quant == "q4":
+        progress("quantizing to q4 (asymmetric int4, group 32)")
+        frac = quantize_q4(model)
+    else:
+        progress(f"quantizing to {quant} (bitsandbytes, blocksize {BLOCKSIZE})")
+        frac = quantize_linears(model, quant, dtype, device)
+    release_checkpoint(model)
+    return frac
+
+
 def release_checkpoint(model: Any) -> None:
     """Copy the weights that stayed unquantized out of the checkpoint's mmap, then give freed heap back to the OS.
 
@@ -214,11 +228,7 @@ def release_checkpoint(model: Any) -> None:
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = b.clone()
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    gc.collect()  # the heap itself is trimmed when `lean_heap` ends
 
 
 def quantize_linears(model: Any, quant: str, dtype: Any, device: str) -> float:
@@ -296,8 +306,39 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+@contextlib.contextmanager
+def lean_heap() -> Iterator[None]:
+    """While loading, serve every allocation over 256 KiB with its own mmap, then trim the heap.
+
+    Quantizing makes many multi-MB temporaries interleaved with small long-lived packed buffers; with glibc's
+    default (dynamic) threshold the temporaries land in the brk heap and the packed buffers pin it: measured
+    RSS +320 MB for 60 packed linears worth 33 MB. Afterwards the threshold goes to glibc's own ceiling (32 MiB),
+    where the dynamic rule would have ended up anyway. No-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        libc: Any = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+    except (OSError, AttributeError):
+        libc = None
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+            libc.malloc_trim(0)
+
+
 def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes."""
+    with lean_heap():
+        return _load(cfg, progress)
+
+
+def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     progress = progress or (lambda msg: log.info(msg))
     quiet_libraries()
     t0 = time.perf_counter()
@@ -312,28 +353,30 @@ def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quant = resolve_quant(cfg.quant, device)
+    streamed = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tokenizer = AutoTokenizer.from_pretrained(src)
-            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="sdpa")
+            if quant == "q4":
+                from sinkchat.q4load import load_q4
+
+                streamed = load_q4(src, config, dtype)
+            if streamed is None:
+                model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="sdpa")
     except OSError as e:
         raise LoadError(f"cannot load '{source}': {str(e).splitlines()[0][:200]}") from None
     except ValueError as e:
         raise LoadError(f"'{source}' is not a supported causal LM: {str(e).splitlines()[0][:200]}") from None
-    model.eval()
-    model.requires_grad_(False)
-    model.to(device)
-    quant = resolve_quant(cfg.quant, device)
-    frac = 0.0
-    if quant == "q4":
-        progress("quantizing to q4 (asymmetric int4, group 32)")
-        frac = quantize_q4(model)
-    elif quant != "none":
-        progress(f"quantizing to {quant} (bitsandbytes, blocksize {BLOCKSIZE})")
-        frac = quantize_linears(model, quant, dtype, device)
-    if quant != "none":
-        release_checkpoint(model)
+    if streamed is not None:
+        model, frac = streamed
+        progress("loaded straight into q4 (asymmetric int4, group 32)")
+    else:
+        model.eval()
+        model.requires_grad_(False)
+        model.to(device)
+        frac = _quantize(model, quant, dtype, device, progress)
     from sinkchat.kv_cache import rope_from_model
 
     rope_from_model(model)  # refuse unsupported position encodings now, with a clear message

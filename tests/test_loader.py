@@ -61,6 +61,35 @@ def test_q4_swaps_every_decoder_linear_and_keeps_the_logits(bundled):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.94
 
 
+def test_streamed_q4_load_equals_quantizing_the_full_model(bundled):
+    """The low-memory path (skeleton on meta, tensors read one by one, packed as read) must build exactly the model
+    that loading everything in fp32 and quantizing afterwards builds: any weight it skipped or mis-assigned (a
+    norm left at its init value, an untied head) changes the logits."""
+    import copy
+
+    from sinkchat.loader import quantize_q4
+    from sinkchat.q4load import load_q4
+
+    full = copy.deepcopy(bundled.model)
+    quantize_q4(full)
+    streamed, frac = load_q4(bundled.path, bundled.model.config, torch.float32)
+    assert frac == 1.0
+    assert streamed.lm_head.table is streamed.model.embed_tokens.table
+    ids = bundled.tokenizer("Attention sinks keep streaming models stable.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(streamed(ids).logits, full(ids).logits)
+    assert streamed.generation_config.eos_token_id == full.generation_config.eos_token_id
+
+
+def test_streamed_q4_load_declines_a_folder_it_cannot_map(bundled, tmp_path):
+    from safetensors.torch import save_file
+
+    from sinkchat.q4load import load_q4
+
+    save_file({"not.a.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    assert load_q4(str(tmp_path), bundled.model.config, torch.float32) is None
+
+
 def test_auto_quant_is_q4_on_cpu():
     from sinkchat.loader import resolve_quant
 

@@ -1,0 +1,122 @@
+"""Load a safetensors checkpoint straight into the q4 layout, one tensor at a time: peak RSS ~ the q4 model.
+
+`from_pretrained` materialises every weight in fp32 first (the bundled model: 540 MB of checkpoint pages plus
+copies) and only then can the linears be packed, so loading peaked at ~1.2 GB for a model that runs in ~0.5 GB.
+Here the model skeleton is built on the meta device, each tensor is read from the file with plain reads (no mmap:
+touched mmap pages would count as resident until the file is closed), and a decoder linear's weight is packed to
+int4 as soon as it is read. Anything unexpected (a key the model does not have, a tensor left unloaded, a dtype
+safetensors names differently) returns None and the caller falls back to `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from sinkchat import int4
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+
+
+def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a .safetensors file, each in freshly allocated memory."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        base = 8 + n
+        for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = DTYPES[meta["dtype"]]  # KeyError -> caller falls back
+            start, end = meta["data_offsets"]
+            t = torch.empty(meta["shape"], dtype=dtype)
+            f.seek(base + start)
+            if end > start:
+                f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+            yield name, t
+
+
+def _decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Names (as in the state dict, without '.weight') of the linears `int4.quantize_model` would pack."""
+    base = getattr(model, "model", model)
+    prefix = next(n for n, m in model.named_modules() if m is base.layers)
+    return {f"{prefix}.{n}": m for n, m in base.layers.named_modules()
+            if isinstance(m, nn.Linear) and int4.fits(m)}
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if attr in mod._parameters:
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+    elif attr in mod._buffers:
+        mod._buffers[attr] = value
+    else:
+        raise KeyError(name)
+
+
+def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, float] | None:
+    """The model with int4 decoder linears and (if tied) an int8 token table; None if this folder cannot be
+    loaded this way. Returns (model, 4-bit share of the decoder linear weights)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not Path(folder).is_dir() or not files:
+        return None
+    try:
+        with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        linears = _decoder_linears(model)
+        total = sum(m.in_features * m.out_features for m in _all_decoder_linears(model))
+        packed = 0
+        for f in files:
+            for name, t in read_tensors(f):
+                mod_name = name.removesuffix(".weight")
+                if name.endswith(".weight") and mod_name in linears:
+                    lin = linears.pop(mod_name)
+                    parent, _, child = mod_name.rpartition(".")
+                    shell = nn.Linear(lin.in_features, lin.out_features, bias=False, device="meta")
+                    shell.weight = nn.Parameter(t.to(dtype), requires_grad=False)
+                    q = int4.Int4Linear(shell)
+                    if lin.bias is not None:
+                        q.bias = lin.bias  # still meta: its own key fills it below
+                    setattr(model.get_submodule(parent), child, q)
+                    packed += t.numel()
+                else:
+                    _set(model, name, t.to(dtype) if t.is_floating_point() else t)
+        model.tie_weights()
+        left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+        if linears or left:
+            log.info("q4 streaming load: %s left unloaded; falling back", (list(linears) + left)[:3])
+            return None
+    except (KeyError, ValueError, RuntimeError, AttributeError, StopIteration, json.JSONDecodeError) as e:
+        log.info("q4 streaming load not possible (%s); falling back", str(e)[:200])
+        return None
+    model.eval()
+    model.requires_grad_(False)
+    _load_generation_config(model, folder)
+    int4.quantize_tied_table(model)
+    return model, packed / max(1, total)
+
+
+def _load_generation_config(model: nn.Module, folder: str) -> None:
+    """from_pretrained reads generation_config.json (stop ids live there for some models); from_config does not."""
+    if (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+
+
+def _all_decoder_linears(model: nn.Module) -> list[nn.Linear]:
+    base = getattr(model, "model", model)
+    return [m for m in base.layers.modules() if isinstance(m, nn.Linear)]
