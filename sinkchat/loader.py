@@ -349,11 +349,11 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise LoadError(f"'{source}' is not a causal language model (architectures: {', '.join(archs)})")
     device, dtype = _pick_device_dtype(cfg)
-    progress(f"loading {Path(source).name if os.sep in source else source} ({cfg.quant}, {device})")
+    quant = resolve_quant(cfg.quant, device)
+    progress(f"loading {Path(source).name if os.sep in source else source} ({quant}, {device})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    quant = resolve_quant(cfg.quant, device)
     streamed = None
     try:
         with warnings.catch_warnings():
