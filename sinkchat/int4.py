@@ -112,18 +112,22 @@ class Int8Table(nn.Module):
     (`aten._weight_int8pack_mm`) runs, 4x smaller than fp32, so the 49k x 576 output projection reads 28 MB per
     token instead of 113 MB. Rows round to within half a step of rowmax/127."""
 
-    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    def __init__(self, weight: Any, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        """`weight`: a [V, D] tensor, or anything with `.shape` whose row slices give tensors (a file reader), so
+        the fp32 table never has to be in memory whole."""
         super().__init__()
-        w = weight.detach()  # [V, D]
-        scale = (w.abs().amax(1).float() / 127).clamp(min=1e-12)  # [V]
-        q = torch.empty(w.shape, dtype=torch.int8)
-        for i in range(0, w.shape[0], 4096):  # in row blocks: whole-table temporaries would cost 3 x 113 MB of RSS
-            q[i : i + 4096] = torch.round(w[i : i + 4096].float() / scale[i : i + 4096, None]).clamp(-127, 127)
+        n, d = weight.shape
+        q, scale = torch.empty((n, d), dtype=torch.int8), torch.empty(n)
+        for i in range(0, n, 4096):  # in row blocks: whole-table temporaries would cost 3 x 113 MB of RSS
+            blk = weight[i : i + 4096].detach().float()  # [b, D]
+            s = (blk.abs().amax(1) / 127).clamp(min=1e-12)  # [b]
+            q[i : i + 4096] = torch.round(blk / s[:, None]).clamp(-127, 127)
+            scale[i : i + 4096] = s
         self.register_buffer("q", q)  # int8 [V, D]
         self.register_buffer("scale", scale)  # fp32 [V], for lookups
         self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
         self.compute_dtype = compute_dtype
-        self.num_embeddings, self.embedding_dim = w.shape
+        self.num_embeddings, self.embedding_dim = n, d
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] fp32
         return self.q[ids].float() * self.scale[ids][..., None]
@@ -162,7 +166,10 @@ def quantize_tied_table(model: Any) -> bool:
         return False
     if emb.weight.data_ptr() != head.weight.data_ptr() or emb.weight.shape[1] % 16:
         return False
-    table = Int8Table(emb.weight.data)
-    model.set_input_embeddings(Int8Embedding(table, emb.padding_idx))
-    model.set_output_embeddings(Int8Head(table))
+    install_table(model, Int8Table(emb.weight.data), emb.padding_idx)
     return True
+
+
+def install_table(model: Any, table: Int8Table, padding_idx: int | None) -> None:
+    model.set_input_embeddings(Int8Embedding(table, padding_idx))
+    model.set_output_embeddings(Int8Head(table))

@@ -27,8 +27,24 @@ log = logging.getLogger(__name__)
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
 
 
-def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a .safetensors file, each in freshly allocated memory."""
+class FileRows:
+    """Row slices of a 2-D tensor read from the file on demand (valid while `read_tensors` is iterating)."""
+
+    def __init__(self, f: Any, offset: int, shape: list[int], dtype: torch.dtype) -> None:
+        self.f, self.offset, self.shape, self.dtype = f, offset, tuple(shape), dtype
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        start, stop, _ = rows.indices(self.shape[0])
+        t = torch.empty((max(0, stop - start), self.shape[1]), dtype=self.dtype)
+        self.f.seek(self.offset + start * self.shape[1] * t.element_size())
+        if t.numel():
+            self.f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        return t
+
+
+def read_tensors(path: Path, lazy: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """Yield (name, tensor) from a .safetensors file, each in freshly allocated memory; 2-D tensors named in
+    `lazy` come as a `FileRows` instead."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -37,11 +53,24 @@ def read_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             dtype = DTYPES[meta["dtype"]]  # KeyError -> caller falls back
             start, end = meta["data_offsets"]
+            if name in lazy and len(meta["shape"]) == 2:
+                yield name, FileRows(f, base + start, meta["shape"], dtype)
+                continue
             t = torch.empty(meta["shape"], dtype=dtype)
             f.seek(base + start)
             if end > start:
                 f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
             yield name, t
+
+
+def _tied_table_name(model: nn.Module, config: Any) -> str | None:
+    """State-dict name of the token table when it is tied to the output projection and fits the int8 kernel."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not getattr(config, "tie_word_embeddings", False) or not isinstance(emb, nn.Embedding):
+        return None
+    if not isinstance(head, nn.Linear) or head.bias is not None or emb.embedding_dim % 16:
+        return None
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
 
 
 def _decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -79,10 +108,15 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
         linears = _decoder_linears(model)
         total = sum(m.in_features * m.out_features for m in _all_decoder_linears(model))
         packed = 0
+        table = _tied_table_name(model, config)
+        lazy = frozenset([table] if table else [])
         for f in files:
-            for name, t in read_tensors(f):
+            for name, t in read_tensors(f, lazy):
                 mod_name = name.removesuffix(".weight")
-                if name.endswith(".weight") and mod_name in linears:
+                if isinstance(t, FileRows):  # the tied token table, straight to int8 in row blocks
+                    int4.install_table(model, int4.Int8Table(t), model.get_input_embeddings().padding_idx)
+                    table = None
+                elif name.endswith(".weight") and mod_name in linears:
                     lin = linears.pop(mod_name)
                     parent, _, child = mod_name.rpartition(".")
                     shell = nn.Linear(lin.in_features, lin.out_features, bias=False, device="meta")
@@ -94,7 +128,10 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
                     packed += t.numel()
                 else:
                     _set(model, name, t.to(dtype) if t.is_floating_point() else t)
-        model.tie_weights()
+        if not lazy:
+            model.tie_weights()
+        elif table is not None:  # tied, but the file had no table
+            return None
         left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
         if linears or left:
             log.info("q4 streaming load: %s left unloaded; falling back", (list(linears) + left)[:3])
@@ -105,7 +142,7 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
     model.eval()
     model.requires_grad_(False)
     _load_generation_config(model, folder)
-    int4.quantize_tied_table(model)
+    int4.quantize_tied_table(model)  # a tied table not streamed above (no-op when it was)
     return model, packed / max(1, total)
 
 
