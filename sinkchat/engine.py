@@ -78,6 +78,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.last_logits: torch.Tensor | None = None  # [V] after the last fed token
         self.last_reply_ids: list[int] = []
+        self.message_taken_back = False  # the last add_message was interrupted and undone
         self.stop_ids = _stop_ids(tokenizer, model)
 
     # ----------------------------------------------------------------------------------------------- core steps
@@ -163,9 +164,26 @@ class Engine:
         yield from self.feed_ids(self.encode(text))  # type: ignore[misc]
 
     def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
-        """Template only the new message (plus assistant header) and feed it."""
+        """Template only the new message (plus assistant header) and feed it.
+
+        Interrupted (Ctrl-C, or the generator closed) before the whole message is in: if nothing was evicted
+        meanwhile, the message is taken back entirely (cache, ledger and conversation as before it), so a cut
+        prompt never leaves half a message in the model's context. Once feeding it has evicted, the evicted
+        tokens cannot come back, so what was fed stays and the conversation keeps the message."""
+        length, evicted = self.cache.length, self.ledger.evicted
+        messages, fed, logits = list(self.conv.messages), self.conv.fed, self.last_logits
+        self.message_taken_back = False
         delta = self.conv.delta_for(role, content, add_generation_prompt)
-        yield from self.feed(delta)
+        try:
+            yield from self.feed(delta)
+        except BaseException:
+            if self.ledger.evicted == evicted:
+                with deferred_sigint():
+                    self.cache.truncate(length)
+                    self.ledger.truncate(length)
+                    self.conv.messages, self.conv.fed, self.last_logits = messages, fed, logits
+                    self.message_taken_back = True
+            raise
 
     def generate(
         self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None

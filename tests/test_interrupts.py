@@ -94,3 +94,59 @@ def test_sigint_inside_the_model_call_rolls_back(word_tok):
     assert eng.cache.length == len(eng.ledger) == n0
     list(eng.feed_ids([50, 51]))
     assert eng.cache.length == len(eng.ledger) == n0 + 2
+
+
+def _chat_engine(capacity: int = 256) -> Engine:
+    from test_repl import CharTokenizer
+
+    model = tiny_model("llama", layers=2, max_pos=512)
+    model.config.eos_token_id = 96
+    return Engine(model, CharTokenizer(), CacheConfig(policy="sink", n_sink=4, capacity=capacity, evict_chunk=8),
+                  SamplingConfig(temperature=0.0, max_tokens=6), prefill_chunk=4)
+
+
+def _interrupt_on_forward(eng: Engine, n: int):
+    """A hook that raises KeyboardInterrupt on the n-th forward from now (a mid-prefill Ctrl-C)."""
+    calls = []
+
+    def hook(*_):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+
+    return eng.model.model.layers[0].register_forward_hook(hook)
+
+
+def test_ctrl_c_while_a_message_is_fed_takes_it_back_whole():
+    eng = _chat_engine()
+    list(eng.chat("hello"))
+    before = (eng.cache.length, eng.ledger.seen, list(eng.conv.messages), eng.conv.fed)
+    handle = _interrupt_on_forward(eng, 3)  # the long message needs several 4-token chunks
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(eng.add_message("user", "a long message that is cut while it is being fed"))
+    finally:
+        handle.remove()
+    assert eng.message_taken_back
+    assert (eng.cache.length, eng.ledger.seen, eng.conv.messages, eng.conv.fed) == before
+    # the next turn is exactly what it would have been had the cut message never been typed
+    ref = _chat_engine()
+    list(ref.chat("hello"))
+    got = [e.token_id for e in eng.chat("again") if hasattr(e, "token_id")]
+    want = [e.token_id for e in ref.chat("again") if hasattr(e, "token_id")]
+    assert got == want and eng.ledger.ids == ref.ledger.ids
+
+
+def test_a_message_that_already_evicted_stays_when_cut():
+    eng = _chat_engine(capacity=24)
+    list(eng.chat("hi"))
+    n_messages = len(eng.conv.messages)
+    handle = _interrupt_on_forward(eng, 8)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(eng.add_message("user", "a message much longer than the whole cache of twenty-four tokens"))
+    finally:
+        handle.remove()
+    assert eng.ledger.evicted > 0 and not eng.message_taken_back
+    assert eng.cache.length == len(eng.ledger)
+    assert len(eng.conv.messages) == n_messages + 1  # the message is kept in the record too

@@ -138,9 +138,11 @@ def test_ctrl_c_during_reply_keeps_cache_consistent(monkeypatch):
     assert eng.conv.messages[-1]["role"] == "assistant"
 
 
-def test_ctrl_c_during_prompt_prefill_closes_turn(monkeypatch):
+def test_ctrl_c_during_prompt_prefill_takes_the_message_back(monkeypatch):
     eng = fake_engine(capacity=256)
-    loop, _, _ = make_loop(eng)
+    loop, _, err = make_loop(eng)
+    loop.run(lines_reader(["first"]))
+    before = (eng.cache.length, list(eng.conv.messages), eng.conv.fed)
     real_add = eng.add_message
 
     def cut_add(*a, **k):
@@ -151,7 +153,29 @@ def test_ctrl_c_during_prompt_prefill_closes_turn(monkeypatch):
     eng.prefill_chunk = 4
     monkeypatch.setattr(eng, "add_message", cut_add)
     loop.run(lines_reader(["a long enough message to need several chunks"]))
+    assert consistent(eng) and (eng.cache.length, eng.conv.messages, eng.conv.fed) == before
+    assert "message not sent" in err.getvalue()
+    monkeypatch.setattr(eng, "add_message", real_add)
+    loop.run(lines_reader(["next"]))
+    assert consistent(eng) and [m["content"] for m in eng.conv.messages[::2]] == ["first", "next"]
+
+
+def test_ctrl_c_during_a_prompt_that_already_evicted_closes_its_turn(monkeypatch):
+    eng = fake_engine(capacity=32)
+    loop, _, err = make_loop(eng)
+    real_add = eng.add_message
+
+    def cut_late(*a, **k):
+        for i, ev in enumerate(real_add(*a, **k)):
+            yield ev
+            if eng.ledger.evicted and i > 3:
+                raise KeyboardInterrupt
+
+    eng.prefill_chunk = 4
+    monkeypatch.setattr(eng, "add_message", cut_late)
+    loop.run(lines_reader(["a message long enough to evict part of itself from a small cache"]))
     assert consistent(eng) and eng.conv.messages[-1] == {"role": "assistant", "content": ""}
+    assert "the part already fed stays" in err.getvalue()
     monkeypatch.setattr(eng, "add_message", real_add)
     loop.run(lines_reader(["next"]))
     assert consistent(eng) and eng.conv.messages[-2]["content"] == "next"

@@ -166,7 +166,8 @@ class Renderer:
             self.out.print(Text(line, style="dim yellow"))
             self.at_line_start = True
 
-    def end_reply(self, done: DoneEvent | None, interrupted: bool = False) -> None:
+    def end_reply(self, done: DoneEvent | None, interrupted: bool = False, unsent: str | None = None) -> None:
+        """Close the reply. `unsent`: why the prompt itself was cut (interrupted while being fed), if it was."""
         if self._live is not None:
             live, self._live = self._live, None
             live.stop()
@@ -176,7 +177,9 @@ class Renderer:
             self._partial = ""
         if not self.at_line_start:
             self._write("\n")
-        if interrupted:
+        if unsent:
+            self.msg.print(Text(f"^C {unsent}", style="yellow"))
+        elif interrupted:
             self.msg.print(Text("^C reply stopped (the partial reply stays in the cache)", style="yellow"))
         elif done is not None and done.reason == "length":
             self.msg.print(Text(f"[reply cut at max_tokens={done.tokens}; /set max_tokens N to change]", style="dim"))

@@ -114,9 +114,11 @@ class ChatLoop:
                 finally:
                     gen.close()
             finally:
-                # Record the reply even when cut (the engine.chat contract); an empty one if the prompt was cut, so
-                # the template closes the turn and the next message extends the conversation by prefix.
-                eng.conv.add_reply(eng.reply_text() if generating else "")
+                # Record the reply even when cut (the engine.chat contract). A prompt cut while being fed is taken
+                # back whole by the engine; only if it had already evicted does it stay, and then an empty reply
+                # closes its turn so the next message extends the conversation by prefix.
+                if generating or not eng.message_taken_back:
+                    eng.conv.add_reply(eng.reply_text() if generating else "")
                 if generating:
                     reply = done.text if done is not None else eng.tokenizer.decode(eng.last_reply_ids,
                                                                                     skip_special_tokens=True)
@@ -126,7 +128,11 @@ class ChatLoop:
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            self.r.end_reply(done, interrupted)
+            unsent = None
+            if interrupted and not generating:
+                unsent = ("message not sent: taken back out of the cache" if eng.message_taken_back
+                          else "message cut while being fed: the part already fed stays (it had evicted older tokens)")
+            self.r.end_reply(done, interrupted, unsent)
             self._summarise_hidden()
         self.r.status(self.stats())
         if interrupted and self.exit_on_interrupt:
