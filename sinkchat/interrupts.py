@@ -21,19 +21,21 @@ from typing import Any, Iterator
 class _Guard:
     def __init__(self) -> None:
         self.open = False  # True while an interrupt may be raised at once
-        self.pending = False
+        self.pending: int | None = None  # the signal held back
+        self.old: dict[int, Any] = {}
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
         if self.open:
-            raise KeyboardInterrupt
-        self.pending = True
+            _deliver(self.old.get(signum), signum)
+        elif self.pending is None or signum == signal.SIGTERM:
+            self.pending = signum
 
     @contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Within a deferred section: let Ctrl-C raise immediately (and drop any interrupt already held)."""
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
+        """Within a deferred section: let Ctrl-C raise immediately (and deliver any signal already held)."""
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            _deliver(self.old.get(signum), signum)
         self.open = True
         try:
             yield
@@ -49,22 +51,28 @@ class _NoGuard(_Guard):
 
 @contextmanager
 def deferred_sigint() -> Iterator[_Guard]:
-    """Hold SIGINT for the body; re-deliver it to the previous handler when the body ends without an error."""
+    """Hold SIGINT (and SIGTERM, where a Python handler turns it into an exception, as `summarize` and `soak` do)
+    for the body; re-deliver it to the previous handler when the body ends without an error."""
     if threading.current_thread() is not threading.main_thread():
         yield _NoGuard()
         return
     guard = _Guard()
-    old: Any = signal.signal(signal.SIGINT, guard.handler)
+    guard.old[signal.SIGINT] = signal.signal(signal.SIGINT, guard.handler)
+    if callable(signal.getsignal(signal.SIGTERM)):
+        guard.old[signal.SIGTERM] = signal.signal(signal.SIGTERM, guard.handler)
     try:
         yield guard
     finally:
-        signal.signal(signal.SIGINT, old)
-    if guard.pending:
-        _deliver(old)
+        for signum, old in guard.old.items():
+            signal.signal(signum, old)
+    if guard.pending is not None:
+        _deliver(guard.old.get(guard.pending), guard.pending)
 
 
-def _deliver(old: Any) -> None:
+def _deliver(old: Any, signum: int) -> None:
     if callable(old):
-        old(signal.SIGINT, None)  # default_int_handler raises KeyboardInterrupt; an outer guard defers again
-    elif old == signal.SIG_DFL:
+        old(signum, None)  # default_int_handler raises KeyboardInterrupt; an outer guard defers again
+    elif old == signal.SIG_DFL and signum == signal.SIGINT:
         raise KeyboardInterrupt
+    elif old == signal.SIG_DFL:
+        signal.raise_signal(signum)

@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import stat
 import sys
 import threading
@@ -317,7 +318,8 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
 
     Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
     what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
-    input: a final summary, exit 0. Ctrl-C: a final summary of the pending lines, exit 130.
+    input: a final summary, exit 0. Ctrl-C: a final summary of the pending lines, exit 130 (SIGTERM: the same,
+    exit 143).
     """
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
@@ -362,11 +364,12 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
                           interval=interval, max_tokens=settings.sampling.max_tokens)
         summ.queued = q.qsize
         code = 0
+        signal.signal(signal.SIGTERM, _on_sigterm)  # `kill` / systemd stop: a final summary too, like Ctrl-C
         try:
             try:
                 summ.run(q)
-            except KeyboardInterrupt:
-                code = 130
+            except KeyboardInterrupt as e:
+                code = 143 if isinstance(e, Terminated) else 130
                 stop.set()
                 status.clear()
                 try:
@@ -385,6 +388,14 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
         if code == 0 and summ.error:
             code = 1
         ctx.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so both end with a final summary."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def _open_input(file_path: str | None) -> Any:

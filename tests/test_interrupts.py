@@ -150,3 +150,23 @@ def test_a_message_that_already_evicted_stays_when_cut():
     assert eng.ledger.evicted > 0 and not eng.message_taken_back
     assert eng.cache.length == len(eng.ledger)
     assert len(eng.conv.messages) == n_messages + 1  # the message is kept in the record too
+
+
+def test_sigterm_with_a_raising_handler_is_held_too():
+    class Terminated(Exception):
+        pass
+
+    def on_term(signum, frame):
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        done = []
+        with pytest.raises(Terminated):
+            with deferred_sigint():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("body finished")
+        assert done == ["body finished"]
+        assert signal.getsignal(signal.SIGTERM) is on_term
+    finally:
+        signal.signal(signal.SIGTERM, old)

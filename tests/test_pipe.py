@@ -383,6 +383,24 @@ def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
     assert blocks[-1]["final"]
 
 
+def test_cli_sigterm_gives_the_final_summary_too(tiny_dir, tmp_path):
+    """`kill` (or a service manager stopping it) must not lose the pending lines: final summary, exit 143."""
+    log = tmp_path / "app.log"
+    log.write_text("".join(f"job {i} done\n" for i in range(1, 16)))
+    p = _cli("--follow", str(log), "--every", "10", "--cache", "64", "--max-tokens", "2", model=tiny_dir,
+             stdin=subprocess.DEVNULL)
+    outs, errs = Lines(p.stdout), Lines(p.stderr)
+    blocks = [json.loads(outs.next())]  # lines 1-10
+    time.sleep(1.0)  # lines 11-15 are queued, below --every
+    p.send_signal(signal.SIGTERM)
+    while (line := outs.next()) is not None:
+        blocks.append(json.loads(line))
+    assert p.wait(timeout=WAIT) == 143
+    assert not any("Traceback" in l for l in errs.all), errs.all
+    assert [(b["first_line"], b["last_line"]) for b in blocks] == [(1, 10), (11, 15)]
+    assert blocks[-1]["final"]
+
+
 # ----------------------------------------------------------------------------------------------------- real model
 def _changelog(min_lines: int) -> tuple[str, list[bytes]]:
     for path in sorted(glob.glob("/usr/share/doc/*/changelog.Debian.gz")):
