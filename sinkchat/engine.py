@@ -112,9 +112,23 @@ class Engine:
         c = self.cache_cfg
         ev = plan_eviction(c.policy, c.n_sink, c.capacity, c.evict_chunk, self.cache.length, incoming)
         if ev is not None:
-            yield self._evict(ev)
+            yield from self._evict(ev)
 
-    def _evict(self, ev: Eviction) -> EvictionEvent:
+    def _evict(self, ev: Eviction) -> list[EvictionEvent]:
+        """Drop the slots of `ev`: one event per run of consecutive stream positions, so that a block spanning a gap
+        (the old sinks plus the oldest window tokens, right after switching sink -> window) never shows as one
+        range that claims everything in between."""
+        runs, idx = [], self.ledger.abs_index[ev.start : ev.start + ev.count]
+        n = 1
+        for a, b in zip(idx, idx[1:]):
+            if b != a + 1:
+                runs.append(n)
+                n = 0
+            n += 1
+        runs.append(n)
+        return [self._evict_run(Eviction(ev.start, r)) for r in runs]  # each run starts where the last one was
+
+    def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
         with deferred_sigint():
             self.cache.evict(ev)
@@ -260,7 +274,7 @@ class Engine:
             if new.policy == "dense":
                 raise ConfigError(f"the cache holds {self.cache.length} tokens, more than --cache {new.capacity}")
             pinned = new.n_sink if new.policy == "sink" else 0
-            events.append(self._evict(Eviction(pinned, excess)))
+            events.extend(self._evict(Eviction(pinned, excess)))
         if new.capacity != self.cache.capacity:
             state = self.cache.state()
             self.cache = SinkKVCache(self.n_layers, new.capacity, self.rope, self.rerotate)

@@ -195,3 +195,19 @@ def test_undecodable_bytes_encode_without_error(bundled, word_tok):
     bad = b"ok \xff\xfe bytes".decode("utf-8", "surrogateescape")
     ids = eng.encode(bad)
     assert ids and "\ufffd" in bundled.tokenizer.decode(ids)
+
+
+def test_switching_sink_to_window_reports_the_gap_as_two_ranges(word_tok):
+    """The first window eviction after a switch drops the old sinks and the oldest window tokens: two runs of the
+    stream, reported as two events, never one range that claims the hundreds of tokens in between."""
+    from sinkchat.events import EvictionEvent
+
+    eng = Engine(tiny_model(), word_tok, CacheConfig(policy="sink", n_sink=4, capacity=32, evict_chunk=8))
+    list(eng.feed_ids(list(range(1, 101))))  # 100 tokens: sinks 0-3 plus the most recent ones
+    assert eng.ledger.abs_index[:4] == [0, 1, 2, 3] and eng.ledger.abs_index[4] > 4
+    eng.reconfigure(policy="window")
+    evs = [e for e in eng.feed_ids(list(range(1, 9))) if isinstance(e, EvictionEvent)]
+    assert (evs[0].first, evs[0].last, evs[0].count) == (0, 4, 4)
+    assert evs[1].first > 4 and evs[1].last - evs[1].first == evs[1].count
+    assert sum(e.count for e in evs) == 8 and eng.cache.length == len(eng.ledger) <= 32
+    assert not eng.ledger.holds_stream_start()
