@@ -210,8 +210,11 @@ def test_slash_commands_each_kind(tmp_path):
     assert not list(tmp_path.glob(".*tmp"))  # temp file renamed away
     loop.run(lines_reader(["/clear"]))
     assert eng.cache.length == 0 and eng.conv.messages == []
-    loop.run(lines_reader(["/set top_k 1", f"/load {path}"]))
-    assert eng.conv.messages == msgs and eng.sampling.top_k == 7 and eng.cache.length > 0 and consistent(eng)
+    loop.run(lines_reader(["/set top_k 1", "/set temperature 0.3", f"/load {path}"]))
+    # the messages come back; this run's settings stay, and the ones saved in the file are named
+    assert eng.conv.messages == msgs and eng.cache.length > 0 and consistent(eng)
+    assert (eng.sampling.top_k, eng.sampling.temperature) == (1, 0.3)
+    assert "transcript was saved with temperature 0.0" in err.getvalue()
     loop.run(lines_reader(["/load /nonexistent/x.json"]))
     assert "cannot read" in err.getvalue() and eng.conv.messages == msgs
     # /system: mid-conversation it enters the stream as a system message

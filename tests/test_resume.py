@@ -32,6 +32,18 @@ def test_save_then_load_gives_the_same_next_reply(tmp_path):
     assert replies_b and replies_b[-1] == replies_a[-1]
 
 
+def test_load_at_start_takes_a_json_transcript_too(tmp_path):
+    t = tmp_path / "t.json"
+    a = run_chat([], f"Name a color.\n/save {t}\n", tmp_path)
+    assert a.returncode == 0 and t.is_file(), a.stderr[-1500:]
+    b = run_chat(["--load", str(t)], "Name a fruit.\n", tmp_path)
+    assert b.returncode == 0, b.stderr[-1500:]
+    assert "replaying 2 messages" in b.stderr and "snapshot" not in b.stderr
+    assert [r for r in b.stdout.split("\n") if r.strip()]
+    r = run_chat(["--load", str(tmp_path / "missing.json")], "hi\n", tmp_path)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "cannot read" in r.stderr
+
+
 def test_corrupt_snapshot_refused_at_start(tmp_path):
     (tmp_path / "snapshots").mkdir(parents=True)
     (tmp_path / "snapshots" / "bad.safetensors").write_bytes(b"\x00" * 100)

@@ -214,20 +214,25 @@ def cmd_load(loop: "ChatLoop", arg: str) -> None:
     if not session.is_transcript_file(arg):
         session.load(loop, arg)
         return
+    try:
+        load_transcript(loop, arg)
+    except ConfigError as e:
+        loop.r.error(str(e))
+
+
+def load_transcript(loop: "ChatLoop", arg: str) -> None:
+    """Replay a JSON transcript's messages into a fresh cache. The current settings stay (what the user chose for
+    this run wins over what the file was saved with); the ones saved in the file are only mentioned."""
     path = Path(arg).expanduser()
     try:
         data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
         system, msgs, cache, sampling = _parse_transcript(data, loop.engine.max_positions)
     except OSError as e:
-        loop.r.error(f"cannot read {path}: {e.strerror or e}")
-        return
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, ConfigError) as e:  # JSONDecodeError is a ValueError
-        loop.r.error(f"cannot load {path}: {e}")
-        return
+        raise ConfigError(f"cannot load {path}: {e}") from None
     eng = loop.engine
     eng.clear()
-    eng.reconfigure(**cache)
-    eng.set_sampling(**asdict(sampling))
     eng.conv.system = system
     seen0, ev0 = eng.ledger.seen, eng.ledger.evicted
     loop.r.info(f"replaying {len(msgs)} messages from {path} into the cache ...")
@@ -235,6 +240,12 @@ def cmd_load(loop: "ChatLoop", arg: str) -> None:
         loop.feed_message(m["role"], m["content"], quiet=True)
     loop.r.info(f"loaded: {eng.ledger.seen - seen0} tokens fed, {eng.ledger.evicted - ev0} evicted, "
                 f"{eng.cache.length}/{eng.cache_cfg.capacity} in cache ({human_bytes(eng.cache.nbytes)})")
+    saved = {**cache, **{k: v for k, v in asdict(sampling).items() if k in ("temperature", "max_tokens")}}
+    now = {**asdict(eng.cache_cfg), **asdict(eng.sampling)}
+    differ = [f"{k} {v}" for k, v in saved.items() if now.get(k) != v]
+    if differ:
+        loop.r.info(f"kept this run's settings; the transcript was saved with {', '.join(differ)} "
+                    "(/policy, /window, /set to change)", style="dim")
 
 
 def cmd_edit(loop: "ChatLoop", arg: str) -> None:

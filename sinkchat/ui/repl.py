@@ -303,7 +303,8 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
 @click.option("--system", "system_text", default=None, metavar="TEXT",
               help="system prompt (default: prompts/system.txt)")
 @click.option("--system-file", type=click.Path(dir_okay=False), default=None, help="read the system prompt from a file")
-@click.option("--load", "load_name", default=None, metavar="NAME", help="start from a snapshot saved with /save NAME")
+@click.option("--load", "load_name", default=None, metavar="NAME|FILE.json",
+              help="start from a snapshot saved with /save NAME, or replay a transcript saved with /save FILE.json")
 @click.option("--resume", "resume_arg", is_flag=False, flag_value="", default=None, metavar="[ID]",
               help="continue a logged session after a crash (default: the newest chat session)")
 @click.option("--snapshot-every", type=click.IntRange(0, None), default=0, show_default=True,
@@ -329,7 +330,7 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
         if load_name is not None and resume_arg is not None:
             raise ConfigError("give --load or --resume, not both")
         resume_id = session.resume_target(resume_arg) if resume_arg is not None else None
-        if load_name is not None:
+        if load_name is not None and not session.is_transcript_file(load_name):
             settings = session.settings_for_load(settings, load_name)
         engine = load_engine(settings, system, tty_out)
         renderer = Renderer(out, err, tty=tty_out)
@@ -351,7 +352,11 @@ def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interac
     """Restore (--load / --resume) if asked, then run the loop on a prompt or on stdin."""
     engine = loop.engine
     with user_errors():
-        if load_name is not None:
+        if load_name is not None and session.is_transcript_file(load_name):
+            from sinkchat.ui.commands import load_transcript
+
+            load_transcript(loop, load_name)
+        elif load_name is not None:
             session.load(loop, load_name, strict=True)
         elif resume_id is not None:
             session.do_resume(loop, resume_id)

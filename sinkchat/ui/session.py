@@ -96,6 +96,7 @@ def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
     raises instead of reporting, so a bad start-up snapshot ends the program with a one-line error."""
     from sinkchat.snapshot import SnapshotError, load_snapshot, snapshot_path
 
+    before = loop.engine.cache_cfg
     try:
         head = load_snapshot(loop.engine, snapshot_path(arg))
     except SnapshotError as e:
@@ -106,6 +107,12 @@ def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
     eng = loop.engine
     loop.r.info(f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
                 f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
+    after = eng.cache_cfg
+    changed = [f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in ("policy", "n_sink", "capacity", "evict_chunk")
+               if getattr(before, k) != getattr(after, k)]
+    if changed:
+        loop.r.info(f"the snapshot's cache settings apply (its KV cache was built with them): {', '.join(changed)}",
+                    style="dim")
 
 
 def log_turn(loop: "ChatLoop", role: str, text: str, tokens: int, done: Any = None) -> None:
