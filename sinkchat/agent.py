@@ -27,7 +27,9 @@ from sinkchat.agent_protocol import (
 )
 from sinkchat.cliopts import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
 from sinkchat.config import ConfigError, data_dir
-from sinkchat.events import DoneEvent, EvictionEvent, Event, TokenEvent
+from sinkchat.agent_display import Display, _abridge
+from sinkchat.events import DoneEvent, Event, TokenEvent
+from sinkchat.runlog import AgentLog, open_log
 from sinkchat.tools import (
     ToolError, ToolResult, Toolbox, Workspace, build_default_tools, cap_text, load_tools_module,
 )
@@ -199,69 +201,6 @@ class Agent:
 
 
 # ------------------------------------------------------------------------------------------------------ display
-class Display:
-    """Live view of the event stream: rich on a TTY (tokens stream as they come), plain lines otherwise."""
-
-    def __init__(self, engine: Any, metrics: Any, tty: bool, model_nbytes: int | None = None) -> None:
-        from rich.console import Console
-
-        self.engine, self.metrics, self.tty, self.model_nbytes = engine, metrics, tty, model_nbytes
-        self.console = Console(highlight=False, soft_wrap=True) if tty else None
-        self.streaming = False
-
-    def line(self, text: str, style: str = "") -> None:
-        if self.streaming:
-            self._raw("\n")
-            self.streaming = False
-        if self.console is not None:
-            self.console.print(text, style=style or None, markup=False)
-        else:
-            click.echo(text)
-
-    def _raw(self, text: str) -> None:
-        (self.console.file if self.console is not None else sys.stdout).write(text)
-        (self.console.file if self.console is not None else sys.stdout).flush()
-
-    def status(self) -> None:
-        from sinkchat.metrics import read_stats, status_line
-
-        self.line(status_line(read_stats(self.engine, self.metrics, self.model_nbytes)), "dim")
-
-    def __call__(self, ev: Any) -> None:
-        self.metrics.fold(ev)
-        if isinstance(ev, StepEvent):
-            self.line(f"── step {ev.step} ──", "bold cyan")
-        elif isinstance(ev, TokenEvent) and self.tty:
-            self._raw(ev.text)
-            self.streaming = True
-        elif isinstance(ev, ModelTextEvent):
-            if not self.tty:
-                self.line(f"model: {_abridge(ev.text, 400)}")
-            self.line(f"({ev.tokens} tokens, {ev.reason})", "dim")
-        elif isinstance(ev, ToolCallEvent):
-            self.line(f"→ {ev.name} {_abridge(repr(ev.args), 200)}", "yellow")
-        elif isinstance(ev, AgentErrorEvent):
-            self.line(f"! {ev.message}", "red")
-        elif isinstance(ev, ToolResultEvent):
-            cut = f", truncated from {ev.chars} chars" if ev.truncated else ""
-            self.line(f"← {'ok' if ev.ok else 'error'} ({len(ev.text)} chars{cut}): {_abridge(ev.text, 200)}",
-                      "green" if ev.ok else "red")
-            self.status()
-        elif isinstance(ev, EvictionEvent):
-            self.line(f"⟲ evicted {ev.count} tokens [{ev.first}, {ev.last}) '{ev.preview}' → cache {ev.cache_len}",
-                      "magenta")
-        elif isinstance(ev, TaskDoneEvent):
-            what = f"answer: {ev.answer}" if ev.reason == "final" else "no final answer"
-            self.line(f"■ task ended after {ev.steps} step(s) ({ev.reason}); {what}", "bold")
-            self.status()
-
-
-def _abridge(text: str, n: int) -> str:
-    one = " ".join(text.split())
-    return one if len(one) <= n else one[: n - 1] + "…"
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
 def make_approver(mode: str, interactive: bool) -> Approve | None:
     if mode == "auto":
         return None
@@ -320,10 +259,11 @@ def _cycle(make: Callable[[], Iterator[str]]) -> Iterator[str]:
 @click.option("--tools-module", multiple=True, type=click.Path(dir_okay=False), help="extra tools: a .py file (repeatable)")
 @click.option("--max-result-chars", type=click.IntRange(100, None), default=1500, show_default=True,
               help="cap on each tool result fed to the model")
+@click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
 @common_options
 def agent_command(task: str | None, workspace: str | None, max_steps: int, forever: bool, tasks_file: str | None,
                   approve: str | None, allow_shell: bool, tools_module: tuple[str, ...], max_result_chars: int,
-                  **kw: Any) -> None:
+                  no_log: bool, **kw: Any) -> None:
     """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line)."""
     from sinkchat.metrics import Metrics, human_bytes, model_bytes, rss_bytes
 
@@ -349,7 +289,9 @@ def agent_command(task: str | None, workspace: str | None, max_steps: int, forev
         agent = Agent(engine, tools, ws, make_approver(approve or ("ask" if interactive else "never-shell"), interactive))
         metrics = Metrics()
         mbytes = model_bytes(engine.model)
-        display = Display(engine, metrics, sys.stdout.isatty(), mbytes)
+        slog = open_log(engine, "agent", no_log, None, lambda m: click.echo(f"warning: {m}", err=True),
+                        extra={"workspace": str(ws.root), "tools": tools.names})
+        display = Display(engine, metrics, sys.stdout.isatty(), mbytes, AgentLog(slog, engine))
         click.echo(f"workspace: {ws.root}  tools: {', '.join(tools.names)}", err=True)
         rss0 = rss_bytes()
         try:
@@ -361,6 +303,8 @@ def agent_command(task: str | None, workspace: str | None, max_steps: int, forev
                         display(ev)
         except KeyboardInterrupt:
             display.line("interrupted", "red")
+        finally:
+            slog.close()
         c = agent.counts
         click.echo(f"agent: {c.tasks} task(s), {c.steps} step(s), tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
                    f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "

@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sinkchat.demo", "demo_command"),
     "probe-sinks": ("sinkchat.demo", "probe_sinks_command"),
     "bench": ("sinkchat.bench", "bench_command"),
-    "summarize": ("sinkchat.pipe", "summarize_command"),
+    "summarize": ("sinkchat.pipe_cli", "summarize_command"),
     "agent": ("sinkchat.agent", "agent_command"),
     "soak": ("sinkchat.soak", "soak_command"),
     "logs": ("sinkchat.logs_cli", "logs_command"),

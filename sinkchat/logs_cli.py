@@ -7,6 +7,7 @@ import json
 import sqlite3
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Iterator
 
 import click
@@ -25,7 +26,7 @@ def format_sessions(sessions: list[SessionInfo]) -> str:
     lines = [head]
     for s in sessions:
         status = "ended" if s.ended else "open/crashed"
-        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {(s.model or '-')[:28]:28}  {s.turns:>5}  "
+        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_model_name(s.model)[:28]:28}  {s.turns:>5}  "
                      f"{s.tokens:>7}  {status}")
     return "\n".join(lines)
 
@@ -56,9 +57,17 @@ def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
     return "\n".join(out)
 
 
+def _model_name(model: str | None) -> str:
+    """The file or folder name (a full path cut to the column width says nothing), or the hub id."""
+    if not model:
+        return "-"
+    return Path(model).name if model.startswith(("/", ".", "~")) else model
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 @click.group("logs", invoke_without_command=True)
-@click.option("--mode", default=None, help="only sessions of this mode (chat, agent, summarize, soak)")
+@click.option("--mode", type=click.Choice(("chat", "agent", "summarize", "soak")), default=None,
+              help="only sessions of this mode")
 @click.option("-n", "--limit", type=click.IntRange(1, None), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.pass_context

@@ -318,5 +318,42 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "── step 3 ──" in res.output and "max_steps" in res.output and "kv " in res.output
     assert "agent: 1 task(s), 3 step(s)" in res.output
+    from sinkchat import transcript  # the run is in the session log: the task, each reply, each tool call
+
+    s = transcript.latest_session("agent")
+    assert s is not None and s.ended
+    turns, data = transcript.turns(s.id), transcript.export(s.id)
+    assert turns[0].role == "user" and turns[0].text == "Do a thing"
+    assert [t.role for t in turns[1:]] == ["assistant"] * 3
+    calls = [line for line in res.output.splitlines() if line.startswith("→ ")]
+    assert len(data["tool_calls"]) == len(calls)  # every attempted call (a random model makes few), none invented
     bad = CliRunner().invoke(agent_mod.agent_command, ["x", "--tools-module", str(tmp_path / "nope.py")])
     assert bad.exit_code == 2 and "tools module not found" in bad.output and "Traceback" not in bad.output
+
+
+def test_agent_log_maps_events_to_rows():
+    from types import SimpleNamespace
+
+    from sinkchat.agent_protocol import (
+        AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
+    )
+    from sinkchat.events import EvictionEvent
+    from sinkchat.runlog import AgentLog
+
+    rows = []
+
+    class Rec:
+        def __getattr__(self, name):
+            return lambda *a, **k: rows.append((name, a))
+
+    eng = SimpleNamespace(cache=SimpleNamespace(length=10), ledger=SimpleNamespace(seen=50, evicted=40))
+    log = AgentLog(Rec(), eng)
+    for ev in [StepEvent(1, "find it"), ModelTextEvent(1, '{"tool": "ls"}', "call", 5), ToolCallEvent(1, "ls", {}),
+               ToolResultEvent(1, "ls", True, "a.txt", 5, False, 0.1), EvictionEvent(8, 4, 12, "x", "sink", 30),
+               StepEvent(2, "find it"), ModelTextEvent(2, "rambling", "length", 9), AgentErrorEvent(2, "no call"),
+               ToolResultEvent(2, "", False, "your reply has no tool call", 27, False, 0.0),
+               TaskDoneEvent("find it", 2, "max_steps")]:
+        log(ev)
+    kinds = [r[0] for r in rows]
+    assert kinds == ["turn", "turn", "tool_call", "eviction", "turn", "metrics", "flush"]
+    assert rows[0][1][:2] == ("user", "find it") and rows[2][1] == ("ls", {}, "a.txt", True)

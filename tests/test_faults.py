@@ -26,7 +26,7 @@ import pytest
 from conftest import tiny_model
 
 MODES = {"chat": "sinkchat.ui.repl", "ppl": "sinkchat.evaluate", "agent": "sinkchat.agent",
-         "summarize": "sinkchat.pipe", "soak": "sinkchat.soak"}
+         "summarize": "sinkchat.pipe_cli", "soak": "sinkchat.soak"}
 TINY = ["--quant", "none", "--threads", "1"]
 
 

@@ -297,7 +297,7 @@ def run_inprocess(monkeypatch):
     from click.testing import CliRunner
     from conftest import tiny_model
 
-    import sinkchat.pipe as pipe
+    import sinkchat.pipe_cli as pipe
     from sinkchat.engine import Engine
 
     def fake_open_engine(settings, system=None, progress=None):
@@ -323,6 +323,24 @@ def test_cli_bad_input_binary_utf8_crlf_and_a_10mb_line(run_inprocess):
     _check_accounting(blocks, total)
     assert sum(x["truncated"] for x in blocks) == 1 and sum(x["deduped"] for x in blocks) == 4
     assert len({x["kv_bytes"] for x in blocks}) == 1
+
+
+def test_summarize_sessions_are_logged(run_inprocess, tmp_path, monkeypatch):
+    from sinkchat import transcript
+
+    monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path))
+    res, blocks = run_inprocess(b"".join(b"event %d\n" % i for i in range(12)), "--every", "6", "--cache", "64",
+                                "--max-tokens", "3", "--backpressure", "block")
+    assert res.exit_code == 0 and len(blocks) == 2, res.output
+    s = transcript.latest_session("summarize")
+    assert s is not None and s.turns == 4 and s.ended
+    turns = transcript.turns(s.id)
+    assert [t.role for t in turns] == ["user", "assistant"] * 2
+    assert "1" in turns[0].text and "6" in turns[0].text  # the question names its line range
+    assert [t.text for t in turns[1::2]] == [b["summary"] for b in blocks]
+    assert len(transcript.export(s.id)["metrics"]) == 2  # one figures row per summary
+    res, _ = run_inprocess(b"x\n", "--no-log", "--cache", "64", "--max-tokens", "2")
+    assert res.exit_code == 0 and transcript.latest_session("summarize").id == s.id
 
 
 def test_cli_empty_input_bad_regex_and_filters(run_inprocess):

@@ -6,7 +6,7 @@ Kept apart from repl.py so the loop stays about chatting; everything here is a t
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -19,16 +19,9 @@ if TYPE_CHECKING:
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
              resume_id: int | None = None) -> Any:
     """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored."""
-    from sinkchat.transcript import NullLog, SessionLog
+    from sinkchat.runlog import open_log as _open
 
-    if no_log:
-        return NullLog()
-    if resume_id is not None:
-        return SessionLog.resume(resume_id, warn=warn)
-    loaded = getattr(engine, "loaded", None)
-    settings = {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling),
-                "quant": getattr(loaded, "quant", None)}
-    return SessionLog.open(mode, getattr(loaded, "source", None), settings, system=system, warn=warn)
+    return _open(engine, mode, no_log, system, warn, resume_id)
 
 
 def settings_for_load(settings: Settings, name: str) -> Settings:
