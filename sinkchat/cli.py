@@ -29,7 +29,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+CHAT_ONLY_OPTIONS = ("--system", "--system-file", "--load", "--resume", "--snapshot-every", "--no-log")
+
+
 class LazyGroup(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """`sinkchat --no-log ...` means `sinkchat chat --no-log ...`: chat's own options work without the word."""
+        if not any(a in COMMANDS for a in args) and any(a.split("=")[0] in CHAT_ONLY_OPTIONS for a in args):
+            args = ["chat", *args]
+        return super().parse_args(ctx, args)
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return [name for name, (mod, _) in COMMANDS.items() if importlib.util.find_spec(mod) is not None]
 

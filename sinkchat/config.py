@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 POLICIES = ("sink", "window", "dense")
+MAX_SINKS = 64  # the paper uses 4; more only shrinks the window
 QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -26,7 +27,7 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
     "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),
     "SINKCHAT_CACHE": ("0", "cache capacity in tokens, sinks included (0 = min(2048, model context))"),
-    "SINKCHAT_EVICT_CHUNK": ("0", "tokens evicted per eviction event (0 = capacity/16)"),
+    "SINKCHAT_EVICT_CHUNK": ("0", "tokens evicted per eviction event (0 = (capacity - sinks)/16)"),
     "SINKCHAT_TEMPERATURE": ("0.7", "sampling temperature (0 = greedy)"),
     "SINKCHAT_TOP_P": ("0.9", "nucleus sampling threshold"),
     "SINKCHAT_TOP_K": ("40", "top-k sampling (0 = off)"),
@@ -115,8 +116,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
-        if self.n_sink < 0:
-            raise ConfigError("--sinks must be >= 0")
+        if not 0 <= self.n_sink <= MAX_SINKS:
+            raise ConfigError(f"--sinks must be between 0 and {MAX_SINKS}")
         if self.capacity < 0 or self.evict_chunk < 0:
             raise ConfigError("--cache and --evict-chunk must be >= 0")
         if self.capacity and self.capacity < self.n_sink + 8:
@@ -127,6 +128,9 @@ class CacheConfig:
         cap = self.capacity or min(2048, max_positions)
         if cap > max_positions:
             raise ConfigError(f"--cache {cap} exceeds the model's trained context ({max_positions} tokens)")
+        if self.evict_chunk and self.evict_chunk > cap - self.n_sink - 1:
+            raise ConfigError(f"--evict-chunk {self.evict_chunk} must be smaller than the window "
+                              f"({cap - self.n_sink} = cache {cap} - {self.n_sink} sinks)")
         chunk = self.evict_chunk or max(1, (cap - self.n_sink) // 16)
         chunk = min(chunk, cap - self.n_sink - 1)
         return replace(self, capacity=cap, evict_chunk=max(1, chunk))

@@ -176,12 +176,17 @@ def gauge_bar(share: float | None, width: int = 10) -> str:
     return "█" * full + "░" * (width - full)
 
 
+def _policy_label(policy: str, n_sink: int) -> str:
+    """`sink(4)`; the naive window and dense pin nothing, so they show no sink count."""
+    return f"{policy}({n_sink})" if policy == "sink" else policy
+
+
 def status_line(s: Stats) -> str:
     """The one-line status (toolbar, stderr): memory, cache fill, totals, speed, gauge, policy."""
     cuda = f" cuda {human_bytes(s.cuda[0])}" if s.cuda else ""
     gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
     return (
-        f"{s.policy}({s.n_sink}) | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
+        f"{_policy_label(s.policy, s.n_sink)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
         f"{s.cache_len}/{s.capacity} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
         f"sink {gauge_bar(s.gauge)} {gauge}"
     )

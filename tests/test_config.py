@@ -37,3 +37,25 @@ def test_bad_env_value_is_a_config_error(monkeypatch):
     monkeypatch.setenv("SINKCHAT_CACHE", "lots")
     with pytest.raises(ConfigError, match="SINKCHAT_CACHE"):
         settings_from_env()
+
+
+def test_evict_chunk_larger_than_the_window_and_too_many_sinks_are_refused():
+    from sinkchat.config import CacheConfig
+
+    with pytest.raises(ConfigError, match="smaller than the window"):
+        CacheConfig(capacity=64, evict_chunk=1000).resolved(8192)
+    assert CacheConfig(capacity=64, evict_chunk=59).resolved(8192).evict_chunk == 59
+    assert CacheConfig(capacity=128).resolved(8192).evict_chunk == (128 - 4) // 16
+    with pytest.raises(ConfigError, match="between 0 and 64"):
+        CacheConfig(n_sink=200)  # /sinks 200 in the REPL hits the same rule as --sinks
+
+
+def test_chat_options_work_without_the_chat_word():
+    from click.testing import CliRunner
+
+    from sinkchat.cli import main
+
+    res = CliRunner().invoke(main, ["--cache", "128", "--no-log", "--help"])
+    assert res.exit_code == 0 and "--snapshot-every" in res.output  # chat's help: routed to chat
+    res = CliRunner().invoke(main, ["logs", "--mode", "bogus"])
+    assert res.exit_code == 2 and "bogus" in res.output

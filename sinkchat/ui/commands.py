@@ -62,8 +62,9 @@ def _reconfigure(loop: "ChatLoop", **changes: Any) -> None:
         loop.metrics.fold(ev)
         loop.r.eviction(ev)
     c = loop.engine.cache_cfg
-    loop.r.info(f"cache: {c.policy}, {c.n_sink} sinks + window {c.window} = capacity {c.capacity} "
-                f"({loop.engine.cache.length} tokens held)")
+    shape = (f"{c.n_sink} sinks + window {c.window} = capacity {c.capacity}" if c.policy == "sink" else
+             f"capacity {c.capacity}, nothing pinned" if c.policy == "window" else f"capacity {c.capacity}, no eviction")
+    loop.r.info(f"cache: {c.policy}, {shape} ({loop.engine.cache.length} tokens held)")
 
 
 def cmd_policy(loop: "ChatLoop", arg: str) -> None:

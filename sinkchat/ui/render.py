@@ -70,7 +70,7 @@ def stats_table(s: Stats) -> Table:
     t.add_column("what", style="bold")
     t.add_column("value")
     rows = [
-        ("policy", f"{s.policy} ({s.n_sink} sinks)"),
+        ("policy", f"{s.policy} ({s.n_sink} sinks)" if s.policy == "sink" else s.policy),
         ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"),
         ("model", human_bytes(s.model_bytes)),
         ("rss", human_bytes(s.rss)),

@@ -364,7 +364,8 @@ def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interac
             loaded = getattr(engine, "loaded", None)
             c = engine.cache_cfg
             what = f"{Path(loaded.source).name} ({loaded.quant}, {loaded.device})" if loaded is not None else "model"
-            loop.r.info(f"sinkchat · {what} · cache {c.capacity} tokens, {c.policy} with {c.n_sink} sinks · "
+            pol = f"{c.policy} with {c.n_sink} sinks" if c.policy == "sink" else c.policy
+            loop.r.info(f"sinkchat · {what} · cache {c.capacity} tokens, {pol} · "
                         f"/help for commands, /bye or Ctrl-D to exit", style="bold cyan")
             prompt = make_prompt_session(loop, data_dir() / "history")
             loop.run(prompt_reader(prompt))

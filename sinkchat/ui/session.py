@@ -54,7 +54,7 @@ def do_resume(loop: "ChatLoop", session_id: int) -> None:
     from sinkchat.snapshot import resume_session
 
     res = resume_session(loop.engine, loop.slog, session_id)
-    loop.r.info(f"resumed session {session_id}: {res.describe()}")
+    loop.r.info(f"resumed {res.describe()}")
     if res.pending:
         loop.r.info("re-sending the last message, which never got a reply")
         loop.turn(res.pending, log_user=False)
