@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
@@ -104,7 +105,7 @@ class ChatLoop:
                 if log_user:
                     session.log_turn(self, "user", text, eng.ledger.seen - seen0)
                 eng.last_reply_ids = []
-                generating = True
+                generating, t_gen = True, time.perf_counter()
                 gen = eng.generate()
                 try:
                     for ev in gen:
@@ -122,7 +123,8 @@ class ChatLoop:
                 if generating:
                     reply = done.text if done is not None else eng.tokenizer.decode(eng.last_reply_ids,
                                                                                     skip_special_tokens=True)
-                    session.log_turn(self, "assistant", reply, len(eng.last_reply_ids), done)
+                    session.log_turn(self, "assistant", reply, len(eng.last_reply_ids), done,
+                                     seconds=time.perf_counter() - t_gen)
                     if self.auto_snapshot is not None:
                         self.auto_snapshot.after_turn(eng, self.slog)
         except KeyboardInterrupt:
@@ -330,6 +332,8 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
         if load_name is not None and resume_arg is not None:
             raise ConfigError("give --load or --resume, not both")
         resume_id = session.resume_target(resume_arg) if resume_arg is not None else None
+        if resume_id is not None:
+            session.check_resumable(resume_id)  # a wrong id is told before the model loads
         if load_name is not None and not session.is_transcript_file(load_name):
             settings = session.settings_for_load(settings, load_name)
         engine = load_engine(settings, system, tty_out)

@@ -35,6 +35,15 @@ def settings_for_load(settings: Settings, name: str) -> Settings:
     return replace(settings, cache=cache)
 
 
+def check_resumable(session_id: int) -> None:
+    from sinkchat.transcript import LogError, get_session
+
+    try:
+        get_session(session_id)
+    except LogError as e:
+        raise ConfigError(str(e)) from None
+
+
 def resume_target(arg: str) -> int:
     """--resume with no value means the newest chat session."""
     from sinkchat.transcript import latest_session
@@ -108,8 +117,11 @@ def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
                     style="dim")
 
 
-def log_turn(loop: "ChatLoop", role: str, text: str, tokens: int, done: Any = None) -> None:
-    if done is None:
+def log_turn(loop: "ChatLoop", role: str, text: str, tokens: int, done: Any = None, seconds: float = 0.0) -> None:
+    """A user turn (no `done`), a finished reply, or a reply cut by Ctrl-C (`seconds` given, no `done`)."""
+    if done is None and seconds:
+        loop.slog.turn(role, text, tokens, seconds, reason="interrupted", cache_len=loop.engine.cache.length)
+    elif done is None:
         loop.slog.turn(role, text, tokens)
     else:
         loop.slog.turn(role, text, tokens, done.seconds, reason=done.reason, cache_len=loop.engine.cache.length)
