@@ -378,12 +378,22 @@ def test_cli_closed_stdout_exits_quietly(tiny_dir):
     assert not any("Traceback" in l or "Error" in l for l in errs.all), errs.all
 
 
-def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
+def _follow(tiny_dir, tmp_path, text: str):
+    """`summarize --follow` on a fresh log holding `text`: (log path, process, stdout lines, stderr lines)."""
     log = tmp_path / "app.log"
-    log.write_text("".join(f"boot step {i}\n" for i in range(1, 26)))
+    log.write_text(text)
     p = _cli("--follow", str(log), "--every", "10", "--cache", "64", "--max-tokens", "2", model=tiny_dir,
              stdin=subprocess.DEVNULL)
-    outs, errs = Lines(p.stdout), Lines(p.stderr)
+    return log, p, Lines(p.stdout), Lines(p.stderr)
+
+
+def _signal_and_collect(p, outs, sig) -> list[dict]:
+    p.send_signal(sig)
+    return [json.loads(line) for line in iter(outs.next, None)]
+
+
+def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
+    log, p, outs, errs = _follow(tiny_dir, tmp_path, "".join(f"boot step {i}\n" for i in range(1, 26)))
     blocks = [json.loads(outs.next()) for _ in range(2)]  # 1-10, 11-20: before any EOF (there is none)
     with open(log, "a") as f:
         f.write("".join(f"late line {i}\n" for i in range(26, 31)))
@@ -391,9 +401,7 @@ def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
     log.write_text("".join(f"after truncation {i}\n" for i in range(1, 9)))  # shorter than before
     errs.until(lambda l: "truncated" in l)
     time.sleep(1.0)  # let the reader queue lines 31-38 before Ctrl-C
-    p.send_signal(signal.SIGINT)
-    while (line := outs.next()) is not None:
-        blocks.append(json.loads(line))
+    blocks += _signal_and_collect(p, outs, signal.SIGINT)
     assert p.wait(timeout=WAIT) == 130
     assert not any("Traceback" in l for l in errs.all), errs.all
     _check_accounting(blocks, 30 + 8)
@@ -403,16 +411,10 @@ def test_cli_follow_append_truncate_then_ctrl_c(tiny_dir, tmp_path):
 
 def test_cli_sigterm_gives_the_final_summary_too(tiny_dir, tmp_path):
     """`kill` (or a service manager stopping it) must not lose the pending lines: final summary, exit 143."""
-    log = tmp_path / "app.log"
-    log.write_text("".join(f"job {i} done\n" for i in range(1, 16)))
-    p = _cli("--follow", str(log), "--every", "10", "--cache", "64", "--max-tokens", "2", model=tiny_dir,
-             stdin=subprocess.DEVNULL)
-    outs, errs = Lines(p.stdout), Lines(p.stderr)
+    _, p, outs, errs = _follow(tiny_dir, tmp_path, "".join(f"job {i} done\n" for i in range(1, 16)))
     blocks = [json.loads(outs.next())]  # lines 1-10
     time.sleep(1.0)  # lines 11-15 are queued, below --every
-    p.send_signal(signal.SIGTERM)
-    while (line := outs.next()) is not None:
-        blocks.append(json.loads(line))
+    blocks += _signal_and_collect(p, outs, signal.SIGTERM)
     assert p.wait(timeout=WAIT) == 143
     assert not any("Traceback" in l for l in errs.all), errs.all
     assert [(b["first_line"], b["last_line"]) for b in blocks] == [(1, 10), (11, 15)]
