@@ -11,6 +11,7 @@ from sinkchat.agent_protocol import (
     AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
 )
 from sinkchat.events import EvictionEvent, TokenEvent
+from sinkchat.metrics import eviction_line
 
 
 class Display:
@@ -66,8 +67,7 @@ class Display:
                       "green" if ev.ok else "red")
             self.status()
         elif isinstance(ev, EvictionEvent):
-            self.line(f"⟲ evicted {ev.count} tokens [{ev.first}, {ev.last}) '{ev.preview}' → cache {ev.cache_len}",
-                      "magenta")
+            self.line(eviction_line(ev), "magenta")
         elif isinstance(ev, TaskDoneEvent):
             what = f"answer: {ev.answer}" if ev.reason == "final" else "no final answer"
             self.line(f"■ task ended after {ev.steps} step(s) ({ev.reason}); {what}", "bold")

@@ -176,6 +176,11 @@ def gauge_bar(share: float | None, width: int = 10) -> str:
     return "█" * full + "░" * (width - full)
 
 
+def eviction_line(ev: Any) -> str:
+    """One event line per eviction (chat and agent alike): how many tokens, which absolute range, what left."""
+    return f"⟂ evicted {ev.count} tokens [{ev.first},{ev.last}) ({ev.policy}, {ev.cache_len} left): {ev.preview!r}"
+
+
 def _policy_label(policy: str, n_sink: int) -> str:
     """`sink(4)`; the naive window and dense pin nothing, so they show no sink count."""
     return f"{policy}({n_sink})" if policy == "sink" else policy

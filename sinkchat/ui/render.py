@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sinkchat.events import DoneEvent, EvictionEvent
-from sinkchat.metrics import Stats, gauge_bar, human_bytes, status_line
+from sinkchat.metrics import Stats, eviction_line, gauge_bar, human_bytes, status_line
 
 Fragments = list[tuple[str, str]]
 
@@ -58,11 +58,6 @@ def _short(n: float) -> str:
 def toolbar_text(s: Stats, width: int = 200) -> str:
     """The toolbar as one plain string (what a test or a screen capture reads)."""
     return "".join(t for _, t in toolbar_fragments(s, width))
-
-
-def eviction_line(ev: EvictionEvent) -> str:
-    """One event line per eviction: how many tokens, which absolute range, a preview of what left."""
-    return f"⟂ evicted {ev.count} tokens [{ev.first},{ev.last}) ({ev.policy}, {ev.cache_len} left): {ev.preview!r}"
 
 
 def stats_table(s: Stats) -> Table:
