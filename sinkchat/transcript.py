@@ -152,12 +152,19 @@ def connect(path: Path | str | None = None, create: bool = True) -> sqlite3.Conn
 
 
 def _redactor() -> Callable[[str], str]:
-    """Replace values of secret-looking environment variables (API keys, tokens) wherever they appear."""
+    """Replace values of secret-looking environment variables (API keys, tokens) wherever they appear; make the
+    text storable (lone surrogates, from undecodable input bytes, become U+FFFD: SQLite takes only UTF-8)."""
     secrets = sorted({v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
-    if not secrets:
-        return lambda s: s
-    pat = re.compile("|".join(re.escape(s) for s in secrets))
-    return lambda s: pat.sub("[redacted]", s)
+    pat = re.compile("|".join(re.escape(s) for s in secrets)) if secrets else None
+    return lambda s: _utf8(pat.sub("[redacted]", s) if pat is not None else s)
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _clean_settings(settings: dict[str, Any]) -> dict[str, Any]:

@@ -215,3 +215,15 @@ def test_logs_cli(home):
     assert r.exit_code == 1 and "no session 999" in r.output and "Traceback" not in r.output
     r = run(logs_command, ["rm", "999"])
     assert r.exit_code == 1 and "no session 999" in r.output
+
+
+def test_undecodable_input_is_stored_not_a_crash(tmp_path):
+    """Bytes that are not UTF-8 reach us as lone surrogates (surrogateescape); SQLite must still take the turn."""
+    from sinkchat.transcript import SessionLog, turns
+
+    log = SessionLog.open("agent", "m", {}, path=tmp_path / "t.db")
+    log.turn("user", "bad \udcff\udcfe bytes")
+    log.tool_call("read_file", {"path": "\udcc3"}, "ok \udc80", True)
+    log.close()
+    (t,) = turns(log.id, path=tmp_path / "t.db")
+    assert t.text.startswith("bad ") and t.text.endswith(" bytes") and "\ufffd" in t.text
