@@ -48,6 +48,23 @@ class Rope:
         ang = torch.cat([ang, ang])  # [R], rotate_half layout
         return ang.cos().to(device=device, dtype=torch.float32), ang.sin().to(device=device, dtype=torch.float32)
 
+    def rotate_into(self, k: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+        """`out` = `k` rotated by `shift`, for fp32 k [B, H, T, D], without the temporaries of `rotate`: an eviction
+        re-rotates the whole cache (90 MB at cache 2048), so each pass over it is a visible pause. `out` must not
+        overlap `k`. The angle is the same for every position, so cos/sin are one [R/2] vector each."""
+        cos, sin = self.cos_sin(shift, k.device)
+        half, r = self.rot_dim // 2, self.rot_dim
+        c, s = cos[:half], sin[:half]  # the two halves of the rotate_half layout carry the same angles
+        k1, k2 = k[..., :half], k[..., half:r]
+        o1, o2 = out[..., :half], out[..., half:r]
+        torch.mul(k1, c, out=o1)
+        o1.addcmul_(k2, s, value=-1.0)  # x1 cos - x2 sin
+        torch.mul(k2, c, out=o2)
+        o2.addcmul_(k1, s)  # x2 cos + x1 sin
+        if r < k.shape[-1]:
+            out[..., r:].copy_(k[..., r:])
+        return out
+
     def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
         """Rotate keys k [B, H, T, D] from position p to p + shift (shift may be negative); math in fp32."""
         cos, sin = self.cos_sin(shift, k.device)
@@ -145,10 +162,18 @@ class SinkLayer(CacheLayerMixin):
         if n < 0:
             raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
         if n:
+            # source and destination overlap (they are the same buffer, shifted): go through a scratch block
+            scratch = torch.empty_like(self.keys[:, :, :n])  # [B, H_kv, n, D]
             k = self.keys[:, :, src : src + n]  # [B, H_kv, n, D]
-            k = rope.rotate(k, -count) if rope is not None else k.clone()
-            self.keys[:, :, start : start + n] = k
-            self.values[:, :, start : start + n] = self.values[:, :, src : src + n].clone()
+            if rope is not None and k.dtype == torch.float32:
+                rope.rotate_into(k, -count, scratch)
+            elif rope is not None:
+                scratch.copy_(rope.rotate(k, -count))
+            else:
+                scratch.copy_(k)
+            self.keys[:, :, start : start + n].copy_(scratch)
+            scratch.copy_(self.values[:, :, src : src + n])
+            self.values[:, :, start : start + n].copy_(scratch)
         self.length -= count
 
     def truncate(self, length: int) -> None:

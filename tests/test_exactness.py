@@ -67,6 +67,16 @@ def test_rotation_matches_fresh_rotation_in_fp64():
     assert (shifted - expect).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", ["llama", "phi3"])
+def test_in_place_rotation_equals_the_reference(kind):
+    """The eviction path's allocation-free rotation (full and partial rotary) computes what `rotate` computes."""
+    rope = rope_from_model(tiny_model(kind, layers=1))
+    k = torch.randn(1, 2, 9, rope.head_dim)
+    out = torch.empty_like(k)
+    rope.rotate_into(k, -23, out)
+    assert (out - rope.rotate(k, -23)).abs().max() < 1e-6
+
+
 def shadow_engine(model, tok, cfg):
     eng = Engine(model, tok, cfg, SamplingConfig(temperature=0))
     eng.cache = ShadowCache(model.config.num_hidden_layers, eng.rope.inv_freq, eng.cache_cfg.capacity)
