@@ -114,18 +114,23 @@ def llama_side(args: argparse.Namespace, ids: list[int] | None) -> list[dict[str
 
 
 def sinkchat_side(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "sinkchat.cli", "bench", "--json", "--policies", "sink", "--caches",
-           ",".join(map(str, args.caches)), "--decode", str(args.decode), "--threads", str(args.threads),
-           "--gauge-tokens", "0", "--text", args.text]
-    if args.quant:
-        cmd += ["--quant", args.quant]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(f"sinkchat bench failed: {out.stderr.strip().splitlines()[-1:]}")
-    res = json.loads(out.stdout)
-    for r in res["runs"]:
-        r["process_peak_rss_mb"] = res["process_peak_rss_mb"]  # includes loading: the fair match for llama.cpp's
-    return res["runs"]
+    """One `sinkchat bench` process per cache size, so each peak RSS (loading included) belongs to that size alone,
+    as llama.cpp's does (its context is allocated per size)."""
+    runs = []
+    for cache in args.caches:
+        cmd = [sys.executable, "-m", "sinkchat.cli", "bench", "--json", "--policies", "sink", "--caches", str(cache),
+               "--decode", str(args.decode), "--threads", str(args.threads), "--gauge-tokens", "0",
+               "--text", args.text]
+        if args.quant:
+            cmd += ["--quant", args.quant]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise SystemExit(f"sinkchat bench failed: {out.stderr.strip().splitlines()[-1:]}")
+        res = json.loads(out.stdout)
+        for r in res["runs"]:
+            r["process_peak_rss_mb"] = res["process_peak_rss_mb"]  # includes loading: the fair match
+            runs.append(r)
+    return runs
 
 
 def main() -> None:
