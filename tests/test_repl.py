@@ -390,3 +390,15 @@ def test_system_message_refused_by_template_changes_nothing():
     assert eng.conv.messages == msgs and eng.conv.fed == fed and eng.cache.length == length
     loop.run(lines_reader(["still works"]))
     assert eng.conv.messages[-2]["content"] == "still works" and consistent(eng)
+
+
+def test_save_into_a_missing_folder_is_an_error_not_a_new_tree(tmp_path):
+    eng = fake_engine(capacity=64)
+    loop, _, err = make_loop(eng)
+    loop.run(lines_reader(["hi"]))
+    missing = tmp_path / "no" / "such"
+    loop.run(lines_reader([f"/save {missing / 't.json'}", f"/save {missing / 's.safetensors'}"]))
+    assert not (tmp_path / "no").exists()
+    assert err.getvalue().count("No such file or directory") + err.getvalue().count("does not exist") == 2
+    loop.run(lines_reader(["/save named1"]))  # a plain name goes to the snapshots folder, made on demand
+    assert "saved snapshot" in err.getvalue()

@@ -158,8 +158,8 @@ def transcript(loop: "ChatLoop") -> dict[str, Any]:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so a crash never leaves half a transcript."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write via a temp file in the same folder and rename, so a crash never leaves half a transcript. The folder
+    must exist: a mistyped path is an error, not a new directory tree."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

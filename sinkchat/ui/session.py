@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from sinkchat.config import ConfigError, Settings
+from sinkchat.config import ConfigError, Settings, data_dir
 
 if TYPE_CHECKING:
     from sinkchat.ui.repl import ChatLoop
@@ -86,7 +86,10 @@ def save(loop: "ChatLoop", arg: str) -> None:
     from sinkchat.snapshot import SnapshotError, save_snapshot, snapshot_path
 
     try:
-        path = save_snapshot(loop.engine, snapshot_path(arg), loop.slog.pointer())
+        target = snapshot_path(arg)
+        if not target.parent.is_dir() and target.parent != data_dir() / "snapshots":
+            raise SnapshotError(f"cannot write {target}: folder {target.parent} does not exist")
+        path = save_snapshot(loop.engine, target, loop.slog.pointer())
     except (SnapshotError, OSError) as e:
         loop.r.error(f"/save: {e}")
         return
