@@ -91,6 +91,13 @@ class Metrics:
         elif isinstance(ev, DoneEvent):
             self.replies += 1
 
+    def new_stream(self) -> None:
+        """The cache now holds another stream (a loaded snapshot or transcript): forget the eviction events and
+        the gauge that described the old one; speed figures stay, they describe this machine."""
+        self.evictions.clear()
+        self.evicted = self.eviction_count = 0
+        self.gauge = None
+
     @property
     def decode_tok_s(self) -> float:
         recent = list(self.latencies)[-self.window :]

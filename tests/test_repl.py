@@ -208,9 +208,12 @@ def test_slash_commands_each_kind(tmp_path):
     data = json.loads(path.read_text())
     assert data["messages"] == msgs and data["settings"]["sampling"]["top_k"] == 7
     assert not list(tmp_path.glob(".*tmp"))  # temp file renamed away
+    loop.metrics.gauge = loop.metrics.gauge or object()  # as if a reply had measured it
     loop.run(lines_reader(["/clear"]))
-    assert eng.cache.length == 0 and eng.conv.messages == []
+    assert eng.cache.length == 0 and eng.conv.messages == [] and loop.metrics.gauge is None
+    loop.metrics.evictions.append("an event of the stream the load replaces")
     loop.run(lines_reader(["/set top_k 1", "/set temperature 0.3", f"/load {path}"]))
+    assert "an event of the stream the load replaces" not in loop.metrics.evictions
     # the messages come back; this run's settings stay, and the ones saved in the file are named
     assert eng.conv.messages == msgs and eng.cache.length > 0 and consistent(eng)
     assert (eng.sampling.top_k, eng.sampling.temperature) == (1, 0.3)

@@ -136,6 +136,7 @@ def cmd_set(loop: "ChatLoop", arg: str) -> None:
 
 def cmd_clear(loop: "ChatLoop", arg: str) -> None:
     loop.engine.clear()
+    loop.metrics.gauge = None  # it measured a cache that is gone; the next reply measures again
     loop.r.info("cache and conversation cleared")
 
 
@@ -234,6 +235,7 @@ def load_transcript(loop: "ChatLoop", arg: str) -> None:
         raise ConfigError(f"cannot load {path}: {e}") from None
     eng = loop.engine
     eng.clear()
+    loop.metrics.new_stream()
     eng.conv.system = system
     seen0, ev0 = eng.ledger.seen, eng.ledger.evicted
     loop.r.info(f"replaying {len(msgs)} messages from {path} into the cache ...")

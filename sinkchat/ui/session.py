@@ -110,6 +110,7 @@ def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
         loop.r.error(f"/load: {e}")
         return
     eng = loop.engine
+    loop.metrics.new_stream()
     loop.r.info(f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
                 f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
     after = eng.cache_cfg
