@@ -112,9 +112,11 @@ class Int8Table(nn.Module):
     (`aten._weight_int8pack_mm`) runs, 4x smaller than fp32, so the 49k x 576 output projection reads 28 MB per
     token instead of 113 MB. Rows round to within half a step of rowmax/127."""
 
-    def __init__(self, weight: Any, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    def __init__(self, weight: Any, compute_dtype: torch.dtype = COMPUTE_DTYPE,
+                 out_dtype: torch.dtype = torch.float32) -> None:
         """`weight`: a [V, D] tensor, or anything with `.shape` whose row slices give tensors (a file reader), so
-        the fp32 table never has to be in memory whole."""
+        the fp32 table never has to be in memory whole. `out_dtype`: what embedding lookups return (the model's
+        dtype)."""
         super().__init__()
         n, d = weight.shape
         q, scale = torch.empty((n, d), dtype=torch.int8), torch.empty(n)
@@ -126,11 +128,11 @@ class Int8Table(nn.Module):
         self.register_buffer("q", q)  # int8 [V, D]
         self.register_buffer("scale", scale)  # fp32 [V], for lookups
         self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
         self.num_embeddings, self.embedding_dim = n, d
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] fp32
-        return self.q[ids].float() * self.scale[ids][..., None]
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] in out_dtype
+        return (self.q[ids].float() * self.scale[ids][..., None]).to(self.out_dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # x [..., D] -> logits [..., V] in x's dtype
         lead = x.shape[:-1]
@@ -166,7 +168,7 @@ def quantize_tied_table(model: Any) -> bool:
         return False
     if emb.weight.data_ptr() != head.weight.data_ptr() or emb.weight.shape[1] % 16:
         return False
-    install_table(model, Int8Table(emb.weight.data), emb.padding_idx)
+    install_table(model, Int8Table(emb.weight.data, out_dtype=emb.weight.dtype), emb.padding_idx)
     return True
 
 

@@ -114,7 +114,7 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
             for name, t in read_tensors(f, lazy):
                 mod_name = name.removesuffix(".weight")
                 if isinstance(t, FileRows):  # the tied token table, straight to int8 in row blocks
-                    int4.install_table(model, int4.Int8Table(t), model.get_input_embeddings().padding_idx)
+                    int4.install_table(model, int4.Int8Table(t, out_dtype=dtype), model.get_input_embeddings().padding_idx)
                     table = None
                 elif name.endswith(".weight") and mod_name in linears:
                     lin = linears.pop(mod_name)
