@@ -22,6 +22,7 @@ from sinkchat.gauge import SinkGauge
 from sinkchat.interrupts import deferred_sigint
 from sinkchat.kv_cache import SinkKVCache, rope_from_model
 from sinkchat.sampling import make_generator, sample
+from sinkchat.textutil import utf8_safe
 from sinkchat.turns import Conversation
 
 log = logging.getLogger(__name__)
@@ -152,11 +153,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(utf8_safe(text), add_special_tokens=False))
 
     def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:
         """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from sinkchat.textutil import utf8_safe
 
 log = logging.getLogger(__name__)
 
@@ -156,15 +157,8 @@ def _redactor() -> Callable[[str], str]:
     text storable (lone surrogates, from undecodable input bytes, become U+FFFD: SQLite takes only UTF-8)."""
     secrets = sorted({v for k, v in os.environ.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
     pat = re.compile("|".join(re.escape(s) for s in secrets)) if secrets else None
-    return lambda s: _utf8(pat.sub("[redacted]", s) if pat is not None else s)
+    return lambda s: utf8_safe(pat.sub("[redacted]", s) if pat is not None else s)
 
-
-def _utf8(text: str) -> str:
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _clean_settings(settings: dict[str, Any]) -> dict[str, Any]:
