@@ -20,7 +20,7 @@ import json
 import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import click
@@ -232,6 +232,8 @@ def run_bench(engine: Any, ids: list[int], policies: list[str], caches: list[int
         "threads": torch.get_num_threads(),
         "model": getattr(getattr(engine, "loaded", None), "source", None),
         "quant": getattr(getattr(engine, "loaded", None), "quant", None),
+        "decoder": engine.fast.status if engine.fast is not None else "hf",
+        "kv_dtype": str(engine.kv_store).removeprefix("torch."),
         "n_sink": n_sink, "evict_chunk": evict_chunk, "decode_tokens": decode, "recompute_tokens": recompute_tokens,
         "kv_bytes_per_token": kv_bytes_per_token(engine.model),
         "process_rss_mb": rss_bytes() / MB,
@@ -247,7 +249,8 @@ def _max_rss_mb() -> float:
 
 def format_report(res: dict[str, Any]) -> str:
     lines = [f"threads {res['threads']}, {res['n_sink']} sinks, evict chunk {res['evict_chunk']}, "
-             f"decode {res['decode_tokens']} tokens (recompute {res['recompute_tokens']})"]
+             f"decode {res['decode_tokens']} tokens (recompute {res['recompute_tokens']}), "
+             f"decoder {res.get('decoder')}, kv {res.get('kv_dtype')}"]
     hdr = ("policy", "cache", "prefill t/s", "decode t/s", "p50 ms", "p99 ms", "max ms", "evict", "evict ms",
            "peak MB", "steady MB", "KV MiB")
     lines.append(f"{hdr[0]:<10}{hdr[1]:>6}" + "".join(f"{h:>12}" for h in hdr[2:]))
@@ -310,6 +313,8 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
     sizes = _parse_list(caches, int, "--caches")
     with user_errors():
         settings = build_settings(opts)
+        if settings.model.decoder == "auto":  # measure the compiled step, built before timing, not a background build
+            settings = replace(settings, model=replace(settings.model, decoder="compiled"))
         n_sink = settings.cache.n_sink
         if min(sizes) < n_sink + 8:
             raise ConfigError(f"--caches: {min(sizes)} is too small (need at least sinks + 8 = {n_sink + 8})")
@@ -318,6 +323,9 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
         say = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
         engine = open_engine(settings, system=None, progress=say)
         engine.set_sampling(temperature=0.0, repetition_penalty=1.0)
+        if engine.fast is not None and engine.fast.mode == "compiled":
+            say("building the compiled decode step (first run only: ~1.5 min; cached after)")
+        engine.prepare_decoder()
         if max(sizes) + (decode if "dense" in pols else 0) >= engine.max_positions:
             raise ConfigError(f"--caches {max(sizes)} + --decode {decode} exceed the model's context "
                               f"({engine.max_positions})")

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sinkchat.config import DEVICES, DTYPES, POLICIES, QUANTS, ConfigError, Settings, settings_from_env
+from sinkchat.config import DECODERS, DEVICES, DTYPES, KV_DTYPES, POLICIES, QUANTS, ConfigError, Settings, settings_from_env
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
 
@@ -21,6 +21,8 @@ COMMON = [
     click.option("--quant", type=click.Choice(QUANTS), default=None, help="weight quantization: auto = q4 on CPU, nf4 on CUDA [env SINKCHAT_QUANT; default auto]"),
     click.option("--device", type=click.Choice(DEVICES), default=None, help="[env SINKCHAT_DEVICE; default auto]"),
     click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
+    click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None, help="what the KV cache stores: auto = bfloat16 with the fast decode step [env SINKCHAT_KV_DTYPE; default auto]"),
+    click.option("--decoder", type=click.Choice(DECODERS), default=None, help="single-token decoding: auto = fast step, compiled in the background; hf = the transformers forward [env SINKCHAT_DECODER; default auto]"),
     click.option("--threads", type=click.IntRange(0, 256), default=None, help="torch threads [env SINKCHAT_THREADS; default 1]"),
     click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
     click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),
@@ -31,7 +33,7 @@ COMMON = [
     click.option("--seed", type=int, default=None, help="random seed [env SINKCHAT_SEED]"),
     click.option("-v", "--verbose", count=True, help="log more (-vv for debug)"),
 ]
-COMMON_KEYS = ("model", "quant", "device", "dtype", "threads", "policy", "sinks", "cache_size", "evict_chunk",
+COMMON_KEYS = ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads", "policy", "sinks", "cache_size", "evict_chunk",
                "temperature", "max_tokens", "seed", "verbose")
 
 
@@ -64,7 +66,7 @@ def build_settings(opts: dict[str, Any]) -> Settings:
     """Flags (non-None values in `opts`) over environment / .env over defaults."""
     base = settings_from_env()
     m = base.model
-    m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "threads") if opts.get(k) is not None})
+    m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads") if opts.get(k) is not None})
     c = base.cache
     cache_changes = {"policy": opts.get("policy"), "n_sink": opts.get("sinks"), "capacity": opts.get("cache_size"),
                      "evict_chunk": opts.get("evict_chunk")}
@@ -111,11 +113,19 @@ def user_errors() -> Iterator[None]:
 
 def open_engine(settings: Settings, system: str | None, progress: Callable[[str], None] | None = None) -> Any:
     """Load the model and build the Engine (the one bootstrap every client shares)."""
+    import os
+
+    from sinkchat.config import cache_dir
+
+    # before transformers is imported (importing it fixes inductor's cache dir): compiled decode steps are kept
+    # with sinkchat's other caches, not in /tmp where they would be rebuilt after every reboot
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     from sinkchat.engine import Engine
     from sinkchat.loader import load
 
     loaded = load(settings.model, progress)
+    m = settings.model
     eng = Engine(loaded.model, loaded.tokenizer, settings.cache, settings.sampling, system=system,
-                 gauge_every=settings.gauge_every)
+                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder)
     eng.loaded = loaded  # type: ignore[attr-defined]
     return eng

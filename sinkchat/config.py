@@ -15,6 +15,8 @@ MAX_SINKS = 64  # the paper uses 4; more only shrinks the window
 QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_DTYPES = ("auto", "float32", "bfloat16")
+DECODERS = ("auto", "compiled", "eager", "hf")
 
 # Every SINKCHAT_* setting: name -> (default, meaning). `.env.example` is generated from / checked against this.
 ENV_SETTINGS: dict[str, tuple[str, str]] = {
@@ -23,6 +25,11 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
                        "torch CPU kernel), nf4, fp4, int8 (bitsandbytes) or none"),
     "SINKCHAT_DEVICE": ("auto", "auto, cpu or cuda"),
     "SINKCHAT_DTYPE": ("auto", "compute dtype: auto, float32, bfloat16, float16"),
+    "SINKCHAT_KV_DTYPE": ("auto", "what the KV cache stores: auto (bfloat16 with the fast decode step, else the "
+                          "compute dtype), float32 or bfloat16"),
+    "SINKCHAT_DECODER": ("auto", "single-token decoding: auto (fast step, compiled in the background when a C "
+                        "compiler is there), compiled (wait for the compile), eager (fast step, never compiled) or "
+                        "hf (the transformers forward, the reference)"),
     "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
     "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),
@@ -92,6 +99,8 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 1
+    kv_dtype: str = "auto"
+    decoder: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANTS:
@@ -100,6 +109,10 @@ class ModelConfig:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        if self.decoder not in DECODERS:
+            raise ConfigError(f"--decoder must be one of {', '.join(DECODERS)}, not {self.decoder!r}")
         if self.threads < 0:
             raise ConfigError("--threads must be >= 0")
 
@@ -179,6 +192,8 @@ def settings_from_env() -> Settings:
             device=env("SINKCHAT_DEVICE"),
             dtype=env("SINKCHAT_DTYPE"),
             threads=env("SINKCHAT_THREADS", int),
+            kv_dtype=env("SINKCHAT_KV_DTYPE"),
+            decoder=env("SINKCHAT_DECODER"),
         ),
         cache=CacheConfig(
             policy=env("SINKCHAT_POLICY"),

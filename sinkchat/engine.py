@@ -17,6 +17,7 @@ import torch
 
 from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
+from sinkchat.fastdecode import DecodeStep
 from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.gauge import SinkGauge
 from sinkchat.interrupts import deferred_sigint
@@ -61,7 +62,11 @@ class Engine:
         gauge_every: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
         rerotate: bool = True,
+        kv_dtype: str = "auto",
+        decode: str = "eager",
     ) -> None:
+        """`kv_dtype`: what the cache stores (None: the model's dtype). `decode`: how single tokens are decoded
+        (see `fastdecode.DECODE_MODES`); "hf" always calls the transformers model."""
         self.model, self.tokenizer = model, tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.cache_cfg = cache.resolved(self.max_positions)
@@ -70,7 +75,10 @@ class Engine:
         self.rope = rope_from_model(model)
         self.rerotate = rerotate
         self.n_layers = model.config.num_hidden_layers
-        self.cache = SinkKVCache(self.n_layers, self.cache_cfg.capacity, self.rope, rerotate)
+        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode)
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.fast is not None)
+        self.kv_store = self.kv_dtype or next(model.parameters()).dtype  # what the buffers hold
+        self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
         self.conv = Conversation(tokenizer, system)
         self.gauge = SinkGauge(model, self.rope)
@@ -89,24 +97,35 @@ class Engine:
         Ctrl-C during the model call rolls the cache back to L; once the call returns, the ledger (and `record`)
         are updated before any Ctrl-C is delivered, so the cache and the ledger always agree."""
         L = self.cache.length
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
-        pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
         with deferred_sigint() as guard:
             try:
                 with guard.interruptible(), torch.no_grad():
-                    out = self.model(
-                        input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
-                        logits_to_keep=0 if all_logits else 1,
-                    )
+                    logits = self._run(ids, L, all_logits)  # [q or 1, V]
             except BaseException:
                 self.cache.truncate(L)
                 raise
             self.ledger.append(ids)
             if record is not None:
                 record.extend(ids)
-            logits = out.logits[0]  # [q or 1, V]
             self.last_logits = logits[-1].float()
         return logits
+
+    def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
+        """One model call: the fast step for a single token when the model allows it, else transformers."""
+        if self.fast is not None and len(ids) == 1:
+            if L >= self.cache.capacity:
+                raise RuntimeError(f"KV cache overflow ({L + 1} > {self.cache.capacity}): evict first")
+            keys, values = self.cache.buffers(self.fast.w.n_kv, self.fast.w.head_dim, self.device, self.kv_store)
+            logits, queries = self.fast(ids[0], L, keys, values)  # [1, V], [n_layers, H*D]
+            self.cache.advance(1)
+            if self.gauge.armed:
+                self.gauge.queries = list(queries[:, None])
+            return logits
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
+        pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
+        out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else 1)
+        return out.logits[0]
 
     def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
         """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
@@ -274,16 +293,40 @@ class Engine:
             events.extend(self._evict(Eviction(pinned, excess)))
         if new.capacity != self.cache.capacity:
             state = self.cache.state()
-            self.cache = SinkKVCache(self.n_layers, new.capacity, self.rope, self.rerotate)
+            self.cache = self.new_cache(new.capacity)
             if state:
                 self.cache.load_state(state)
         self.cache_cfg = new
         return events
 
+    @property
+    def decoder_status(self) -> str:
+        """For status lines: "compiled, kv bfloat16", "compiling, kv bfloat16" (eager meanwhile), "hf, kv float32"."""
+        how = self.fast.status if self.fast is not None else "hf"
+        return f"{how}, kv {str(self.kv_store).removeprefix('torch.')}"
+
+    def prepare_decoder(self) -> None:
+        """Build the compiled decode step now if the mode asks for one (bench calls this before timing)."""
+        if self.fast is not None:
+            self.fast.prepare(self.kv_store)
+
+    def new_cache(self, capacity: int) -> SinkKVCache:
+        if self.fast is not None:
+            self.fast.warm_up(self.kv_store)
+        return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_dtype)
+
     def set_sampling(self, **changes: Any) -> None:
         self.sampling = replace(self.sampling, **changes)
         if "seed" in changes:
             self.generator = make_generator(self.sampling.seed)
+
+
+def resolve_kv_dtype(name: str, fast: bool) -> torch.dtype | None:
+    """auto: bf16 with the fast step (half the bytes attention reads per token; the ppl cost is in the README),
+    else the model's own dtype (None)."""
+    if name == "auto":
+        return torch.bfloat16 if fast else None
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _stop_ids(tokenizer: Any, model: Any) -> set[int]:

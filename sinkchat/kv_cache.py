@@ -110,6 +110,20 @@ def rope_from_model(model: torch.nn.Module) -> Rope:
     return Rope(inv_freq=inv, head_dim=head_dim)
 
 
+class Scratch:
+    """Temporaries for evictions, kept between them: one flat buffer per role, viewed to the shape needed."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        buf = self.bufs.get(role)
+        if buf is None or buf.numel() < like.numel() or buf.dtype != dtype or buf.device != like.device:
+            buf = self.bufs[role] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return buf[: like.numel()].view(like.shape)
+
+
 class SinkLayer(CacheLayerMixin):
     """One layer's keys/values in a fixed buffer of `capacity` slots; `length` slots are live."""
 
@@ -117,17 +131,20 @@ class SinkLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, capacity: int, **kwargs: object) -> None:
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None, **kwargs: object) -> None:
+        """`dtype`: what the buffers store (None: whatever the model computes in)."""
         super().__init__()
         self.capacity = capacity
         self.length = 0
+        self.store_dtype = dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
-        self.keys = key_states.new_zeros(b, h, self.capacity, dk)  # [B, H_kv, cap, D]
-        self.values = value_states.new_zeros(b, h, self.capacity, dv)
+        dt = self.store_dtype or key_states.dtype
+        self.keys = key_states.new_zeros(b, h, self.capacity, dk, dtype=dt)  # [B, H_kv, cap, D]
+        self.values = value_states.new_zeros(b, h, self.capacity, dv, dtype=dt)
         self.is_initialized = True
 
     def update(
@@ -143,7 +160,10 @@ class SinkLayer(CacheLayerMixin):
         self.keys[:, :, self.length : end] = key_states
         self.values[:, :, self.length : end] = value_states
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        k, v = self.keys[:, :, :end], self.values[:, :, :end]
+        if k.dtype != key_states.dtype:  # a bf16 cache under an fp32 model: attention computes in the model's dtype
+            k, v = k.to(key_states.dtype), v.to(value_states.dtype)
+        return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -154,26 +174,29 @@ class SinkLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.capacity
 
-    def evict(self, start: int, count: int, rope: Rope | None) -> None:
-        """Drop slots [start, start+count); move the later ones down and re-rotate their keys by -count."""
+    def evict(self, start: int, count: int, rope: Rope | None, scratch: "Scratch | None" = None) -> None:
+        """Drop slots [start, start+count); move the later ones down and re-rotate their keys by -count.
+
+        `scratch`: reusable buffers (the cache passes one set for all its layers): fresh temporaries of a whole
+        layer would be new pages each time, and faulting them in doubled an eviction's pause at cache 2048."""
         if not self.is_initialized or count <= 0:
             return
         src, n = start + count, self.length - start - count
         if n < 0:
             raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
         if n:
-            # source and destination overlap (they are the same buffer, shifted): go through a scratch block
-            scratch = torch.empty_like(self.keys[:, :, :n])  # [B, H_kv, n, D]
+            scratch = scratch or Scratch()
             k = self.keys[:, :, src : src + n]  # [B, H_kv, n, D]
-            if rope is not None and k.dtype == torch.float32:
-                rope.rotate_into(k, -count, scratch)
-            elif rope is not None:
-                scratch.copy_(rope.rotate(k, -count))
-            else:
-                scratch.copy_(k)
-            self.keys[:, :, start : start + n].copy_(scratch)
-            scratch.copy_(self.values[:, :, src : src + n])
-            self.values[:, :, start : start + n].copy_(scratch)
+            dest = self.keys[:, :, start : start + n]
+            if rope is None:
+                dest.copy_(scratch.take("same", k).copy_(k))  # source and destination overlap: via a copy
+            elif k.dtype == torch.float32:
+                dest.copy_(rope.rotate_into(k, -count, scratch.take("rot32", k, torch.float32)))
+            else:  # a bf16 cache: rotate in fp32, round once
+                k32 = scratch.take("k32", k, torch.float32).copy_(k)
+                dest.copy_(rope.rotate_into(k32, -count, scratch.take("rot32", k, torch.float32)))
+            v = self.values[:, :, src : src + n]
+            self.values[:, :, start : start + n].copy_(scratch.take("same", v).copy_(v))
         self.length -= count
 
     def truncate(self, length: int) -> None:
@@ -202,18 +225,39 @@ class SinkKVCache(Cache):
     `rerotate=False` gives the naive absolute-position variant (used only to measure what in-cache positions buy).
     """
 
-    def __init__(self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True) -> None:
-        super().__init__(layers=[SinkLayer(capacity) for _ in range(num_layers)])
+    def __init__(
+        self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(layers=[SinkLayer(capacity, dtype) for _ in range(num_layers)])
         self.capacity = capacity
         self.rope = rope if rerotate else None
+        self.dtype = dtype
+        self.scratch = Scratch()
 
     def evict(self, ev: Eviction) -> None:
         for layer in self.layers:
-            layer.evict(ev.start, ev.count, self.rope)
+            layer.evict(ev.start, ev.count, self.rope, self.scratch)
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:
             layer.truncate(length)
+
+    def buffers(self, n_kv: int, head_dim: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's full key and value buffers [B, H_kv, cap, D], allocated if not yet (the fast decode step
+        writes into them directly; `advance` then counts the new slots)."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                empty = torch.empty(1, n_kv, 0, head_dim, device=device, dtype=dtype)  # [B, H_kv, 0, D]
+                layer.lazy_initialization(empty, empty)
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+
+    def advance(self, n: int) -> None:
+        """Count `n` slots written in place after the live ones."""
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow ({self.length + n} > {self.capacity}): evict first")
+        for layer in self.layers:
+            layer.length += n
 
     def reset(self) -> None:
         for layer in self.layers:

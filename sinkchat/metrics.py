@@ -141,6 +141,7 @@ class Stats:
     gauge_recent: float | None
     gauge_uniform: float | None
     holds_start: bool
+    decoder: str = ""  # how single tokens are decoded now, e.g. "compiled, kv bfloat16"
 
 
 def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stats:
@@ -165,6 +166,7 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         gauge_recent=g.recent if g else None,
         gauge_uniform=g.uniform if g else None,
         holds_start=engine.ledger.holds_stream_start(),
+        decoder=getattr(engine, "decoder_status", ""),
     )
 
 

@@ -25,7 +25,6 @@ from typing import Any, Callable
 import torch
 
 from sinkchat.config import SamplingConfig, data_dir
-from sinkchat.kv_cache import SinkKVCache
 from sinkchat.transcript import NullLog, Turn, auto_snapshot_path, get_session, turns
 
 log = logging.getLogger(__name__)
@@ -231,7 +230,7 @@ def load_snapshot(engine: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         sampling = SamplingConfig(**head["sampling"])
         cache_cfg = replace(mine, policy=cc["policy"], evict_chunk=int(cc["evict_chunk"]))
-        new_cache = SinkKVCache(engine.n_layers, mine.capacity, engine.rope, engine.rerotate)
+        new_cache = engine.new_cache(mine.capacity)
         dev = engine.device
         if n:
             new_cache.load_state({k[len("cache."):]: v.to(dev) for k, v in tensors.items() if k.startswith("cache.")})

@@ -36,7 +36,7 @@ def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
             ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
             ("class:toolbar", f" seen {s.seen} "),
             ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
-            ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s "),
+            ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''} "),
             ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start} "),
         ]
     mem = f" RSS {_short(s.rss)}" + (f" CUDA {_short(s.cuda[0])}" if s.cuda else "") + " "
@@ -74,6 +74,7 @@ def stats_table(s: Stats) -> Table:
         ("tokens evicted", f"{s.evicted} in {s.evictions} evictions"),
         ("decode", f"{s.decode_tok_s:.1f} tok/s (p50 {s.p50_ms:.0f} ms, p99 {s.p99_ms:.0f} ms)"),
         ("prefill", f"{s.prefill_tok_s:.1f} tok/s"),
+        ("decoder", s.decoder or "-"),
         ("sink gauge", "n/a" if s.gauge is None else
          f"{gauge_bar(s.gauge)} {s.gauge:.3f} (recent {s.gauge_recent:.3f}, uniform {s.gauge_uniform:.3f})"),
         ("holds stream start", "yes" if s.holds_start else "no"),

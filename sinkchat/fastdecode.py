@@ -1,0 +1,308 @@
+"""One-token decoding without transformers' module stack: the same math as the model's forward, in ~20 tensor ops a
+layer, over the sink cache's fixed-size buffers, so torch.compile can turn it into one static-shape graph.
+
+Why: a decode step of the bundled model spends ~13 ms in its matmuls and attention and, through transformers'
+`forward`, ~14 ms more in Python (masks, cache API, ~700 small ops). This step fuses q/k/v and gate/up into one
+int4 matmul each, and attends over all `capacity` slots with a -inf bias on the empty ones, so every call has the
+same shapes whatever the cache holds (the sink policy keeps the cache full anyway). Compiled by inductor (C++
+wrapper, elementwise ops fused) it costs the kernels plus ~1 ms. The transformers forward stays the reference:
+tests check that this step's logits and cache writes match it.
+
+Only what can be checked is taken: Llama / Qwen2 shaped decoders whose linears are all `Int4Linear` (`--quant q4`),
+fp32 compute, SiLU MLP, plain RoPE. Anything else returns None from `DecodeStep.for_model` and the Engine keeps the
+transformers forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sinkchat import int4
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "qwen2")
+
+
+PACK_ROWS = 64  # the CPU int4 pack interleaves output rows in blocks of 64: only whole blocks can be stacked
+
+
+@dataclass
+class Packed:
+    """Int4Linears fused along the output dim: one kernel call instead of three (q, k, v) or two (gate, up).
+    Groups run along the input dim, so stacking rows keeps every (scale, zero) pair with its weights, as long as
+    every stacked part but the last fills whole 64-row pack blocks; otherwise the parts run one call each."""
+
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # (uint8 [N, K/2], bf16 [K/g, N, 2]) per kernel call
+    bias: torch.Tensor | None  # fp32 [N total]
+
+    @classmethod
+    def fuse(cls, lins: list[Any]) -> "Packed":
+        bias = None
+        if any(lin.bias is not None for lin in lins):
+            bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features) for lin in lins])
+        groups: list[list[Any]] = [[]]
+        for lin in lins:
+            groups[-1].append(lin)
+            if lin.out_features % PACK_ROWS:
+                groups.append([])
+        parts = [(_stack_packed(g), torch.cat([lin.scales_zeros for lin in g], dim=1)) for g in groups if g]
+        return cls(parts, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] fp32 -> [M, N] fp32
+        xc = x.to(int4.COMPUTE_DTYPE)
+        ys = [torch._weight_int4pack_mm_for_cpu(xc, p, int4.GROUP, sz) for p, sz in self.parts]
+        y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).float()
+        return y if self.bias is None else y + self.bias
+
+
+def _stack_packed(lins: list[Any]) -> torch.Tensor:
+    """The packed weights stacked [sum N, K/2]; each linear then holds a row view of the stack, so the 4-bit weights
+    are in memory once (the transformers path runs the same bytes). Scales stay duplicated (1/8 of the bytes): the
+    kernel needs them contiguous, which a column slice of the stacked [K/g, N, 2] is not."""
+    if len(lins) == 1:
+        return lins[0].packed
+    stacked = torch.cat([lin.packed for lin in lins])
+    row = 0
+    for lin in lins:
+        lin.packed = stacked[row : row + lin.out_features]
+        row += lin.out_features
+    return stacked
+
+
+@dataclass
+class LayerWeights:
+    qkv: Packed
+    o: Packed
+    gate_up: Packed
+    down: Packed
+    norm_in: nn.Module  # the model's own RMSNorm modules: the exact same normalisation code
+    norm_post: nn.Module
+
+
+@dataclass
+class Weights:
+    layers: list[LayerWeights]
+    embed: nn.Module
+    norm: nn.Module
+    head: nn.Module
+    inv_freq: torch.Tensor  # fp32 [D/2]
+    rope_scale: float
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    inter: int
+    scaling: float
+
+
+def decode_one(tok: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+               w: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token `tok` [1] at in-cache slot `pos` [1]: writes its k/v into slot pos of every keys[i] / values[i]
+    [1, H_kv, cap, D] and attends over slots <= pos. Returns logits [1, V] and the pre-RoPE queries
+    [n_layers, H*D] (what the sink gauge measures). Static shapes: nothing depends on pos's value."""
+    H, Hkv, D = w.n_heads, w.n_kv, w.head_dim
+    G, half = H // Hkv, w.head_dim // 2
+    cap = keys[0].shape[2]
+    x = w.embed(tok[None]).float()[0]  # [1, C]
+    ang = pos.float()[:, None] * w.inv_freq  # [1, D/2], as transformers: fp32 position x inv_freq
+    ang = torch.cat([ang, ang], dim=-1)  # [1, D]
+    cos, sin = ang.cos() * w.rope_scale, ang.sin() * w.rope_scale
+    bias = torch.where(torch.arange(cap) <= pos, 0.0, float("-inf"))  # [cap]: slots after pos are empty
+    queries = []
+    for i, lw in enumerate(w.layers):
+        h = lw.norm_in(x)  # [1, C]
+        qkv = lw.qkv(h)  # [1, (H + 2 H_kv) D]
+        q_raw = qkv[:, : H * D]
+        queries.append(q_raw)
+        q = _rope(q_raw.view(Hkv, G, D), cos, sin, half)  # [H_kv, G, D]: the G query heads sharing a kv head
+        k = _rope(qkv[:, H * D : (H + Hkv) * D].view(1, Hkv, 1, D), cos, sin, half)  # [1, H_kv, 1, D]
+        v = qkv[:, (H + Hkv) * D :].view(1, Hkv, 1, D)
+        K, V = keys[i], values[i]  # [1, H_kv, cap, D]
+        K.index_copy_(2, pos, k.to(K.dtype))
+        V.index_copy_(2, pos, v.to(V.dtype))
+        s = torch.bmm(q.to(K.dtype), K[0].transpose(1, 2)).float() * w.scaling + bias  # [H_kv, G, cap]
+        p = torch.softmax(s, dim=-1)
+        o = torch.bmm(p.to(V.dtype), V[0]).float().reshape(1, H * D)  # [1, H*D]
+        x = x + lw.o(o)
+        h = lw.norm_post(x)
+        gu = lw.gate_up(h)  # [1, 2I]
+        x = x + lw.down(nn.functional.silu(gu[:, : w.inter]) * gu[:, w.inter :])
+    logits = w.head(w.norm(x)).float()  # [1, V]
+    return logits, torch.cat(queries)  # [1, V], [n_layers, H*D]
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one position (rotate_half layout)."""
+    return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `decode_one` cannot run this model (None: it can)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
+        return f"model type {getattr(cfg, 'model_type', '?')!r} (fast step: {', '.join(SUPPORTED_TYPES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"activation {cfg.hidden_act}"
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return "no decoder stack"
+    if next(model.parameters()).dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
+        return "not fp32 on the CPU"
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        lins = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        lins += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(lin, int4.Int4Linear) for lin in lins):
+            return "linears not all q4"
+        if any(hasattr(a, n) for n in ("q_norm", "k_norm", "sinks")) or getattr(a, "sliding_window", None):
+            return "attention variant"
+    return None
+
+
+def weights_of(model: Any) -> Weights:
+    cfg, base = model.config, model.model
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers = []
+    for layer in base.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            qkv=Packed.fuse([a.q_proj, a.k_proj, a.v_proj]), o=Packed.fuse([a.o_proj]),
+            gate_up=Packed.fuse([m.gate_proj, m.up_proj]), down=Packed.fuse([m.down_proj]),
+            norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
+        ))
+    attn0 = base.layers[0].self_attn
+    return Weights(
+        layers=layers, embed=model.get_input_embeddings(), norm=base.norm, head=model.get_output_embeddings(),
+        inv_freq=base.rotary_emb.inv_freq.detach().float().clone(),
+        rope_scale=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
+        n_heads=cfg.num_attention_heads, n_kv=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=head_dim, inter=cfg.intermediate_size, scaling=float(getattr(attn0, "scaling", head_dim**-0.5)),
+    )
+
+
+class DecodeStep:
+    """The Engine's single-token path: `decode_one` run eagerly at once, and swapped for its compiled form as soon
+    as inductor has built it. One build serves every cache size (the slot dimension is compiled as dynamic) for a
+    given kv dtype. `mode`: "eager" never compiles; "auto" builds in a background thread (the first build takes
+    ~1.5 min of one core; later runs load it from inductor's on-disk cache in seconds); "compiled" builds in the
+    foreground on the first token."""
+
+    def __init__(self, model: Any, mode: str = "eager") -> None:
+        self.w = weights_of(model)
+        self.mode = mode
+        self._compiled: Callable[..., Any] | None = None
+        self._ready: set[torch.dtype] = set()
+        self._pending: set[torch.dtype] = set()
+        self._lock = threading.Lock()
+        self._marked: torch.Tensor | None = None  # the buffers last marked dynamic
+        self.build_seconds: float | None = None
+        self.failed: str | None = None if mode == "eager" or compiler_available() else "no C++ compiler found"
+
+    @classmethod
+    def for_model(cls, model: Any, mode: str) -> "DecodeStep | None":
+        reason = unsupported_reason(model)
+        if reason is not None:
+            log.info("fast decode step off: %s", reason)
+            return None
+        return cls(model, mode)
+
+    def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [1, V] and pre-RoPE queries [n_layers, H*D] for `tok` at slot `pos` (k/v written there)."""
+        dtype = keys[0].dtype
+        if self.mode == "compiled":
+            self.prepare(dtype)  # builds now, on the first token
+        fn: Callable[..., Any] = decode_one
+        if dtype in self._ready and self._compiled is not None:
+            fn = self._compiled
+            if self._marked is not keys[0]:
+                _mark_slots_dynamic(keys + values)
+                self._marked = keys[0]
+        with torch.no_grad():
+            return fn(torch.tensor([tok]), torch.tensor([pos]), keys, values, self.w)
+
+    def warm_up(self, kv_dtype: torch.dtype) -> None:
+        """In "auto" mode, start building in the background now (while the user types); "compiled" mode waits for
+        the first token, so a command that never decodes (ppl) never compiles."""
+        if self.mode == "auto":
+            self.prepare(kv_dtype)
+
+    def prepare(self, kv_dtype: torch.dtype) -> None:
+        """Make sure a compiled step for this kv dtype exists or is being built (per `mode`)."""
+        if self.mode == "eager" or self.failed or kv_dtype in self._ready or kv_dtype in self._pending:
+            return
+        self._pending.add(kv_dtype)
+        if self.mode == "compiled":
+            self._build(kv_dtype)
+        else:
+            threading.Thread(target=self._build, args=(kv_dtype,), name="sinkchat-compile", daemon=True).start()
+
+    def _build(self, dtype: torch.dtype) -> None:
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                fn = self._compiled or _compile()
+                w = self.w
+                keys = [torch.zeros(1, w.n_kv, 16, w.head_dim, dtype=dtype) for _ in w.layers]  # [1, H_kv, 16, D]
+                values = [torch.zeros_like(k) for k in keys]
+                _mark_slots_dynamic(keys + values)
+                with torch.no_grad():
+                    fn(torch.tensor([0]), torch.tensor([0]), keys, values, w)  # the build happens here
+                self._compiled = fn
+            self._ready.add(dtype)
+            self.build_seconds = time.perf_counter() - t0
+            log.info("compiled the decode step (kv %s) in %.1f s", dtype, self.build_seconds)
+        except Exception as e:  # noqa: BLE001 - compiling is an optimisation: the eager step stays correct
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("compiling the decode step failed, decoding stays eager (%s)", self.failed)
+        finally:
+            self._pending.discard(dtype)
+            _trim_heap()
+
+    @property
+    def status(self) -> str:
+        """What decodes now: "eager", "compiling" (eager meanwhile), "compiled" or "eager (compile failed)"."""
+        if self.failed:
+            return "eager (compile failed)" if self.mode != "eager" else "eager"
+        if self._pending:
+            return "compiling"
+        return "compiled" if self._ready else "eager"
+
+
+def _compile() -> Callable[..., Any]:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp_wrapper = True  # the whole step is one C++ call: no Python per op
+    inductor_config.compile_threads = 1  # no worker pool forked from a threaded process
+    return torch.compile(decode_one, fullgraph=True, dynamic=False)
+
+
+def _mark_slots_dynamic(buffers: list[torch.Tensor]) -> None:
+    """The slot dimension of [1, H_kv, cap, D] buffers is symbolic in the compiled graph: one build for all sizes."""
+    for b in buffers:
+        torch._dynamo.mark_dynamic(b, 2)
+
+
+def _trim_heap() -> None:
+    """Give the compiler's freed heap back to the OS (glibc keeps it otherwise; RSS would stay ~90 MB higher)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def compiler_available() -> bool:
+    """inductor's CPU backend needs a C++ compiler (CXX, or g++ / clang++ on PATH)."""
+    cxx = os.environ.get("CXX")
+    return bool((cxx and shutil.which(cxx)) or shutil.which("g++") or shutil.which("clang++"))
