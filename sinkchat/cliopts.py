@@ -4,6 +4,8 @@ the one-call bootstrap `open_engine` that clients use. Torch is imported only wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import sys
 from dataclasses import replace
@@ -125,7 +127,8 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
 
     loaded = load(settings.model, progress)
     m = settings.model
+    build = [sys.executable, "-m", "sinkchat.build_step", json.dumps(dataclasses.asdict(m))]
     eng = Engine(loaded.model, loaded.tokenizer, settings.cache, settings.sampling, system=system,
-                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder)
+                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder, build_cmd=build)
     eng.loaded = loaded  # type: ignore[attr-defined]
     return eng

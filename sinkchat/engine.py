@@ -17,8 +17,8 @@ import torch
 
 from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
-from sinkchat.fastdecode import DecodeStep
 from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.fastdecode import DecodeStep
 from sinkchat.gauge import SinkGauge
 from sinkchat.interrupts import deferred_sigint
 from sinkchat.kv_cache import SinkKVCache, rope_from_model
@@ -64,9 +64,11 @@ class Engine:
         rerotate: bool = True,
         kv_dtype: str = "auto",
         decode: str = "eager",
+        build_cmd: list[str] | None = None,
     ) -> None:
         """`kv_dtype`: what the cache stores (None: the model's dtype). `decode`: how single tokens are decoded
-        (see `fastdecode.DECODE_MODES`); "hf" always calls the transformers model."""
+        (auto, compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model). `build_cmd`: how
+        "auto" builds the compiled step in another process (`build_step`)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.cache_cfg = cache.resolved(self.max_positions)
@@ -75,7 +77,7 @@ class Engine:
         self.rope = rope_from_model(model)
         self.rerotate = rerotate
         self.n_layers = model.config.num_hidden_layers
-        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode)
+        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.fast is not None)
         self.kv_store = self.kv_dtype or next(model.parameters()).dtype  # what the buffers hold
         self.cache = self.new_cache(self.cache_cfg.capacity)

@@ -88,14 +88,19 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, asym int4"
 
 
+def linears(root: Any, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear, bool]]:
+    """Every nn.Linear under `root` as (name, module, packed?): the one rule for which linears become 4-bit
+    (`quantize_model` swaps them; `q4load` packs the same ones straight from the file)."""
+    return [(name, mod, not any(name.endswith(s) for s in skip) and fits(mod))
+            for name, mod in root.named_modules() if isinstance(mod, nn.Linear)]
+
+
 def quantize_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> tuple[int, int]:
     """Swap every fitting nn.Linear (except `skip`) for an Int4Linear; return (4-bit weights, all linear weights)."""
     total = quantized = 0
-    for name, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear):
-            continue
+    for name, mod, pack in linears(model, skip):
         total += mod.weight.numel()
-        if any(name.endswith(s) for s in skip) or not fits(mod):
+        if not pack:
             log.info("q4: keeping %s in %s", name, mod.weight.dtype)
             continue
         parent_name, _, child = name.rpartition(".")

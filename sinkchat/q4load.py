@@ -77,8 +77,7 @@ def _decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Names (as in the state dict, without '.weight') of the linears `int4.quantize_model` would pack."""
     base = getattr(model, "model", model)
     prefix = next(n for n, m in model.named_modules() if m is base.layers)
-    return {f"{prefix}.{n}": m for n, m in base.layers.named_modules()
-            if isinstance(m, nn.Linear) and int4.fits(m)}
+    return {f"{prefix}.{n}": m for n, m, pack in int4.linears(base.layers) if pack}
 
 
 def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -106,7 +105,7 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         linears = _decoder_linears(model)
-        total = sum(m.in_features * m.out_features for m in _all_decoder_linears(model))
+        total = sum(m.in_features * m.out_features for _, m, _ in int4.linears(getattr(model, "model", model).layers))
         packed = 0
         table = _tied_table_name(model, config)
         lazy = frozenset([table] if table else [])
@@ -152,8 +151,3 @@ def _load_generation_config(model: nn.Module, folder: str) -> None:
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder)
-
-
-def _all_decoder_linears(model: nn.Module) -> list[nn.Linear]:
-    base = getattr(model, "model", model)
-    return [m for m in base.layers.modules() if isinstance(m, nn.Linear)]

@@ -168,3 +168,28 @@ def test_background_build_swaps_in_between_tokens_without_changing_results():
             time.sleep(0.5)  # out of tokens before the build finished: wait for it
     assert auto.fast.status == "compiled", auto.fast.failed
     assert auto.decoder_status == "compiled, kv float32"
+
+
+def _wait_built(eng: Engine, seconds: float = 300) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while eng.fast.status == "compiling" and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not compiler_available(), reason="inductor needs a C++ compiler")
+def test_build_process_then_load_here_and_a_failed_build_keeps_decoding_eagerly():
+    import sys
+
+    ok = Engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+                build_cmd=[sys.executable, "-c", "import sys; sys.exit(0 if sys.argv[1] == 'float32' else 5)"])
+    bad = Engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+                 build_cmd=[sys.executable, "-c", "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)"])
+    for eng in (ok, bad):
+        _wait_built(eng)
+    assert ok.fast.status == "compiled"
+    assert bad.fast.status == "eager (compile failed)"
+    assert "exited 3: no compiler here" in bad.fast.failed
+    list(bad.feed_ids(list(range(1, 50))))  # still decodes (eagerly), evictions included
+    assert bad.cache.length == len(bad.ledger.ids) <= 40
