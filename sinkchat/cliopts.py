@@ -129,6 +129,7 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
     m = settings.model
     build = [sys.executable, "-m", "sinkchat.build_step", json.dumps(dataclasses.asdict(m))]
     eng = Engine(loaded.model, loaded.tokenizer, settings.cache, settings.sampling, system=system,
-                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder, build_cmd=build)
+                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder, build_cmd=build,
+                 build_key=loaded.fingerprint)
     eng.loaded = loaded  # type: ignore[attr-defined]
     return eng

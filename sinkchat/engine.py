@@ -65,10 +65,12 @@ class Engine:
         kv_dtype: str = "auto",
         decode: str = "eager",
         build_cmd: list[str] | None = None,
+        build_key: str = "",
     ) -> None:
         """`kv_dtype`: what the cache stores (None: the model's dtype). `decode`: how single tokens are decoded
         (auto, compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model). `build_cmd`: how
-        "auto" builds the compiled step in another process (`build_step`)."""
+        "auto" builds the compiled step in another process (`build_step`); `build_key`: the weights' fingerprint, which
+        lets later sessions skip that process once a build exists."""
         self.model, self.tokenizer = model, tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.cache_cfg = cache.resolved(self.max_positions)
@@ -77,7 +79,7 @@ class Engine:
         self.rope = rope_from_model(model)
         self.rerotate = rerotate
         self.n_layers = model.config.num_hidden_layers
-        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd)
+        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd, build_key)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.fast is not None)
         self.kv_store = self.kv_dtype or next(model.parameters()).dtype  # what the buffers hold
         self.cache = self.new_cache(self.cache_cfg.capacity)

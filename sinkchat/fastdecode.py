@@ -16,6 +16,7 @@ transformers forward.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -198,14 +200,18 @@ class DecodeStep:
     ~1.5 min of one core; later runs load it from inductor's on-disk cache in seconds); "compiled" builds in the
     foreground on the first token."""
 
-    def __init__(self, model: Any, mode: str = "eager", build_cmd: list[str] | None = None) -> None:
+    def __init__(self, model: Any, mode: str = "eager", build_cmd: list[str] | None = None,
+                 build_key: str = "") -> None:
         """`build_cmd`: a command that builds this step into inductor's on-disk cache in another process
         (`sinkchat.build_step`). With it, "auto" builds there and then only loads the build here: a build in a
         thread of this process holds the GIL for a minute and a half, and the eager step, which needs the GIL
-        between its ~600 ops, slowed from ~44 to ~2 tok/s meanwhile (and RSS kept ~90 MB of compiler garbage)."""
+        between its ~600 ops, slowed from ~44 to ~2 tok/s meanwhile (and RSS kept ~90 MB of compiler garbage).
+        `build_key` (the loaded weights' fingerprint) names a marker left in inductor's cache dir after a build, so
+        later sessions skip the build process and load the cached build at once."""
         self.w = weights_of(model)
         self.mode = mode
         self.build_cmd = build_cmd
+        self.build_key = build_key
         self._stopping = False
         self._compiled: Callable[..., Any] | None = None
         self._ready: set[torch.dtype] = set()
@@ -216,12 +222,13 @@ class DecodeStep:
         self.failed: str | None = None if mode == "eager" or compiler_available() else "no C++ compiler found"
 
     @classmethod
-    def for_model(cls, model: Any, mode: str, build_cmd: list[str] | None = None) -> "DecodeStep | None":
+    def for_model(cls, model: Any, mode: str, build_cmd: list[str] | None = None,
+                  build_key: str = "") -> "DecodeStep | None":
         reason = unsupported_reason(model)
         if reason is not None:
             log.info("fast decode step off: %s", reason)
             return None
-        return cls(model, mode, build_cmd)
+        return cls(model, mode, build_cmd, build_key)
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,6 +265,17 @@ class DecodeStep:
     def _build_elsewhere(self, dtype: torch.dtype) -> None:
         """Run `build_cmd` (at low priority, so the chat keeps the CPU), then load its build from the disk cache.
         Leaving sinkchat stops a build still running (no process outlives the session)."""
+        marker = self._marker(dtype)
+        if marker is None or not marker.exists():
+            if not self._run_build_process(dtype):
+                self._pending.discard(dtype)
+                return
+            if marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
+        self._build(dtype)  # a cache hit now: seconds
+
+    def _run_build_process(self, dtype: torch.dtype) -> bool:
         cmd = [*self.build_cmd, str(dtype).removeprefix("torch.")]  # type: ignore[misc]
         try:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -267,16 +285,20 @@ class DecodeStep:
             rc = self._proc.returncode
         except (OSError, subprocess.SubprocessError) as e:
             rc, err = 1, str(e).encode()
-        if rc != 0 and self._stopping:
-            self._pending.discard(dtype)
-            return
-        if rc != 0:
+        if rc != 0 and not self._stopping:
             tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
             self.failed = f"build process exited {rc}: {tail[0][:200]}"
             log.warning("building the decode step failed, decoding stays eager (%s)", self.failed)
-            self._pending.discard(dtype)
-            return
-        self._build(dtype)  # a cache hit now: seconds
+        return rc == 0
+
+    def _marker(self, dtype: torch.dtype) -> Path | None:
+        """Where a finished build for these weights, kv dtype, torch and this file's code is recorded (inside
+        inductor's cache dir, so clearing that cache clears the marker too)."""
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if not self.build_key or not cache:
+            return None
+        h = hashlib.sha256(f"{self.build_key}|{dtype}|{torch.__version__}|".encode() + Path(__file__).read_bytes())
+        return Path(cache) / f"sinkchat-step-{h.hexdigest()[:20]}.built"
 
     def stop_build(self) -> None:
         proc = getattr(self, "_proc", None)

@@ -193,3 +193,24 @@ def test_build_process_then_load_here_and_a_failed_build_keeps_decoding_eagerly(
     assert "exited 3: no compiler here" in bad.fast.failed
     list(bad.feed_ids(list(range(1, 50))))  # still decodes (eagerly), evictions included
     assert bad.cache.length == len(bad.ledger.ids) <= 40
+
+
+@pytest.mark.skipif(not compiler_available(), reason="inductor needs a C++ compiler")
+def test_a_finished_build_is_recorded_so_the_next_session_skips_the_build_process(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-c", f"open({str(runs)!r}, 'a').write('x')"]
+    model = q4_model()
+
+    def session() -> Engine:
+        eng = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+                     build_cmd=cmd, build_key="weights-abc")
+        _wait_built(eng)
+        return eng
+
+    assert session().fast.status == "compiled"
+    assert runs.read_text() == "x" and len(list((tmp_path / "inductor").glob("sinkchat-step-*.built"))) == 1
+    assert session().fast.status == "compiled"
+    assert runs.read_text() == "x"  # the second session loaded the build without running the build process
