@@ -120,10 +120,11 @@ class Engine:
             if L >= self.cache.capacity:
                 raise RuntimeError(f"KV cache overflow ({L + 1} > {self.cache.capacity}): evict first")
             keys, values = self.cache.buffers(self.fast.w.n_kv, self.fast.w.head_dim, self.device, self.kv_store)
-            logits, queries = self.fast(ids[0], L, keys, values)  # [1, V], [n_layers, H*D]
+            logits, queries, shares = self.fast(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
             self.cache.advance(1)
             if self.gauge.armed:
                 self.gauge.queries = list(queries[:, None])
+                self.gauge.shares = (self.gauge_n, shares)
             return logits
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
@@ -258,8 +259,13 @@ class Engine:
                 break
         yield DoneEvent(reason, len(ids), time.perf_counter() - t_start, text, tuple(ids))
 
+    @property
+    def gauge_n(self) -> int:
+        """How many first (and newest) slots the sink gauge measures."""
+        return max(1, self.cache_cfg.n_sink or 4)
+
     def measure_gauge(self, n: int | None = None) -> GaugeEvent | None:
-        n = n or max(1, self.cache_cfg.n_sink or 4)
+        n = n or self.gauge_n
         return self.gauge.measure(self.cache, n, self.ledger.holds_stream_start())
 
     def chat(self, content: str, role: str = "user", max_tokens: int | None = None) -> Iterator[Event]:

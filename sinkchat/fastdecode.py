@@ -41,61 +41,65 @@ PACK_ROWS = 64  # the CPU int4 pack interleaves output rows in blocks of 64: onl
 
 
 @dataclass
-class Packed:
-    """Int4Linears fused along the output dim: one kernel call instead of three (q, k, v) or two (gate, up).
-    Groups run along the input dim, so stacking rows keeps every (scale, zero) pair with its weights, as long as
-    every stacked part but the last fills whole 64-row pack blocks; otherwise the parts run one call each."""
+class Projection:
+    """One projection (q/k/v, o, gate/up or down) of every layer, stacked over layers, so the compiled step takes a
+    dozen weight tensors instead of ~300 (each graph input costs a guard check and pointer setup per call).
 
-    parts: list[tuple[torch.Tensor, torch.Tensor]]  # (uint8 [N, K/2], bf16 [K/g, N, 2]) per kernel call
-    bias: torch.Tensor | None  # fp32 [N total]
+    Fused along the output dim: one kernel call instead of three (q, k, v) or two (gate, up). Groups run along the
+    input dim, so stacking rows keeps every (scale, zero) pair with its weights, as long as every stacked part but
+    the last fills whole 64-row pack blocks; otherwise the parts run one call each. The model's own Int4Linears are
+    pointed at views of the stacks, so the 4-bit weights are in memory once; fused scales stay duplicated (1/8 of
+    the bytes: the kernel needs them contiguous, which a column slice of a fused [K/g, N, 2] is not)."""
+
+    parts: list[tuple[torch.Tensor, torch.Tensor]]  # (uint8 [L, N, K/2], bf16 [L, K/g, N, 2]) per kernel call
+    bias: torch.Tensor | None  # fp32 [L, N total]
 
     @classmethod
-    def fuse(cls, lins: list[Any]) -> "Packed":
-        bias = None
-        if any(lin.bias is not None for lin in lins):
-            bias = torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features) for lin in lins])
-        groups: list[list[Any]] = [[]]
-        for lin in lins:
-            groups[-1].append(lin)
+    def of(cls, per_layer: list[list[Any]]) -> "Projection":
+        first = per_layer[0]
+        groups: list[list[int]] = [[]]
+        for j, lin in enumerate(first):
+            groups[-1].append(j)
             if lin.out_features % PACK_ROWS:
                 groups.append([])
-        parts = [(_stack_packed(g), torch.cat([lin.scales_zeros for lin in g], dim=1)) for g in groups if g]
+        parts = [_stack_group(per_layer, g) for g in groups if g]
+        bias = None
+        if any(lin.bias is not None for lins in per_layer for lin in lins):
+            bias = torch.stack([torch.cat([lin.bias.data if lin.bias is not None else torch.zeros(lin.out_features)
+                                           for lin in lins]) for lins in per_layer])
         return cls(parts, bias)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [M, K] fp32 -> [M, N] fp32
+    def __call__(self, x: torch.Tensor, i: int) -> torch.Tensor:  # layer i: x [M, K] fp32 -> [M, N] fp32
         xc = x.to(int4.COMPUTE_DTYPE)
-        ys = [torch._weight_int4pack_mm_for_cpu(xc, p, int4.GROUP, sz) for p, sz in self.parts]
+        ys = [torch._weight_int4pack_mm_for_cpu(xc, p[i], int4.GROUP, sz[i]) for p, sz in self.parts]
         y = (ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)).float()
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else y + self.bias[i]
 
 
-def _stack_packed(lins: list[Any]) -> torch.Tensor:
-    """The packed weights stacked [sum N, K/2]; each linear then holds a row view of the stack, so the 4-bit weights
-    are in memory once (the transformers path runs the same bytes). Scales stay duplicated (1/8 of the bytes): the
-    kernel needs them contiguous, which a column slice of the stacked [K/g, N, 2] is not."""
-    if len(lins) == 1:
-        return lins[0].packed
-    stacked = torch.cat([lin.packed for lin in lins])
-    row = 0
-    for lin in lins:
-        lin.packed = stacked[row : row + lin.out_features]
-        row += lin.out_features
-    return stacked
-
-
-@dataclass
-class LayerWeights:
-    qkv: Packed
-    o: Packed
-    gate_up: Packed
-    down: Packed
-    norm_in: nn.Module  # the model's own RMSNorm modules: the exact same normalisation code
-    norm_post: nn.Module
+def _stack_group(per_layer: list[list[Any]], group: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack linears `group` of every layer: packed [L, N, K/2] and scales [L, K/g, N, 2]; re-point the modules."""
+    packed = torch.stack([torch.cat([lins[j].packed for j in group]) for lins in per_layer])
+    scales = torch.stack([torch.cat([lins[j].scales_zeros for j in group], dim=1) for lins in per_layer])
+    for i, lins in enumerate(per_layer):
+        row = 0
+        for j in group:
+            lins[j].packed = packed[i, row : row + lins[j].out_features]
+            row += lins[j].out_features
+        if len(group) == 1:
+            lins[group[0]].scales_zeros = scales[i]
+    return packed, scales
 
 
 @dataclass
 class Weights:
-    layers: list[LayerWeights]
+    qkv: Projection
+    o: Projection
+    gate_up: Projection
+    down: Projection
+    norm_in: torch.Tensor  # fp32 [L, C]: the RMSNorm weights, applied with transformers' formula
+    norm_post: torch.Tensor  # fp32 [L, C]
+    eps: float
+    n_layers: int
     embed: nn.Module
     norm: nn.Module
     head: nn.Module
@@ -108,11 +112,14 @@ class Weights:
     scaling: float
 
 
-def decode_one(tok: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-               w: Weights) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_one(tok: torch.Tensor, pos: torch.Tensor, n_gauge: torch.Tensor, keys: list[torch.Tensor],
+               values: list[torch.Tensor], w: Weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token `tok` [1] at in-cache slot `pos` [1]: writes its k/v into slot pos of every keys[i] / values[i]
-    [1, H_kv, cap, D] and attends over slots <= pos. Returns logits [1, V] and the pre-RoPE queries
-    [n_layers, H*D] (what the sink gauge measures). Static shapes: nothing depends on pos's value."""
+    [1, H_kv, cap, D] (separate tensors: mutating views of one stacked input sends the compiled graph down a slow
+    aliasing path) and attends over slots <= pos. Returns logits [1, V], the pre-RoPE queries [L, H*D], and the
+    sink gauge [L, 2]: per layer, the attention share (mean over heads) on the first `n_gauge` [1] slots and on the
+    newest `n_gauge`, read off the softmax the step computes anyway, so the gauge costs nothing. Static shapes:
+    nothing depends on pos's value."""
     H, Hkv, D = w.n_heads, w.n_kv, w.head_dim
     G, half = H // Hkv, w.head_dim // 2
     cap = keys[0].shape[2]
@@ -120,11 +127,12 @@ def decode_one(tok: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], v
     ang = pos.float()[:, None] * w.inv_freq  # [1, D/2], as transformers: fp32 position x inv_freq
     ang = torch.cat([ang, ang], dim=-1)  # [1, D]
     cos, sin = ang.cos() * w.rope_scale, ang.sin() * w.rope_scale
-    bias = torch.where(torch.arange(cap) <= pos, 0.0, float("-inf"))  # [cap]: slots after pos are empty
-    queries = []
-    for i, lw in enumerate(w.layers):
-        h = lw.norm_in(x)  # [1, C]
-        qkv = lw.qkv(h)  # [1, (H + 2 H_kv) D]
+    slots = torch.arange(cap)
+    bias = torch.where(slots <= pos, 0.0, float("-inf"))  # [cap]: slots after pos are empty
+    marks = torch.stack([slots < n_gauge, (slots <= pos) & (slots > pos - n_gauge)], dim=1).float()  # [cap, 2]
+    queries, probs = [], []
+    for i in range(w.n_layers):
+        qkv = w.qkv(_rms(x, w.norm_in[i], w.eps), i)  # [1, (H + 2 H_kv) D]
         q_raw = qkv[:, : H * D]
         queries.append(q_raw)
         q = _rope(q_raw.view(Hkv, G, D), cos, sin, half)  # [H_kv, G, D]: the G query heads sharing a kv head
@@ -135,13 +143,19 @@ def decode_one(tok: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor], v
         V.index_copy_(2, pos, v.to(V.dtype))
         s = torch.bmm(q.to(K.dtype), K[0].transpose(1, 2)).float() * w.scaling + bias  # [H_kv, G, cap]
         p = torch.softmax(s, dim=-1)
+        probs.append(p)
         o = torch.bmm(p.to(V.dtype), V[0]).float().reshape(1, H * D)  # [1, H*D]
-        x = x + lw.o(o)
-        h = lw.norm_post(x)
-        gu = lw.gate_up(h)  # [1, 2I]
-        x = x + lw.down(nn.functional.silu(gu[:, : w.inter]) * gu[:, w.inter :])
+        x = x + w.o(o, i)
+        gu = w.gate_up(_rms(x, w.norm_post[i], w.eps), i)  # [1, 2I]
+        x = x + w.down(nn.functional.silu(gu[:, : w.inter]) * gu[:, w.inter :], i)
     logits = w.head(w.norm(x)).float()  # [1, V]
-    return logits, torch.cat(queries)  # [1, V], [n_layers, H*D]
+    gauge = (torch.stack(probs).reshape(w.n_layers, H, cap) @ marks).mean(1)  # [L, H, 2] -> [L, 2]
+    return logits, torch.cat(queries), gauge  # [1, V], [L, H*D], [L, 2]
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm / Qwen2RMSNorm for fp32 x [1, C]."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> torch.Tensor:
@@ -175,17 +189,16 @@ def unsupported_reason(model: Any) -> str | None:
 def weights_of(model: Any) -> Weights:
     cfg, base = model.config, model.model
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers = []
-    for layer in base.layers:
-        a, m = layer.self_attn, layer.mlp
-        layers.append(LayerWeights(
-            qkv=Packed.fuse([a.q_proj, a.k_proj, a.v_proj]), o=Packed.fuse([a.o_proj]),
-            gate_up=Packed.fuse([m.gate_proj, m.up_proj]), down=Packed.fuse([m.down_proj]),
-            norm_in=layer.input_layernorm, norm_post=layer.post_attention_layernorm,
-        ))
-    attn0 = base.layers[0].self_attn
+    attn = [layer.self_attn for layer in base.layers]
+    mlp = [layer.mlp for layer in base.layers]
+    attn0 = attn[0]
     return Weights(
-        layers=layers, embed=model.get_input_embeddings(), norm=base.norm, head=model.get_output_embeddings(),
+        qkv=Projection.of([[a.q_proj, a.k_proj, a.v_proj] for a in attn]), o=Projection.of([[a.o_proj] for a in attn]),
+        gate_up=Projection.of([[m.gate_proj, m.up_proj] for m in mlp]), down=Projection.of([[m.down_proj] for m in mlp]),
+        norm_in=torch.stack([layer.input_layernorm.weight.detach().float() for layer in base.layers]),
+        norm_post=torch.stack([layer.post_attention_layernorm.weight.detach().float() for layer in base.layers]),
+        eps=float(base.layers[0].input_layernorm.variance_epsilon), n_layers=len(base.layers),
+        embed=model.get_input_embeddings(), norm=base.norm, head=model.get_output_embeddings(),
         inv_freq=base.rotary_emb.inv_freq.detach().float().clone(),
         rope_scale=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
         n_heads=cfg.num_attention_heads, n_kv=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -230,20 +243,20 @@ class DecodeStep:
             return None
         return cls(model, mode, build_cmd, build_key)
 
-    def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [1, V] and pre-RoPE queries [n_layers, H*D] for `tok` at slot `pos` (k/v written there)."""
+    def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`decode_one` for `tok` at slot `pos` (k/v written there): logits, queries, gauge shares."""
         dtype = keys[0].dtype
         if self.mode == "compiled":
             self.prepare(dtype)  # builds now, on the first token
-        t, p = torch.tensor([tok]), torch.tensor([pos])
+        t, p, n = torch.tensor([tok]), torch.tensor([pos]), torch.tensor([n_gauge])
         with torch.no_grad():
             if dtype not in self._ready or self._compiled is None:
-                return decode_one(t, p, keys, values, self.w)
+                return decode_one(t, p, n, keys, values, self.w)
             if self._marked is not keys[0]:
                 _mark_slots_dynamic(keys + values)
                 self._marked = keys[0]
-            return self._compiled(t, p, keys, values, self.w)
+            return self._compiled(t, p, n, keys, values, self.w)
 
     def warm_up(self, kv_dtype: torch.dtype) -> None:
         """In "auto" mode, start building in the background now (while the user types); "compiled" mode waits for
@@ -316,11 +329,11 @@ class DecodeStep:
             with self._lock:
                 fn = self._compiled or _compile()
                 w = self.w
-                keys = [torch.zeros(1, w.n_kv, 16, w.head_dim, dtype=dtype) for _ in w.layers]  # [1, H_kv, 16, D]
-                values = [torch.zeros_like(k) for k in keys]
+                keys = [torch.zeros(1, w.n_kv, 16, w.head_dim, dtype=dtype) for _ in range(w.n_layers)]
+                values = [torch.zeros_like(k) for k in keys]  # [1, H_kv, 16, D] each
                 _mark_slots_dynamic(keys + values)
                 with torch.no_grad():
-                    fn(torch.tensor([0]), torch.tensor([0]), keys, values, w)  # the build happens here
+                    fn(torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), keys, values, w)  # builds here
                 self._compiled = fn
             self._ready.add(dtype)
             self.build_seconds = time.perf_counter() - t0

@@ -1,5 +1,8 @@
 """The sink-attention gauge: how much of the newest query's attention lands on the first cache slots.
 
+With the fast decode step the step itself returns these shares (it has the softmax in hand); what follows is how
+they are measured for tokens that went through transformers' forward.
+
 sdpa does not return attention weights, and asking for them would force the slow eager path on every step. Instead a
 forward hook keeps the last token's query projection per layer; on sampled steps we rotate it to its in-cache position
 and recompute softmax(q K^T * scale) against the cached keys, which are exactly what attention used. Cost: one
@@ -26,6 +29,7 @@ class SinkGauge:
         base = getattr(model, "model", model)
         self.attn = [layer.self_attn for layer in base.layers]
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
+        self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
         self.armed = False
         self._handles = []
         for i, attn in enumerate(self.attn):
@@ -53,8 +57,14 @@ class SinkGauge:
     def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
         """Attention share of the last fed token on slots [0, n), from the queries captured in the last forward."""
         L = cache.length
+        shares, self.shares = self.shares, None
         if L == 0 or any(q is None for q in self.queries):
             return None
+        if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
+            self.queries = [None] * len(self.attn)
+            first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
+            return GaugeEvent(share=sum(first) / len(first), per_layer=tuple(first), recent=sum(last) / len(last),
+                              uniform=min(n, L) / L, n=min(n, L), holds_start=holds_start)
         n = min(n, L)
         per_layer, recent = [], []
         for i, attn in enumerate(self.attn):

@@ -13,7 +13,7 @@ from sinkchat import int4
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.engine import Engine
 from sinkchat.events import GaugeEvent
-from sinkchat.fastdecode import DecodeStep, Packed, compiler_available, unsupported_reason
+from sinkchat.fastdecode import DecodeStep, Projection, compiler_available, unsupported_reason
 
 
 def q4_model(kind: str = "llama", **kw):
@@ -86,20 +86,23 @@ def test_generation_and_gauge_agree_with_the_reference():
     assert len(g_ref) == len(g_fast) == 25
     for x, y in zip(g_ref, g_fast):
         assert x.per_layer == pytest.approx(y.per_layer, abs=1e-5)
+        assert (x.recent, x.uniform, x.n) == pytest.approx((y.recent, y.uniform, y.n), abs=1e-5)
 
 
-def test_packed_fusion_matches_separate_kernels_and_keeps_one_copy_of_the_weights():
+def test_stacked_fused_projection_matches_separate_kernels_and_keeps_one_copy_of_the_weights():
     torch.manual_seed(0)
-    lins = [int4.Int4Linear(torch.nn.Linear(64, n, bias=True)) for n in (64, 32, 32, 128)]
+    layers = [[int4.Int4Linear(torch.nn.Linear(64, n, bias=True)) for n in (64, 32, 32, 128)] for _ in range(2)]
     x = torch.randn(3, 64)
-    separate = torch.cat([lin(x) for lin in lins], -1)
-    fused = Packed.fuse(lins)
-    assert len(fused.parts) == 3  # the 32-row parts cannot be stacked with what follows them
-    torch.testing.assert_close(fused(x), separate, rtol=0, atol=0)
-    torch.testing.assert_close(torch.cat([lin(x) for lin in lins], -1), separate, rtol=0, atol=0)
-    stacked = fused.parts[0][0]
-    assert lins[0].packed.data_ptr() == stacked.data_ptr()  # a view of the stack, not a second copy
-    assert lins[1].packed.data_ptr() == stacked[64:].data_ptr()
+    separate = [torch.cat([lin(x) for lin in lins], -1) for lins in layers]
+    proj = Projection.of(layers)
+    assert len(proj.parts) == 3  # the 32-row parts cannot be stacked with what follows them
+    for i, lins in enumerate(layers):
+        torch.testing.assert_close(proj(x, i), separate[i], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([lin(x) for lin in lins], -1), separate[i], rtol=0, atol=0)
+    stack = proj.parts[0][0]  # [L, 64 + 32, K/2]
+    assert layers[1][0].packed.data_ptr() == stack[1].data_ptr()  # views of the stack, not second copies
+    assert layers[1][1].packed.data_ptr() == stack[1, 64:].data_ptr()
+    assert layers[1][3].scales_zeros.data_ptr() == proj.parts[2][1][1].data_ptr()
 
 
 def test_models_the_fast_step_cannot_run_keep_the_transformers_forward():
