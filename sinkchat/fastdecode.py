@@ -222,6 +222,7 @@ class DecodeStep:
         `build_key` (the loaded weights' fingerprint) names a marker left in inductor's cache dir after a build, so
         later sessions skip the build process and load the cached build at once."""
         self.w = weights_of(model)
+        _trim_heap()  # stacking freed the per-layer copies; glibc keeps such holes (~30 MB of RSS) unless asked
         self.mode = mode
         self.build_cmd = build_cmd
         self.build_key = build_key
