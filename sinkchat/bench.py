@@ -59,14 +59,15 @@ class Run:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of K and V for one token over all layers at the model's dtype (what a cache of N tokens holds x N)."""
+def kv_bytes_per_token(model: Any, dtype: Any = None) -> int:
+    """Bytes of K and V for one token over all layers at the cache's dtype (default: the model's): what a cache of
+    N tokens holds x N."""
     import torch
 
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
@@ -161,7 +162,7 @@ def bench_recompute(engine: Any, cache: int, ids: list[int], decode: int) -> Run
             rss.append(rss_bytes())
     # No cache is kept; the transient K/V of one forward over `cache` tokens is what attention holds at its peak.
     run = Run("recompute", cache, cache / first if first else 0.0, 0.0, 0.0, 0.0, 0.0,
-              kv_bytes_per_token(engine.model) * cache, prefill_tokens=cache)
+              kv_bytes_per_token(engine.model, engine.kv_store) * cache, prefill_tokens=cache)
     return _finish(run, lat, rss)
 
 
@@ -235,7 +236,7 @@ def run_bench(engine: Any, ids: list[int], policies: list[str], caches: list[int
         "decoder": engine.fast.status if engine.fast is not None else "hf",
         "kv_dtype": str(engine.kv_store).removeprefix("torch."),
         "n_sink": n_sink, "evict_chunk": evict_chunk, "decode_tokens": decode, "recompute_tokens": recompute_tokens,
-        "kv_bytes_per_token": kv_bytes_per_token(engine.model),
+        "kv_bytes_per_token": kv_bytes_per_token(engine.model, engine.kv_store),
         "process_rss_mb": rss_bytes() / MB,
         "process_peak_rss_mb": _max_rss_mb(),  # includes loading and quantizing the model
     }

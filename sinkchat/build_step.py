@@ -16,9 +16,14 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: list[str]) -> int:
+    import os
+
     import torch
 
     from sinkchat.config import ModelConfig
+
+    os.nice(10)  # the chat keeps the CPU
+    _die_with_parent()
     from sinkchat.fastdecode import DecodeStep
     from sinkchat.loader import load
 
@@ -34,6 +39,17 @@ def main(argv: list[str]) -> int:
         print(step.failed or "the build did not finish", file=sys.stderr)
         return 1
     return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when the thread that started it goes (a killed chat leaves no build behind)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ class Engine:
         self.n_layers = model.config.num_hidden_layers
         self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd, build_key)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.fast is not None)
-        self.kv_store = self.kv_dtype or next(model.parameters()).dtype  # what the buffers hold
+        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        self.kv_store = self.kv_dtype or model_dtype  # what the buffers hold (a snapshot's dtype is converted)
         self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
         self.conv = Conversation(tokenizer, system)
@@ -126,6 +127,7 @@ class Engine:
                 self.gauge.queries = list(queries[:, None])
                 self.gauge.shares = (self.gauge_n, shares)
             return logits
+        self.gauge.shares = None  # shares of an earlier fast step must not stand for this forward's attention
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
         out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
@@ -323,7 +325,7 @@ class Engine:
     def new_cache(self, capacity: int) -> SinkKVCache:
         if self.fast is not None:
             self.fast.warm_up(self.kv_store)
-        return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_dtype)
+        return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_store)
 
     def set_sampling(self, **changes: Any) -> None:
         self.sampling = replace(self.sampling, **changes)

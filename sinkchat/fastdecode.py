@@ -285,18 +285,23 @@ class DecodeStep:
                 self._pending.discard(dtype)
                 return
             if marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.touch()
+                try:
+                    marker.parent.mkdir(parents=True, exist_ok=True)
+                    marker.touch()
+                except OSError as e:  # a read-only cache: the next session just builds again
+                    log.info("cannot record the build (%s)", e)
         self._build(dtype)  # a cache hit now: seconds
 
     def _run_build_process(self, dtype: torch.dtype) -> bool:
         cmd = [*self.build_cmd, str(dtype).removeprefix("torch.")]  # type: ignore[misc]
         try:
+            # its own session: the Ctrl-C that stops a reply must not reach the build (it would fail for good)
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.PIPE, preexec_fn=lambda: os.nice(10))
+                                          stderr=subprocess.PIPE, start_new_session=True)
             atexit.register(self.stop_build)
             _, err = self._proc.communicate()
             rc = self._proc.returncode
+            atexit.unregister(self.stop_build)
         except (OSError, subprocess.SubprocessError) as e:
             rc, err = 1, str(e).encode()
         if rc != 0 and not self._stopping:
@@ -311,7 +316,10 @@ class DecodeStep:
         cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         if not self.build_key or not cache:
             return None
-        h = hashlib.sha256(f"{self.build_key}|{dtype}|{torch.__version__}|".encode() + Path(__file__).read_bytes())
+        import transformers
+
+        key = f"{self.build_key}|{dtype}|{torch.__version__}|{transformers.__version__}|{torch.get_num_threads()}|"
+        h = hashlib.sha256(key.encode() + Path(__file__).read_bytes() + Path(int4.__file__).read_bytes())
         return Path(cache) / f"sinkchat-step-{h.hexdigest()[:20]}.built"
 
     def stop_build(self) -> None:
