@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from sinkchat import int4
+from sinkchat import heap, int4
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class DecodeStep:
         `build_key` (the loaded weights' fingerprint) names a marker left in inductor's cache dir after a build, so
         later sessions skip the build process and load the cached build at once."""
         self.w = weights_of(model)
-        _trim_heap()  # stacking freed the per-layer copies; glibc keeps such holes (~30 MB of RSS) unless asked
+        heap.trim()  # stacking freed the per-layer copies; glibc keeps such holes (~30 MB of RSS) unless asked
         self.mode = mode
         self.build_cmd = build_cmd
         self.build_key = build_key
@@ -352,7 +352,7 @@ class DecodeStep:
             log.warning("compiling the decode step failed, decoding stays eager (%s)", self.failed)
         finally:
             self._pending.discard(dtype)
-            _trim_heap()
+            heap.trim()  # the compiler's garbage: ~90 MB of RSS otherwise
 
     @property
     def status(self) -> str:
@@ -376,16 +376,6 @@ def _mark_slots_dynamic(buffers: list[torch.Tensor]) -> None:
     """The slot dimension of [1, H_kv, cap, D] buffers is symbolic in the compiled graph: one build for all sizes."""
     for b in buffers:
         torch._dynamo.mark_dynamic(b, 2)
-
-
-def _trim_heap() -> None:
-    """Give the compiler's freed heap back to the OS (glibc keeps it otherwise; RSS would stay ~90 MB higher)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def compiler_available() -> bool:

@@ -19,9 +19,10 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from sinkchat.config import ModelConfig, cache_dir
+from sinkchat.heap import lean_heap
 
 log = logging.getLogger(__name__)
 
@@ -304,32 +305,6 @@ def set_threads(threads: int) -> None:
 
     if threads > 0:
         torch.set_num_threads(threads)
-
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-@contextlib.contextmanager
-def lean_heap() -> Iterator[None]:
-    """While loading, serve every allocation over 256 KiB with its own mmap, then trim the heap.
-
-    Quantizing makes many multi-MB temporaries interleaved with small long-lived packed buffers; with glibc's
-    default (dynamic) threshold the temporaries land in the brk heap and the packed buffers pin it: measured
-    RSS +320 MB for 60 packed linears worth 33 MB. Afterwards the threshold goes to glibc's own ceiling (32 MiB),
-    where the dynamic rule would have ended up anyway. No-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        libc: Any = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, 256 * 1024)
-    except (OSError, AttributeError):
-        libc = None
-    try:
-        yield
-    finally:
-        if libc is not None:
-            libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024)
-            libc.malloc_trim(0)
 
 
 def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
