@@ -59,15 +59,13 @@ class Run:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
 
-def kv_bytes_per_token(model: Any, dtype: Any = None) -> int:
-    """Bytes of K and V for one token over all layers at the cache's dtype (default: the model's): what a cache of
-    N tokens holds x N."""
+def kv_bytes_per_token(model: Any, dtype: Any) -> int:
+    """Bytes of K and V for one token over all layers at the cache's dtype: what a cache of N tokens holds x N."""
     import torch
 
     cfg = model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = dtype or next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return 2 * cfg.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
 
 

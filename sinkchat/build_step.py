@@ -12,8 +12,6 @@ import json
 import logging
 import sys
 
-log = logging.getLogger(__name__)
-
 
 def main(argv: list[str]) -> int:
     import os

@@ -67,10 +67,11 @@ class Engine:
         build_cmd: list[str] | None = None,
         build_key: str = "",
     ) -> None:
-        """`kv_dtype`: what the cache stores (None: the model's dtype). `decode`: how single tokens are decoded
-        (auto, compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model). `build_cmd`: how
-        "auto" builds the compiled step in another process (`build_step`); `build_key`: the weights' fingerprint, which
-        lets later sessions skip that process once a build exists."""
+        """`kv_dtype`: what the cache stores (auto, float32, bfloat16; a snapshot's is converted to it).
+        `decode`: how single tokens are decoded (auto, compiled, eager: `fastdecode.DecodeStep`; "hf" always calls
+        the transformers model). `build_cmd`: how "auto" builds the compiled step in another process
+        (`build_step`); `build_key`: the weights' fingerprint, which lets later sessions skip that process once a
+        build exists."""
         self.model, self.tokenizer = model, tokenizer
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
         self.cache_cfg = cache.resolved(self.max_positions)
@@ -80,9 +81,7 @@ class Engine:
         self.rerotate = rerotate
         self.n_layers = model.config.num_hidden_layers
         self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd, build_key)
-        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.fast is not None)
-        model_dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-        self.kv_store = self.kv_dtype or model_dtype  # what the buffers hold (a snapshot's dtype is converted)
+        self.kv_store = resolve_kv_dtype(kv_dtype, self.fast is not None, model)  # what the buffers hold
         self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
         self.conv = Conversation(tokenizer, system)
@@ -118,11 +117,9 @@ class Engine:
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         """One model call: the fast step for a single token when the model allows it, else transformers."""
         if self.fast is not None and len(ids) == 1:
-            if L >= self.cache.capacity:
-                raise RuntimeError(f"KV cache overflow ({L + 1} > {self.cache.capacity}): evict first")
             keys, values = self.cache.buffers(self.fast.w.n_kv, self.fast.w.head_dim, self.device, self.kv_store)
+            self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
             logits, queries, shares = self.fast(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
-            self.cache.advance(1)
             if self.gauge.armed:
                 self.gauge.queries = list(queries[:, None])
                 self.gauge.shares = (self.gauge_n, shares)
@@ -333,12 +330,12 @@ class Engine:
             self.generator = make_generator(self.sampling.seed)
 
 
-def resolve_kv_dtype(name: str, fast: bool) -> torch.dtype | None:
+def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:
     """auto: bf16 with the fast step (half the bytes attention reads per token; the ppl cost is in the README),
-    else the model's own dtype (None)."""
-    if name == "auto":
-        return torch.bfloat16 if fast else None
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    else the model's own floating dtype."""
+    if name == "auto" and not fast:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
 def _stop_ids(tokenizer: Any, model: Any) -> set[int]:

@@ -232,7 +232,6 @@ class DecodeStep:
         self._pending: set[torch.dtype] = set()
         self._lock = threading.Lock()
         self._marked: torch.Tensor | None = None  # the buffers last marked dynamic
-        self.build_seconds: float | None = None
         self.failed: str | None = None if mode == "eager" or compiler_available() else "no C++ compiler found"
 
     @classmethod
@@ -345,8 +344,7 @@ class DecodeStep:
                     fn(torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), keys, values, w)  # builds here
                 self._compiled = fn
             self._ready.add(dtype)
-            self.build_seconds = time.perf_counter() - t0
-            log.info("compiled the decode step (kv %s) in %.1f s", dtype, self.build_seconds)
+            log.info("compiled the decode step (kv %s) in %.1f s", dtype, time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001 - compiling is an optimisation: the eager step stays correct
             self.failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             log.warning("compiling the decode step failed, decoding stays eager (%s)", self.failed)

@@ -67,15 +67,8 @@ class Rope:
 
     def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
         """Rotate keys k [B, H, T, D] from position p to p + shift (shift may be negative); math in fp32."""
-        cos, sin = self.cos_sin(shift, k.device)
-        r = self.rot_dim
-        kr = k[..., :r].float()  # [B, H, T, R]
-        half = r // 2
-        rotated = torch.cat([-kr[..., half:], kr[..., :half]], dim=-1)
-        out = (kr * cos + rotated * sin).to(k.dtype)
-        if r == k.shape[-1]:
-            return out
-        return torch.cat([out, k[..., r:]], dim=-1)
+        k32 = k.float()  # a copy unless k is fp32 already; rotate_into must not write over its input
+        return self.rotate_into(k32, shift, torch.empty_like(k32)).to(k.dtype)
 
 
 def rope_from_model(model: torch.nn.Module) -> Rope:
@@ -190,10 +183,8 @@ class SinkLayer(CacheLayerMixin):
             dest = self.keys[:, :, start : start + n]
             if rope is None:
                 dest.copy_(scratch.take("same", k).copy_(k))  # source and destination overlap: via a copy
-            elif k.dtype == torch.float32:
-                dest.copy_(rope.rotate_into(k, -count, scratch.take("rot32", k, torch.float32)))
-            else:  # a bf16 cache: rotate in fp32, round once
-                k32 = scratch.take("k32", k, torch.float32).copy_(k)
+            else:  # rotate in fp32 (a bf16 cache rounds once, on the way back)
+                k32 = k if k.dtype == torch.float32 else scratch.take("k32", k, torch.float32).copy_(k)
                 dest.copy_(rope.rotate_into(k32, -count, scratch.take("rot32", k, torch.float32)))
             v = self.values[:, :, src : src + n]
             self.values[:, :, start : start + n].copy_(scratch.take("same", v).copy_(v))
@@ -231,7 +222,6 @@ class SinkKVCache(Cache):
         super().__init__(layers=[SinkLayer(capacity, dtype) for _ in range(num_layers)])
         self.capacity = capacity
         self.rope = rope if rerotate else None
-        self.dtype = dtype
         self.scratch = Scratch()
 
     def evict(self, ev: Eviction) -> None:
