@@ -16,7 +16,7 @@ QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16")
-DECODERS = ("auto", "compiled", "eager", "hf")
+DECODERS = ("auto", "native", "compiled", "eager", "hf")
 
 # Every SINKCHAT_* setting: name -> (default, meaning). `.env.example` is generated from / checked against this.
 ENV_SETTINGS: dict[str, tuple[str, str]] = {

@@ -18,7 +18,7 @@ import torch
 from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.fastdecode import DecodeStep
+from sinkchat.fastdecode import decode_step
 from sinkchat.gauge import SinkGauge
 from sinkchat.interrupts import deferred_sigint
 from sinkchat.kv_cache import SinkKVCache, rope_from_model
@@ -80,7 +80,7 @@ class Engine:
         self.rope = rope_from_model(model)
         self.rerotate = rerotate
         self.n_layers = model.config.num_hidden_layers
-        self.fast = None if decode == "hf" else DecodeStep.for_model(model, decode, build_cmd, build_key)
+        self.fast = None if decode == "hf" else decode_step(model, decode, build_cmd, build_key)
         self.kv_store = resolve_kv_dtype(kv_dtype, self.fast is not None, model)  # what the buffers hold
         self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
@@ -117,7 +117,7 @@ class Engine:
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         """One model call: the fast step for a single token when the model allows it, else transformers."""
         if self.fast is not None and len(ids) == 1:
-            keys, values = self.cache.buffers(self.fast.w.n_kv, self.fast.w.head_dim, self.device, self.kv_store)
+            keys, values = self.cache.buffers(self.fast.n_kv, self.fast.head_dim, self.device, self.kv_store)
             self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
             logits, queries, shares = self.fast(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
             if self.gauge.armed:

@@ -59,21 +59,39 @@ def fits(lin: nn.Linear, group: int = GROUP) -> bool:
 
 
 class Int4Linear(nn.Module):
-    """A drop-in nn.Linear whose weight is packed 4-bit with a (scale, zero) pair per 32 weights."""
+    """A drop-in nn.Linear whose weight is packed 4-bit with a (scale, zero) pair per 32 weights.
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    `kernels`: "native" keeps the weights in sinkchat's own VNNI layout (`native.pack_q4`, int8 activations),
+    "torch" in torch's int4pack layout (bf16 activations); both hold the same q, scale and zero."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE, kernels: str = "torch") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype
+        self.kernels = kernels
         q, scale, zero = quantize(linear.weight.data.float())
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # uint8 [N, K/2]
-        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        self.register_buffer("scales_zeros", sz.to(compute_dtype))
+        if kernels == "native":
+            from sinkchat import native
+
+            qw, sw = native.pack_q4(q, scale, zero)
+            self.register_buffer("qw", qw)  # uint8 [N/16, K/32, 4, 16, 4]
+            self.register_buffer("sw", sw)  # fp16 [N/16, K/32, 2, 16]
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # uint8 [N, K/2]
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+            self.register_buffer("scales_zeros", sz.to(compute_dtype))
         bias = linear.bias
-        self.bias = None if bias is None else nn.Parameter(bias.data.clone(), requires_grad=False)
+        if bias is not None:  # the native kernel adds an fp32 bias itself
+            bias = bias.data.float().clone() if kernels == "native" else bias.data.clone()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         lead = x.shape[:-1]
+        if self.kernels == "native":
+            from sinkchat import native
+
+            y = native.q4_matmul(x.reshape(-1, self.in_features).float(), self.qw, self.sw, self.bias)  # [M, N]
+            return y.to(x.dtype).reshape(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
         y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales_zeros)  # [M, N]
         y = y.to(x.dtype).reshape(*lead, self.out_features)
@@ -81,11 +99,14 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the kernel sees it, [N, K] fp32 (for tests and `probe` tools)."""
+        if self.kernels == "native":  # one-hot rows quantize exactly (a block's only value is its own scale x 127)
+            return self.forward(torch.eye(self.in_features)).T - (0 if self.bias is None else self.bias[:, None])
         eye = torch.eye(self.in_features, dtype=self.compute_dtype)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().T
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, asym int4"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, asym int4, "
+                f"{self.kernels} kernels")
 
 
 def linears(root: Any, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, nn.Linear, bool]]:
@@ -95,7 +116,7 @@ def linears(root: Any, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[str, 
             for name, mod in root.named_modules() if isinstance(mod, nn.Linear)]
 
 
-def quantize_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> tuple[int, int]:
+def quantize_model(model: Any, skip: tuple[str, ...] = ("lm_head",), kernels: str = "torch") -> tuple[int, int]:
     """Swap every fitting nn.Linear (except `skip`) for an Int4Linear; return (4-bit weights, all linear weights)."""
     total = quantized = 0
     for name, mod, pack in linears(model, skip):
@@ -105,7 +126,7 @@ def quantize_model(model: Any, skip: tuple[str, ...] = ("lm_head",)) -> tuple[in
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int4Linear(mod))
+        setattr(parent, child, Int4Linear(mod, kernels=kernels))
         quantized += mod.weight.numel()
     return quantized, total
 
@@ -118,10 +139,11 @@ class Int8Table(nn.Module):
     token instead of 113 MB. Rows round to within half a step of rowmax/127."""
 
     def __init__(self, weight: Any, compute_dtype: torch.dtype = COMPUTE_DTYPE,
-                 out_dtype: torch.dtype = torch.float32) -> None:
+                 out_dtype: torch.dtype = torch.float32, kernels: str = "torch") -> None:
         """`weight`: a [V, D] tensor, or anything with `.shape` whose row slices give tensors (a file reader), so
         the fp32 table never has to be in memory whole. `out_dtype`: what embedding lookups return (the model's
-        dtype)."""
+        dtype). `kernels`: "native" keeps one copy in the VNNI kernel's layout (`native.pack_q8`), "torch" in
+        torch's (`_weight_int8pack_mm`)."""
         super().__init__()
         n, d = weight.shape
         q, scale = torch.empty((n, d), dtype=torch.int8), torch.empty(n)
@@ -130,17 +152,34 @@ class Int8Table(nn.Module):
             s = (blk.abs().amax(1) / 127).clamp(min=1e-12)  # [b]
             q[i : i + 4096] = torch.round(blk / s[:, None]).clamp(-127, 127)
             scale[i : i + 4096] = s
-        self.register_buffer("q", q)  # int8 [V, D]
-        self.register_buffer("scale", scale)  # fp32 [V], for lookups
-        self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
+        self.kernels = kernels = kernels if d % GROUP == 0 else "torch"  # the VNNI kernel quantizes x per 32
+        if kernels == "native":
+            from sinkchat import native
+
+            self.register_buffer("hw", native.pack_q8(q))  # uint8 [Vpad/16, D/4, 16, 4]
+            del q
+            self.register_buffer("scale", torch.cat([scale, torch.zeros((-n) % native.RG)]))  # fp32 [Vpad]
+        else:
+            self.register_buffer("q", q)  # int8 [V, D]
+            self.register_buffer("scale", scale)  # fp32 [V], for lookups
+            self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
         self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
         self.num_embeddings, self.embedding_dim = n, d
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] in out_dtype
+        if self.kernels == "native":
+            from sinkchat import native
+
+            return (native.q8_rows(self.hw, ids).float() * self.scale[ids][..., None]).to(self.out_dtype)
         return (self.q[ids].float() * self.scale[ids][..., None]).to(self.out_dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # x [..., D] -> logits [..., V] in x's dtype
         lead = x.shape[:-1]
+        if self.kernels == "native":
+            from sinkchat import native
+
+            y = native.q8_matmul(x.reshape(-1, self.embedding_dim).float(), self.hw, self.scale)
+            return y[:, : self.num_embeddings].to(x.dtype).reshape(*lead, self.num_embeddings)
         y = torch._weight_int8pack_mm(x.reshape(-1, self.embedding_dim).to(self.compute_dtype), self.q, self.scale_c)
         return y.to(x.dtype).reshape(*lead, self.num_embeddings)
 
@@ -166,14 +205,14 @@ class Int8Head(nn.Module):
         return self.table.project(x)
 
 
-def quantize_tied_table(model: Any) -> bool:
+def quantize_tied_table(model: Any, kernels: str = "torch") -> bool:
     """Replace a tied embedding + lm_head pair by one Int8Table; False (nothing changed) when they are not tied."""
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if not isinstance(emb, nn.Embedding) or not isinstance(head, nn.Linear) or head.bias is not None:
         return False
     if emb.weight.data_ptr() != head.weight.data_ptr() or emb.weight.shape[1] % 16:
         return False
-    install_table(model, Int8Table(emb.weight.data, out_dtype=emb.weight.dtype), emb.padding_idx)
+    install_table(model, Int8Table(emb.weight.data, out_dtype=emb.weight.dtype, kernels=kernels), emb.padding_idx)
     return True
 
 

@@ -189,25 +189,25 @@ def resolve_quant(quant: str, device: str) -> str:
     return quant
 
 
-def quantize_q4(model: Any) -> float:
+def quantize_q4(model: Any, kernels: str = "torch") -> float:
     """Decoder linears to asymmetric int4 (lossless for a Q4_1 GGUF), a tied token table to int8; return the 4-bit
     share of the decoder linears."""
     from sinkchat import int4
 
     base = getattr(model, "model", model)
-    quantized, total = int4.quantize_model(base.layers)
-    if int4.quantize_tied_table(model):
+    quantized, total = int4.quantize_model(base.layers, kernels=kernels)
+    if int4.quantize_tied_table(model, kernels):
         log.info("q4: tied embedding/output table in int8 (per-row scales)")
     return quantized / max(1, total)
 
 
-def _quantize(model: Any, quant: str, dtype: Any, device: str, progress: Progress) -> float:
+def _quantize(model: Any, quant: str, dtype: Any, device: str, progress: Progress, kernels: str = "torch") -> float:
     """Quantize a fully loaded model in place; return the share of decoder linear weights now in 4/8 bits."""
     if quant == "none":
         return 0.0
     if quant == "q4":
         progress("quantizing to q4 (asymmetric int4, group 32)")
-        frac = quantize_q4(model)
+        frac = quantize_q4(model, kernels)
     else:
         progress(f"quantizing to {quant} (bitsandbytes, blocksize {BLOCKSIZE})")
         frac = quantize_linears(model, quant, dtype, device)
@@ -307,6 +307,14 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+def q4_kernels(decoder: str) -> str:
+    """Which int4 kernels --quant q4 packs for: torch's for the torch decode steps (`--decoder compiled|eager`, which
+    call torch's int4 kernel), else sinkchat's native VNNI kernels where the CPU and a compiler allow."""
+    from sinkchat import native
+
+    return "torch" if decoder in ("compiled", "eager") else native.resolve("auto")
+
+
 def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes."""
     with lean_heap():
@@ -325,6 +333,7 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
         raise LoadError(f"'{source}' is not a causal language model (architectures: {', '.join(archs)})")
     device, dtype = _pick_device_dtype(cfg)
     quant = resolve_quant(cfg.quant, device)
+    kernels = q4_kernels(cfg.decoder) if quant == "q4" else "torch"
     progress(f"loading {Path(source).name if os.sep in source else source} ({quant}, {device})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -337,7 +346,7 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
             if quant == "q4":
                 from sinkchat.q4load import load_q4
 
-                streamed = load_q4(src, config, dtype)
+                streamed = load_q4(src, config, dtype, kernels)
             if streamed is None:
                 model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="sdpa")
     except OSError as e:
@@ -351,12 +360,12 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
         model.eval()
         model.requires_grad_(False)
         model.to(device)
-        frac = _quantize(model, quant, dtype, device, progress)
+        frac = _quantize(model, quant, dtype, device, progress, kernels)
     from sinkchat.kv_cache import rope_from_model
 
     rope_from_model(model)  # refuse unsupported position encodings now, with a clear message
     digest = hashlib.sha256(f"{Path(src).resolve() if os.path.isdir(src) else src}".encode()).hexdigest()[:12]
-    fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}"
+    fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}:{kernels}"
     del torch
     return Loaded(
         model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,

@@ -91,7 +91,7 @@ def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
         raise KeyError(name)
 
 
-def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, float] | None:
+def load_q4(folder: str, config: Any, dtype: torch.dtype, kernels: str = "torch") -> tuple[nn.Module, float] | None:
     """The model with int4 decoder linears and (if tied) an int8 token table; None if this folder cannot be
     loaded this way. Returns (model, 4-bit share of the decoder linear weights)."""
     from accelerate import init_empty_weights
@@ -113,14 +113,14 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
             for name, t in read_tensors(f, lazy):
                 mod_name = name.removesuffix(".weight")
                 if isinstance(t, FileRows):  # the tied token table, straight to int8 in row blocks
-                    int4.install_table(model, int4.Int8Table(t, out_dtype=dtype), model.get_input_embeddings().padding_idx)
+                    int4.install_table(model, int4.Int8Table(t, out_dtype=dtype, kernels=kernels), model.get_input_embeddings().padding_idx)
                     table = None
                 elif name.endswith(".weight") and mod_name in linears:
                     lin = linears.pop(mod_name)
                     parent, _, child = mod_name.rpartition(".")
                     shell = nn.Linear(lin.in_features, lin.out_features, bias=False, device="meta")
                     shell.weight = nn.Parameter(t.to(dtype), requires_grad=False)
-                    q = int4.Int4Linear(shell)
+                    q = int4.Int4Linear(shell, kernels=kernels)
                     if lin.bias is not None:
                         q.bias = lin.bias  # still meta: its own key fills it below
                     setattr(model.get_submodule(parent), child, q)
@@ -141,7 +141,7 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype) -> tuple[nn.Module, fl
     model.eval()
     model.requires_grad_(False)
     _load_generation_config(model, folder)
-    int4.quantize_tied_table(model)  # a tied table not streamed above (no-op when it was)
+    int4.quantize_tied_table(model, kernels)  # a tied table not streamed above (no-op when it was)
     return model, packed / max(1, total)
 
 

@@ -1,0 +1,306 @@
+// sinkchat's CPU kernels: 4-bit (Q4_1-style) and 8-bit weight matmuls with int8 activations (AVX-512 VNNI).
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 32  // weights per quant block
+#define RG 16  // rows per group: one 512-bit lane per row
+
+// Quantize one row of K floats to int8 in blocks of 32: xq, per-block scale dx, and sx = dx * sum(xq), the block
+// sum of the *rounded* values (as ggml's Q8_1): the zero-point term m * sx then carries the same rounding as the
+// d * q * x term, and the two cancel for a block centred on zero. The exact sum doubled the matmul error on the
+// bundled model's k_proj (+1.6% perplexity, measured).
+static void quant_row(const float* x, int K, int8_t* xq, float* dx, float* sx) {
+    for (int b = 0; b < K / QB; b++) {
+        const float* xb = x + b * QB;
+        __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+        __m512 a = _mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1));
+        float amax = _mm512_reduce_max_ps(a);
+        float d = amax / 127.0f;
+        float id = d > 0 ? 1.0f / d : 0.0f;
+        __m512 s = _mm512_set1_ps(id);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, s));  // round to nearest even
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, s));
+        _mm_storeu_si128((__m128i*)(xq + b * QB), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + b * QB + 16), _mm512_cvtsepi32_epi8(q1));
+        dx[b] = d;
+        sx[b] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+static inline __m512 f16x16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+
+static inline __m512 bf16x16(const uint16_t* p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias), W 4-bit: qw [N/16][K/32][4][16][4] bytes (sub-block s, row r, byte t holds
+// q[r, 8s+t] in its low nibble and q[r, 8s+4+t] in its high one), sw fp16 [N/16][K/32][2][16] (d, then m:
+// w = d*q + m).
+void q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint16_t* sw, const float* bias,
+               float* y) {
+    int nb = K / QB;
+    int8_t* xq = malloc((size_t)M * K);
+    float* dx = malloc(sizeof(float) * M * nb * 2);
+    float* sx = dx + M * nb;
+    for (int m = 0; m < M; m++) quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < N / RG; g++) {
+        const uint8_t* wg = qw + (size_t)g * nb * 256;
+        const uint16_t* sg = sw + (size_t)g * nb * 32;
+        for (int m = 0; m < M; m++) {
+            const int32_t* xm = (const int32_t*)(xq + (size_t)m * K);
+            const float* dxm = dx + m * nb;
+            const float* sxm = sx + m * nb;
+            __m512 acc = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const uint8_t* wb = wg + b * 256;
+                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+                for (int s = 0; s < 4; s++) {
+                    __m512i v = _mm512_loadu_si512((const void*)(wb + s * 64));
+                    __m512i lo = _mm512_and_si512(v, lo4);
+                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                    i0 = _mm512_dpbusd_epi32(i0, lo, _mm512_set1_epi32(xm[b * 8 + 2 * s]));
+                    i1 = _mm512_dpbusd_epi32(i1, hi, _mm512_set1_epi32(xm[b * 8 + 2 * s + 1]));
+                }
+                __m512 d = f16x16(sg + b * 32), mn = f16x16(sg + b * 32 + 16);
+                __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dxm[b])), acc);
+                acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxm[b]), acc);
+            }
+            if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + g * RG));
+            _mm512_storeu_ps(y + (size_t)m * N + g * RG, acc);
+        }
+    }
+    free(xq);
+    free(dx);
+}
+
+// y[M, N] = x[M, K] @ W^T * ws, W int8 stored +128 as uint8: hw [N/16][K/4][16][4], ws fp32 [N] (per-row scale).
+void q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const float* ws, float* y) {
+    int nb = K / QB;
+    int8_t* xq = malloc((size_t)M * K);
+    float* dx = malloc(sizeof(float) * M * nb * 3);
+    float* sx = dx + M * nb;
+    float* corr = sx + M * nb;
+    for (int m = 0; m < M; m++) {
+        quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
+        float c = 0;  // sum over blocks of dx * sum(xq): the +128 offset's share, the same for every row
+        for (int b = 0; b < nb; b++) {
+            int s = 0;
+            for (int k = 0; k < QB; k++) s += xq[(size_t)m * K + b * QB + k];
+            c += dx[m * nb + b] * s;
+        }
+        corr[m] = 128.0f * c;
+    }
+    for (int g = 0; g < N / RG; g++) {
+        const uint8_t* wg = hw + (size_t)g * K * RG;
+        __m512 scale = _mm512_loadu_ps(ws + g * RG);
+        for (int m = 0; m < M; m++) {
+            const int32_t* xm = (const int32_t*)(xq + (size_t)m * K);
+            const float* dxm = dx + m * nb;
+            __m512 acc = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                const uint8_t* wb = wg + b * QB * RG;
+                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+                for (int s = 0; s < 8; s += 2) {
+                    i0 = _mm512_dpbusd_epi32(i0, _mm512_loadu_si512((const void*)(wb + s * 64)),
+                                             _mm512_set1_epi32(xm[b * 8 + s]));
+                    i1 = _mm512_dpbusd_epi32(i1, _mm512_loadu_si512((const void*)(wb + s * 64 + 64)),
+                                             _mm512_set1_epi32(xm[b * 8 + s + 1]));
+                }
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(dxm[b]), acc);
+            }
+            acc = _mm512_mul_ps(_mm512_sub_ps(acc, _mm512_set1_ps(corr[m])), scale);
+            _mm512_storeu_ps(y + (size_t)m * N + g * RG, acc);
+        }
+    }
+    free(xq);
+    free(dx);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// One decode step of a Llama / Qwen2 shaped model, all layers, straight over the sink cache's K/V buffers.
+
+typedef struct {
+    int n_layers, dim, n_heads, n_kv, head_dim, inter, vocab, kv_bf16;  // vocab: padded to 16
+    float eps, scaling, rope_scale;
+    const float* inv_freq;    // [D/2]
+    const float* norm_in;     // [L][C]
+    const float* norm_post;   // [L][C]
+    const float* norm_final;  // [C]
+    const void* const* lin;   // [L][7][3]: (weights, scales, bias or NULL) for q, k, v, o, gate, up, down
+    const uint8_t* table;     // the tied token table, head layout (q8_matmul's hw), or NULL: no head here
+    const float* table_scale; // [V]
+} Model;
+
+enum { LQ, LK, LV, LO, LG, LU, LD };
+
+static void lin(const Model* m, int layer, int which, const float* x, int K, int N, float* y) {
+    const void* const* p = m->lin + ((size_t)layer * 7 + which) * 3;
+    q4_matmul(x, 1, K, N, (const uint8_t*)p[0], (const uint16_t*)p[1], (const float*)p[2], y);
+}
+
+static void rms(const float* x, const float* w, int C, float eps, float* out) {
+    float ss = 0;
+    for (int i = 0; i < C; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / C + eps);
+    for (int i = 0; i < C; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static void rope(float* t, const float* cs, const float* sn, int D) {
+    int h = D / 2;
+    for (int i = 0; i < h; i++) {
+        float a = t[i], b = t[i + h];
+        t[i] = a * cs[i] - b * sn[i];
+        t[i + h] = b * cs[i + h] + a * sn[i + h];
+    }
+}
+
+static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline __m512 kv16(const void* base, size_t i, int bf16) {  // 16 floats of a K or V row
+    return bf16 ? bf16x16((const uint16_t*)base + i) : _mm512_loadu_ps((const float*)base + i);
+}
+
+static inline __m512 exp512(__m512 x) {  // e^x, ~1 ulp on [-87, 0] (what softmax feeds it)
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+// Attention of the H query heads over slots 0..pos of one layer's K/V [H_kv][cap][D]; writes out [H*D] and adds
+// the gauge shares (first n_gauge slots, newest n_gauge slots, mean over heads) to gauge[2].
+static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge,
+                   float* scores, float* out, float* gauge) {
+    int H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, G = H / Hkv, n = pos + 1, bf = m->kv_bf16;
+    for (int h = 0; h < Hkv; h++) {
+        for (int s = 0; s < n; s++) {
+            size_t base = ((size_t)h * cap + s) * D;
+            for (int g = 0; g < G; g++) {
+                const float* qh = q + (size_t)(h * G + g) * D;
+                __m512 acc = _mm512_setzero_ps();
+                for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), kv16(K, base + d, bf), acc);
+                scores[(size_t)(h * G + g) * n + s] = _mm512_reduce_add_ps(acc) * m->scaling;
+            }
+        }
+    }
+    for (int hq = 0; hq < H; hq++) {  // softmax per head
+        float* sc = scores + (size_t)hq * n;
+        float mx = -INFINITY;
+        for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
+        __m512 vm = _mm512_set1_ps(mx), vs = _mm512_setzero_ps();
+        int s = 0;
+        for (; s + 16 <= n; s += 16) {
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + s), vm));
+            _mm512_storeu_ps(sc + s, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        if (s < n) {
+            __mmask16 k = (__mmask16)((1u << (n - s)) - 1);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + s), vm));
+            _mm512_mask_storeu_ps(sc + s, k, e);
+            vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(k, e));
+        }
+        float inv = 1.0f / _mm512_reduce_add_ps(vs);
+        float first = 0, last = 0;
+        for (int t = 0; t < n; t++) {
+            sc[t] *= inv;
+            if (t < n_gauge) first += sc[t];
+            if (t > pos - n_gauge) last += sc[t];
+        }
+        gauge[0] += first / H;
+        gauge[1] += last / H;
+    }
+    memset(out, 0, sizeof(float) * H * D);
+    for (int h = 0; h < Hkv; h++) {
+        for (int s = 0; s < n; s++) {
+            size_t base = ((size_t)h * cap + s) * D;
+            for (int d = 0; d < D; d += 16) {
+                __m512 v = kv16(V, base + d, bf);
+                for (int g = 0; g < G; g++) {
+                    float* o = out + (size_t)(h * G + g) * D + d;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)(h * G + g) * n + s]), v,
+                                                        _mm512_loadu_ps(o)));
+                }
+            }
+        }
+    }
+}
+
+static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
+    if (bf16) {
+        uint16_t* p = (uint16_t*)buf + at;
+        for (int d = 0; d < D; d++) p[d] = to_bf16(src[d]);
+    } else {
+        memcpy((float*)buf + at, src, sizeof(float) * D);
+    }
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+// One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
+// ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
+// model has a table, else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
+void sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
+             float* out, float* queries, float* gauge) {
+    int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, I = m->inter;
+    float* x = malloc(sizeof(float) * (3 * C + (H + 2 * Hkv) * D + H * D + 2 * I + 2 * D + (size_t)H * (pos + 1)));
+    float *h = x + C, *t = h + C, *q = t + C, *k = q + H * D, *v = k + Hkv * D, *att = v + Hkv * D;
+    float *gu = att + H * D, *cs = gu + 2 * I, *sn = cs + D, *scores = sn + D;
+    memcpy(x, x_in, sizeof(float) * C);
+    for (int i = 0; i < D / 2; i++) {  // as transformers: fp32 angle = position x inv_freq
+        float a = (float)pos * m->inv_freq[i];
+        cs[i] = cs[i + D / 2] = cosf(a) * m->rope_scale;
+        sn[i] = sn[i + D / 2] = sinf(a) * m->rope_scale;
+    }
+    for (int l = 0; l < m->n_layers; l++) {
+        rms(x, m->norm_in + (size_t)l * C, C, m->eps, h);
+        lin(m, l, LQ, h, C, H * D, q);
+        lin(m, l, LK, h, C, Hkv * D, k);
+        lin(m, l, LV, h, C, Hkv * D, v);
+        memcpy(queries + (size_t)l * H * D, q, sizeof(float) * H * D);
+        for (int i = 0; i < H; i++) rope(q + i * D, cs, sn, D);
+        for (int i = 0; i < Hkv; i++) {
+            rope(k + i * D, cs, sn, D);
+            store_kv(keys[l], ((size_t)i * cap + pos) * D, k + i * D, D, m->kv_bf16);
+            store_kv(values[l], ((size_t)i * cap + pos) * D, v + i * D, D, m->kv_bf16);
+        }
+        gauge[2 * l] = gauge[2 * l + 1] = 0;
+        attend(m, q, keys[l], values[l], cap, pos, n_gauge, scores, att, gauge + 2 * l);
+        lin(m, l, LO, att, H * D, C, t);
+        for (int c = 0; c < C; c++) x[c] += t[c];
+        rms(x, m->norm_post + (size_t)l * C, C, m->eps, h);
+        lin(m, l, LG, h, C, I, gu);
+        lin(m, l, LU, h, C, I, gu + I);
+        for (int i = 0; i < I; i++) gu[i] = silu(gu[i]) * gu[I + i];
+        lin(m, l, LD, gu, I, C, t);
+        for (int c = 0; c < C; c++) x[c] += t[c];
+    }
+    rms(x, m->norm_final, C, m->eps, h);
+    if (m->table)
+        q8_matmul(h, 1, C, m->vocab, m->table, m->table_scale, out);
+    else
+        memcpy(out, h, sizeof(float) * C);
+    free(x);
+}
