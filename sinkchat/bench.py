@@ -312,8 +312,11 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
     sizes = _parse_list(caches, int, "--caches")
     with user_errors():
         settings = build_settings(opts)
-        if settings.model.decoder == "auto":  # measure the compiled step, built before timing, not a background build
-            settings = replace(settings, model=replace(settings.model, decoder="compiled"))
+        if settings.model.decoder == "auto":  # the native step, else the compiled one built before timing, not in
+            from sinkchat import native  # the background during it
+
+            decoder = "native" if native.available() else "compiled"
+            settings = replace(settings, model=replace(settings.model, decoder=decoder))
         n_sink = settings.cache.n_sink
         if min(sizes) < n_sink + 8:
             raise ConfigError(f"--caches: {min(sizes)} is too small (need at least sinks + 8 = {n_sink + 8})")

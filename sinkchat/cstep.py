@@ -38,15 +38,15 @@ class _Model(ctypes.Structure):  # csrc/q4.c: Model
 
 def why_not(model: Any) -> str | None:
     """Why `NativeStep` cannot run this model (None: it can)."""
-    reason = native.why_unavailable() or unsupported_reason(model)
+    reason = native.why_unavailable() or unsupported_reason(model, "native")
     if reason:
         return reason
-    for layer in model.model.layers:
-        for part, name in _LINEARS:
-            if getattr(getattr(layer, part), name).kernels != "native":
-                return "q4 weights packed for torch's kernels (--decoder compiled/eager)"
     if getattr(model.model.norm, "weight", None) is None:
         return "final norm without weight"
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim % 16:
+        return f"head dim {head_dim} (the C attention takes multiples of 16)"
     return None
 
 

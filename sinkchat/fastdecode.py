@@ -163,8 +163,9 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> t
     return t * cos + torch.cat([-t[..., half:], t[..., :half]], dim=-1) * sin
 
 
-def unsupported_reason(model: Any) -> str | None:
-    """Why `decode_one` cannot run this model (None: it can)."""
+def unsupported_reason(model: Any, kernels: str = "torch") -> str | None:
+    """Why `decode_one` (kernels="torch"), or the native step (kernels="native"), cannot run this model (None: it
+    can): the model shapes both handle, with every decoder linear packed for those kernels."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
         return f"model type {getattr(cfg, 'model_type', '?')!r} (fast step: {', '.join(SUPPORTED_TYPES)})"
@@ -181,6 +182,8 @@ def unsupported_reason(model: Any) -> str | None:
         lins += [getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if not all(isinstance(lin, int4.Int4Linear) for lin in lins):
             return "linears not all q4"
+        if any(lin.kernels != kernels for lin in lins):
+            return f"q4 weights packed for the {lins[0].kernels} kernels"
         if any(hasattr(a, n) for n in ("q_norm", "k_norm", "sinks")) or getattr(a, "sliding_window", None):
             return "attention variant"
     return None

@@ -146,19 +146,26 @@ class Int8Table(nn.Module):
         torch's (`_weight_int8pack_mm`)."""
         super().__init__()
         n, d = weight.shape
-        q, scale = torch.empty((n, d), dtype=torch.int8), torch.empty(n)
+        self.kernels = kernels = kernels if d % GROUP == 0 else "torch"  # the VNNI kernel quantizes x per 32
+        pad = (-n) % 16 if kernels == "native" else 0
+        q, scale = torch.empty((n, d), dtype=torch.int8), torch.zeros(n + pad)
+        hw = torch.empty(0, dtype=torch.uint8)
+        if kernels == "native":  # the kernel's layout only: one copy of the table, filled block by block
+            from sinkchat import native
+
+            q, hw = q[:0], torch.empty(((n + pad) // 16, d // 4, 16, 4), dtype=torch.uint8)
         for i in range(0, n, 4096):  # in row blocks: whole-table temporaries would cost 3 x 113 MB of RSS
             blk = weight[i : i + 4096].detach().float()  # [b, D]
             s = (blk.abs().amax(1) / 127).clamp(min=1e-12)  # [b]
-            q[i : i + 4096] = torch.round(blk / s[:, None]).clamp(-127, 127)
-            scale[i : i + 4096] = s
-        self.kernels = kernels = kernels if d % GROUP == 0 else "torch"  # the VNNI kernel quantizes x per 32
+            qb = torch.round(blk / s[:, None]).clamp(-127, 127).to(torch.int8)
+            if kernels == "native":
+                hw[i // 16 : (i + len(qb) + 15) // 16] = native.pack_q8(qb)
+            else:
+                q[i : i + 4096] = qb
+            scale[i : i + len(s)] = s
         if kernels == "native":
-            from sinkchat import native
-
-            self.register_buffer("hw", native.pack_q8(q))  # uint8 [Vpad/16, D/4, 16, 4]
-            del q
-            self.register_buffer("scale", torch.cat([scale, torch.zeros((-n) % native.RG)]))  # fp32 [Vpad]
+            self.register_buffer("hw", hw)  # uint8 [Vpad/16, D/4, 16, 4]
+            self.register_buffer("scale", scale)  # fp32 [Vpad], 0 on the padding rows
         else:
             self.register_buffer("q", q)  # int8 [V, D]
             self.register_buffer("scale", scale)  # fp32 [V], for lookups

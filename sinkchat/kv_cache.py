@@ -13,11 +13,12 @@ most capacity / evict_chunk times before it leaves the cache, and sinks (slots <
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from sinkchat import native
 from sinkchat.cache_policy import Eviction
 
 log = logging.getLogger(__name__)
@@ -37,16 +38,25 @@ class Rope:
 
     inv_freq: torch.Tensor  # [rot_dim // 2], fp32
     head_dim: int
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rot_dim(self) -> int:
         return 2 * self.inv_freq.numel()
 
     def cos_sin(self, shift: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the angle shift*inv_freq, computed in fp64 so large shifts stay exact to fp32 precision."""
-        ang = float(shift) * self.inv_freq.to(torch.float64)  # [R/2]
-        ang = torch.cat([ang, ang])  # [R], rotate_half layout
-        return ang.cos().to(device=device, dtype=torch.float32), ang.sin().to(device=device, dtype=torch.float32)
+        """cos/sin of the angle shift*inv_freq, computed in fp64 so large shifts stay exact to fp32 precision.
+        Memoised: an eviction asks once per layer for the same shift."""
+        key = (shift, str(device))
+        hit = self._memo.get(key)
+        if hit is None:
+            ang = float(shift) * self.inv_freq.to(torch.float64)  # [R/2]
+            ang = torch.cat([ang, ang])  # [R], rotate_half layout
+            if len(self._memo) > 64:
+                self._memo.clear()
+            hit = self._memo[key] = (ang.cos().to(device=device, dtype=torch.float32).contiguous(),
+                                     ang.sin().to(device=device, dtype=torch.float32).contiguous())
+        return hit
 
     def rotate_into(self, k: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
         """`out` = `k` rotated by `shift`, for fp32 k [B, H, T, D], without the temporaries of `rotate`: an eviction
@@ -177,7 +187,8 @@ class SinkLayer(CacheLayerMixin):
         src, n = start + count, self.length - start - count
         if n < 0:
             raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
-        if n:
+        cs = None if rope is None else rope.cos_sin(-count, self.keys.device)
+        if n and not native.kv_evict(self.keys, self.values, start, count, n, cs):  # type: ignore[arg-type]
             scratch = scratch or Scratch()
             k = self.keys[:, :, src : src + n]  # [B, H_kv, n, D]
             dest = self.keys[:, :, start : start + n]

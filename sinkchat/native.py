@@ -40,14 +40,15 @@ P = ctypes.c_void_p
 KERNELS = ("auto", "native", "torch")
 
 
-def _cpu() -> tuple[set[str], str]:
+@functools.lru_cache(maxsize=1)
+def _cpu() -> tuple[frozenset[str], str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set(), ""
+        return frozenset(), ""
     flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
     model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    return set(flags), model
+    return frozenset(flags), model
 
 
 def why_unavailable() -> str | None:
@@ -74,6 +75,7 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
+@functools.lru_cache(maxsize=1)
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "gcc", "cc"):
         if name and shutil.which(name):
@@ -113,6 +115,8 @@ def library() -> Any | None:
     lib.q8_matmul.argtypes = [P, i, i, i, P, P, P]
     lib.sc_step.argtypes = [P, P, i, i, P, P, i, P, P, P]
     lib.sc_step.restype = None
+    lib.kv_evict.argtypes = [P, P, i, i, i, i, i, i, P, P, i, i]
+    lib.kv_evict.restype = None
     return lib
 
 
@@ -137,7 +141,7 @@ def pack_q8(q: torch.Tensor) -> torch.Tensor:
     scale is 0) to a multiple of 16."""
     v, k = q.shape
     pad = (-v) % RG
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
     if pad:
         u = torch.cat([u, torch.full((pad, k), 128, dtype=torch.uint8)])
     return u.reshape(-1, RG, k // 4, 4).permute(0, 2, 1, 3).contiguous()
@@ -151,6 +155,22 @@ def q8_rows(hw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def kv_evict(keys: torch.Tensor, values: torch.Tensor, start: int, count: int, n: int,
+             cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Drop slots [start, start+count) of one layer's keys / values [1, H_kv, cap, D] (fp32 or bf16, contiguous, on
+    the CPU) and move the next n slots down, re-rotating the keys by cos/sin [rot] (None: move only). False (nothing
+    done) where these kernels cannot: the caller then runs the torch path."""
+    if (not available() or keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.bfloat16)
+            or values.dtype != keys.dtype or not keys.is_contiguous() or not values.is_contiguous()
+            or keys.shape != values.shape or keys.shape[0] != 1 or keys.shape[-1] > 1024):
+        return False
+    _, h, cap, d = keys.shape
+    cs, sn = cos_sin if cos_sin is not None else (None, None)
+    library().kv_evict(keys.data_ptr(), values.data_ptr(), h, cap, d, start, count, n, _ptr(cs), _ptr(sn),
+                       0 if cs is None else cs.numel(), int(keys.dtype == torch.bfloat16))
+    return True
 
 
 def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

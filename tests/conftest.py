@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _home = tempfile.mkdtemp(prefix="sinkchat-test-home-")
 os.environ.setdefault("SINKCHAT_HOME", _home)  # never touch the user's data dir from tests
-os.environ.setdefault("SINKCHAT_DECODER", "eager")  # no background compiles in test processes (test_fastdecode builds one)
+os.environ.setdefault("SINKCHAT_DECODER", "native")  # no background compiles in test processes (test_fastdecode builds one)
 
 
 class WordTokenizer:

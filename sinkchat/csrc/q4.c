@@ -170,6 +170,29 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's 
     return (uint16_t)(u >> 16);
 }
 
+static inline __m256i bf16_16(__m512 f) {  // 16 floats to bf16, round to nearest even; NaN stays NaN
+    __m512i u = _mm512_castps_si512(f);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static void put_bf16(uint16_t* p, const float* src, int D) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16) _mm256_storeu_si256((__m256i*)(p + d), bf16_16(_mm512_loadu_ps(src + d)));
+    for (; d < D; d++) p[d] = to_bf16(src[d]);
+}
+
+static void get_bf16(float* dst, const uint16_t* p, int D) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, bf16x16(p + d));
+    for (; d < D; d++) {
+        uint32_t u = (uint32_t)p[d] << 16;
+        memcpy(dst + d, &u, 4);
+    }
+}
+
 static inline __m512 kv16(const void* base, size_t i, int bf16) {  // 16 floats of a K or V row
     return bf16 ? bf16x16((const uint16_t*)base + i) : _mm512_loadu_ps((const float*)base + i);
 }
@@ -250,8 +273,7 @@ static void attend(const Model* m, const float* q, const void* K, const void* V,
 
 static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
     if (bf16) {
-        uint16_t* p = (uint16_t*)buf + at;
-        for (int d = 0; d < D; d++) p[d] = to_bf16(src[d]);
+        put_bf16((uint16_t*)buf + at, src, D);
     } else {
         memcpy((float*)buf + at, src, sizeof(float) * D);
     }
@@ -303,4 +325,54 @@ void sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* cons
     else
         memcpy(out, h, sizeof(float) * C);
     free(x);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Eviction: drop slots [start, start+count) of one layer's K/V [H_kv][cap][D] and move the n slots after them down,
+// re-rotating the moved keys by -count in fp32 (cos/sin [rot]: that angle, rotate-half layout; dims past rot copied).
+// One pass over the cache instead of torch's five (copy out, two multiplies, two adds, copy back): the pause at an
+// eviction is what p99 latency sees.
+
+static void rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D) {
+    int h = rot / 2, i = 0;
+    if (h % 16 == 0) {
+        for (; i < h; i += 16) {
+            __m512 a = _mm512_loadu_ps(k + i), b = _mm512_loadu_ps(k + i + h);
+            _mm512_storeu_ps(o + i, _mm512_fmsub_ps(a, _mm512_loadu_ps(cs + i), _mm512_mul_ps(b, _mm512_loadu_ps(sn + i))));
+            _mm512_storeu_ps(o + i + h, _mm512_fmadd_ps(b, _mm512_loadu_ps(cs + i + h), _mm512_mul_ps(a, _mm512_loadu_ps(sn + i + h))));
+        }
+    }
+    for (; i < h; i++) {
+        o[i] = k[i] * cs[i] - k[i + h] * sn[i];
+        o[i + h] = k[i + h] * cs[i + h] + k[i] * sn[i + h];
+    }
+    for (int i = rot; i < D; i++) o[i] = k[i];
+}
+
+void kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
+              const float* sn, int rot, int bf16) {
+    float kin[1024], kout[1024];
+    if (D > 1024) return;
+    size_t esz = bf16 ? 2 : 4;
+    for (int h = 0; h < n_heads; h++) {
+        for (int s = 0; s < n; s++) {
+            size_t src = ((size_t)h * cap + start + count + s) * D, dst = ((size_t)h * cap + start + s) * D;
+            if (bf16) {
+                if (!cs) {
+                    memmove((uint16_t*)K + dst, (const uint16_t*)K + src, 2 * (size_t)D);
+                    continue;
+                }
+                get_bf16(kin, (const uint16_t*)K + src, D);
+                rot_row(kin, kout, cs, sn, rot, D);
+                put_bf16((uint16_t*)K + dst, kout, D);
+            } else if (cs) {
+                rot_row((const float*)K + src, kout, cs, sn, rot, D);
+                memcpy((float*)K + dst, kout, sizeof(float) * D);
+            } else {
+                memmove((float*)K + dst, (const float*)K + src, sizeof(float) * D);
+            }
+        }
+        size_t src = ((size_t)h * cap + start + count) * D, dst = ((size_t)h * cap + start) * D;
+        memmove((char*)V + dst * esz, (const char*)V + src * esz, esz * D * (size_t)n);  // overlapping: memmove
+    }
 }
