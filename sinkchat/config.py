@@ -22,14 +22,17 @@ DECODERS = ("auto", "native", "compiled", "eager", "hf")
 ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_MODEL": ("", "model: HF id, local folder or .gguf file (empty = bundled SmolLM2-135M-Instruct)"),
     "SINKCHAT_QUANT": ("auto", "weight quantization: auto (q4 on CPU, nf4 on CUDA), q4 (asymmetric int4, group 32, "
-                       "torch CPU kernel), nf4, fp4, int8 (bitsandbytes) or none"),
+                       "sinkchat's VNNI kernels or torch's), nf4, fp4, int8 (bitsandbytes) or none"),
+    "SINKCHAT_KERNELS": ("auto", "q4 kernels: auto (sinkchat's native AVX-512 VNNI kernels where the CPU has them "
+                         "and a C compiler is found, else torch's) or torch"),
     "SINKCHAT_DEVICE": ("auto", "auto, cpu or cuda"),
     "SINKCHAT_DTYPE": ("auto", "compute dtype: auto, float32, bfloat16, float16"),
-    "SINKCHAT_KV_DTYPE": ("auto", "what the KV cache stores: auto (bfloat16 with the fast decode step, else the "
+    "SINKCHAT_KV_DTYPE": ("auto", "what the KV cache stores: auto (bfloat16 with a fast decode step, else the "
                           "compute dtype), float32 or bfloat16"),
-    "SINKCHAT_DECODER": ("auto", "single-token decoding: auto (fast step, compiled in the background when a C "
-                        "compiler is there), compiled (wait for the compile), eager (fast step, never compiled) or "
-                        "hf (the transformers forward, the reference)"),
+    "SINKCHAT_DECODER": ("auto", "single-token decoding: auto (the native C step with the native kernels, else the "
+                        "torch step compiled in the background), native, compiled (torch step and kernels, wait "
+                        "for the compile), eager (torch step and kernels, never compiled) or hf (the transformers "
+                        "forward, the reference)"),
     "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
     "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),

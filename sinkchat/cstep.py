@@ -82,7 +82,11 @@ class NativeStep:
         for layer in layers:
             for part, name in _LINEARS:
                 lin = getattr(getattr(layer, part), name)
-                ptrs += [lin.qw.data_ptr(), lin.sw.data_ptr(), None if lin.bias is None else lin.bias.data_ptr()]
+                bias = None if lin.bias is None else lin.bias.detach().float().contiguous()  # C reads fp32
+                self._keep += [lin.qw, lin.sw] + ([] if bias is None else [bias])  # what the pointers point into
+                ptrs += [lin.qw.data_ptr(), lin.sw.data_ptr(), None if bias is None else bias.data_ptr()]
+        if table is not None:
+            self._keep += [table.hw, table.scale]
         self._lin = (ctypes.c_void_p * len(ptrs))(*ptrs)
         attn0 = layers[0].self_attn
         self._m = _Model(
@@ -113,13 +117,12 @@ class NativeStep:
         """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2]."""
         k0 = keys[0]
         cap = k0.shape[2]
-        if not self._kv or self._kv[0] != (k0.data_ptr(), values[-1].data_ptr(), cap, k0.dtype):
-            for b in keys + values:  # [1, H_kv, cap, D], the layout the C code indexes
-                if not b.is_contiguous() or b.dtype not in (torch.float32, torch.bfloat16) or b.shape[2] != cap:
-                    raise ValueError(f"KV buffer {tuple(b.shape)} {b.dtype} is not a contiguous fp32/bf16 buffer")
+        key = (tuple(b.data_ptr() for b in keys + values), cap, k0.dtype)  # every buffer: a new cache may reuse some
+        if not self._kv or self._kv[0] != key:
+            self._check_buffers(keys, values)
             kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() for b in keys])
             vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() for b in values])
-            self._kv = ((k0.data_ptr(), values[-1].data_ptr(), cap, k0.dtype), kp, vp)
+            self._kv = (key, kp, vp, keys + values)  # the tensors too: their memory must outlive the pointers
             self._m.kv_bf16 = int(k0.dtype == torch.bfloat16)
         if not 0 <= pos < cap:
             raise ValueError(f"slot {pos} outside the cache (capacity {cap})")
@@ -128,14 +131,26 @@ class NativeStep:
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
         gauge = torch.empty(self.n_layers, 2)
-        self._lib.sc_step(ctypes.byref(self._m), x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
-                          out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
+        if self._lib.sc_step(ctypes.byref(self._m), x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
+                             out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
+            raise MemoryError("the native decode step ran out of memory")
         if self.head is not None:
             with torch.no_grad():
                 logits = self.head(out[None]).float()  # [1, V]
         else:
             logits = out[None, : self.vocab]
         return logits, queries, gauge
+
+    def _check_buffers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """The layout the C code indexes: per layer [1, H_kv, cap, D], contiguous, CPU, all fp32 or all bf16."""
+        if len(keys) != self.n_layers or len(values) != self.n_layers:
+            raise ValueError(f"{len(keys)} key buffers for {self.n_layers} layers")
+        want = (1, self.n_kv, keys[0].shape[2], self.head_dim)
+        for b in keys + values:
+            if (tuple(b.shape) != want or b.dtype != keys[0].dtype or b.dtype not in (torch.float32, torch.bfloat16)
+                    or not b.is_contiguous() or b.device.type != "cpu"):
+                raise ValueError(f"KV buffer {tuple(b.shape)} {b.dtype} {b.device}: want contiguous CPU {want} "
+                                 f"fp32 or bf16, like the first")
 
     def prepare(self, kv_dtype: torch.dtype) -> None:
         """Nothing to build (the kernels compiled when the model was packed)."""

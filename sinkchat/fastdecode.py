@@ -174,7 +174,9 @@ def unsupported_reason(model: Any, kernels: str = "torch") -> str | None:
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return "no decoder stack"
-    if next(model.parameters()).dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
+    norm = getattr(base, "norm", None)
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return "not fp32 on the CPU"
     for layer in base.layers:
         a, m = layer.self_attn, layer.mlp

@@ -307,12 +307,20 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def q4_kernels(decoder: str) -> str:
+def q4_kernels(decoder: str, config: Any = None) -> str:
     """Which int4 kernels --quant q4 packs for: torch's for the torch decode steps (`--decoder compiled|eager`, which
-    call torch's int4 kernel), else sinkchat's native VNNI kernels where the CPU and a compiler allow."""
+    call torch's int4 kernel), else sinkchat's native VNNI kernels where the CPU and a compiler allow, except when
+    "auto" meets a shape only the torch step decodes (a head dim that is not a multiple of 16)."""
     from sinkchat import native
 
-    return "torch" if decoder in ("compiled", "eager") else native.resolve("auto")
+    if decoder in ("compiled", "eager"):
+        return "torch"
+    head_dim = None
+    if config is not None:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if decoder == "auto" and head_dim is not None and head_dim % 16:
+        return "torch"
+    return native.resolve("auto")
 
 
 def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
@@ -333,7 +341,7 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
         raise LoadError(f"'{source}' is not a causal language model (architectures: {', '.join(archs)})")
     device, dtype = _pick_device_dtype(cfg)
     quant = resolve_quant(cfg.quant, device)
-    kernels = q4_kernels(cfg.decoder) if quant == "q4" else "torch"
+    kernels = q4_kernels(cfg.decoder, config) if quant == "q4" else "torch"
     progress(f"loading {Path(source).name if os.sep in source else source} ({quant}, {device})")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -365,7 +373,7 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
 
     rope_from_model(model)  # refuse unsupported position encodings now, with a clear message
     digest = hashlib.sha256(f"{Path(src).resolve() if os.path.isdir(src) else src}".encode()).hexdigest()[:12]
-    fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}:{kernels}"
+    fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}"
     del torch
     return Loaded(
         model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,

@@ -37,7 +37,6 @@ CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
 RG = 16  # output rows per register (the layouts' row interleave)
 QB = 32  # weights per quant block
 P = ctypes.c_void_p
-KERNELS = ("auto", "native", "torch")
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +52,12 @@ def _cpu() -> tuple[frozenset[str], str]:
 
 def why_unavailable() -> str | None:
     """Why the native kernels cannot run here (None: they can)."""
-    if os.environ.get("SINKCHAT_KERNELS", "auto") == "torch":
+    from sinkchat.config import ConfigError, env
+
+    choice = env("SINKCHAT_KERNELS")
+    if choice not in ("auto", "torch"):
+        raise ConfigError(f"SINKCHAT_KERNELS must be auto or torch, not {choice!r}")
+    if choice == "torch":
         return "SINKCHAT_KERNELS=torch"
     flags, _ = _cpu()
     missing = [f for f in CPU_FLAGS if f not in flags]
@@ -94,30 +98,43 @@ def library() -> Any | None:
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(CFLAGS).encode() + repr(sorted(_cpu()[0])).encode() + _cpu()[1].encode())
     out = cache_dir() / "native" / f"q4-{key.hexdigest()[:16]}.so"
-    if not out.exists():
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-            os.close(fd)
-            res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                 check=False)
-            if res.returncode != 0:
-                os.unlink(tmp)
-                log.warning("native kernels did not compile: %s", (res.stderr.strip().splitlines() or ["?"])[-1])
-                return None
-            os.replace(tmp, out)  # atomic: a concurrent session sees the old state or the whole library
-        except OSError as e:
-            log.warning("native kernels not built (%s)", e)
-            return None
-    lib = ctypes.CDLL(str(out))
-    i = ctypes.c_int
-    lib.q4_matmul.argtypes = [P, i, i, i, P, P, P, P]
-    lib.q8_matmul.argtypes = [P, i, i, i, P, P, P]
-    lib.sc_step.argtypes = [P, P, i, i, P, P, i, P, P, P]
-    lib.sc_step.restype = None
-    lib.kv_evict.argtypes = [P, P, i, i, i, i, i, i, P, P, i, i]
-    lib.kv_evict.restype = None
+    if not out.exists() and not _build(cc, out):
+        return None
+    try:
+        lib = ctypes.CDLL(str(out))
+        i = ctypes.c_int
+        for name, args in (("q4_matmul", [P, i, i, i, P, P, P, P]), ("q8_matmul", [P, i, i, i, P, P, P]),
+                           ("sc_step", [P, P, i, i, P, P, i, P, P, P]),
+                           ("kv_evict", [P, P, i, i, i, i, i, i, P, P, i, i])):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = i  # 0, or -1 when out of memory
+    except (OSError, AttributeError) as e:  # a foreign or broken file, a noexec cache dir
+        log.warning("native kernels not loaded from %s (%s)", out, e)
+        return None
     return lib
+
+
+def _build(cc: str, out: Path) -> bool:
+    """Compile the kernels into `out`, atomically: a concurrent session sees no file or the whole library."""
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+        os.close(fd)
+        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                             check=False)
+        if res.returncode != 0:
+            log.warning("native kernels did not compile: %s", (res.stderr.strip().splitlines() or ["?"])[-1])
+            return False
+        os.replace(tmp, out)
+        tmp = None
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("native kernels not built (%s)", e)
+        return False
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,32 +179,52 @@ def kv_evict(keys: torch.Tensor, values: torch.Tensor, start: int, count: int, n
     """Drop slots [start, start+count) of one layer's keys / values [1, H_kv, cap, D] (fp32 or bf16, contiguous, on
     the CPU) and move the next n slots down, re-rotating the keys by cos/sin [rot] (None: move only). False (nothing
     done) where these kernels cannot: the caller then runs the torch path."""
-    if (not available() or keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.bfloat16)
+    if (keys.device.type != "cpu" or keys.dtype not in (torch.float32, torch.bfloat16)
             or values.dtype != keys.dtype or not keys.is_contiguous() or not values.is_contiguous()
             or keys.shape != values.shape or keys.shape[0] != 1 or keys.shape[-1] > 1024):
         return False
     _, h, cap, d = keys.shape
+    if start < 0 or count < 0 or n < 0 or start + count + n > cap:
+        raise ValueError(f"eviction [{start}, {start + count}) + {n} outside a cache of {cap}")
     cs, sn = cos_sin if cos_sin is not None else (None, None)
-    library().kv_evict(keys.data_ptr(), values.data_ptr(), h, cap, d, start, count, n, _ptr(cs), _ptr(sn),
-                       0 if cs is None else cs.numel(), int(keys.dtype == torch.bfloat16))
-    return True
+    if cs is not None and (cs.numel() > d or cs.numel() % 2 or cs.shape != sn.shape  # type: ignore[union-attr]
+                           or cs.dtype != torch.float32 or sn.dtype != torch.float32):  # type: ignore[union-attr]
+        return False
+    if not available():
+        return False
+    return library().kv_evict(keys.data_ptr(), values.data_ptr(), h, cap, d, start, count, n, _ptr(cs), _ptr(sn),
+                              0 if cs is None else cs.numel(), int(keys.dtype == torch.bfloat16)) == 0
 
 
 def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q4` weights."""
-    x = x.contiguous()
+    x = x.float().contiguous()
     m, k = x.shape
     n = qw.shape[0] * RG
+    if qw.shape[1:] != (k // QB, 4, RG, 4) or k % QB or qw.dtype != torch.uint8 or not qw.is_contiguous():
+        raise ValueError(f"q4 weights {tuple(qw.shape)} do not fit x {tuple(x.shape)}")
+    if sw.shape != (n // RG, k // QB, 2, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
+        raise ValueError(f"q4 scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
+    if bias is not None:
+        bias = bias.float().contiguous()  # the kernel reads n fp32 values
+        if bias.numel() != n:
+            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
     y = torch.empty(m, n)
-    library().q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr())
+    if library().q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr()):
+        raise MemoryError("q4_matmul: out of memory")
     return y
 
 
 def q8_matmul(x: torch.Tensor, hw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [M, Vpadded] fp32 through a `pack_q8` table with per-row scales `scale` [Vpadded]."""
-    x = x.contiguous()
+    x = x.float().contiguous()
     m, k = x.shape
     n = hw.shape[0] * RG
+    if hw.shape[1:] != (k // 4, RG, 4) or k % QB or hw.dtype != torch.uint8 or not hw.is_contiguous():
+        raise ValueError(f"q8 table {tuple(hw.shape)} does not fit x {tuple(x.shape)}")
+    if scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"q8 scales {tuple(scale.shape)} do not fit the table")
     y = torch.empty(m, n)
-    library().q8_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), scale.data_ptr(), y.data_ptr())
+    if library().q8_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), scale.data_ptr(), y.data_ptr()):
+        raise MemoryError("q8_matmul: out of memory")
     return y

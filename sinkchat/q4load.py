@@ -138,6 +138,9 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype, kernels: str = "torch"
     except (KeyError, ValueError, RuntimeError, AttributeError, StopIteration, json.JSONDecodeError) as e:
         log.info("q4 streaming load not possible (%s); falling back", str(e)[:200])
         return None
+    for mod in model.modules():  # a bias read before or after its weight: the native kernel adds it in fp32
+        if isinstance(mod, int4.Int4Linear) and mod.kernels == "native" and mod.bias is not None:
+            mod.bias = nn.Parameter(mod.bias.data.float(), requires_grad=False)
     model.eval()
     model.requires_grad_(False)
     _load_generation_config(model, folder)

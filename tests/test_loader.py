@@ -61,18 +61,22 @@ def test_q4_swaps_every_decoder_linear_and_keeps_the_logits(bundled):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.94
 
 
-def test_streamed_q4_load_equals_quantizing_the_full_model(bundled):
+@pytest.mark.parametrize("kernels", ["torch", "native"])
+def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, kernels):
     """The low-memory path (skeleton on meta, tensors read one by one, packed as read) must build exactly the model
     that loading everything in fp32 and quantizing afterwards builds: any weight it skipped or mis-assigned (a
     norm left at its init value, an untied head) changes the logits."""
     import copy
 
+    from sinkchat import native
     from sinkchat.loader import quantize_q4
     from sinkchat.q4load import load_q4
 
+    if kernels == "native" and not native.available():
+        pytest.skip(f"native kernels: {native.why_unavailable()}")
     full = copy.deepcopy(bundled.model)
-    quantize_q4(full)
-    streamed, frac = load_q4(bundled.path, bundled.model.config, torch.float32)
+    quantize_q4(full, kernels)
+    streamed, frac = load_q4(bundled.path, bundled.model.config, torch.float32, kernels)
     assert frac == 1.0
     assert streamed.lm_head.table is streamed.model.embed_tokens.table
     ids = bundled.tokenizer("Attention sinks keep streaming models stable.", return_tensors="pt").input_ids

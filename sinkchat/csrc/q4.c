@@ -42,11 +42,16 @@ static inline __m512 bf16x16(const uint16_t* p) {
 // y[M, N] = x[M, K] @ W^T (+ bias), W 4-bit: qw [N/16][K/32][4][16][4] bytes (sub-block s, row r, byte t holds
 // q[r, 8s+t] in its low nibble and q[r, 8s+4+t] in its high one), sw fp16 [N/16][K/32][2][16] (d, then m:
 // w = d*q + m).
-void q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint16_t* sw, const float* bias,
-               float* y) {
+int q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint16_t* sw, const float* bias,
+              float* y) {
     int nb = K / QB;
     int8_t* xq = malloc((size_t)M * K);
-    float* dx = malloc(sizeof(float) * M * nb * 2);
+    float* dx = malloc(sizeof(float) * (size_t)M * nb * 2);
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
     float* sx = dx + M * nb;
     for (int m = 0; m < M; m++) quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
@@ -79,13 +84,19 @@ void q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uin
     }
     free(xq);
     free(dx);
+    return 0;
 }
 
 // y[M, N] = x[M, K] @ W^T * ws, W int8 stored +128 as uint8: hw [N/16][K/4][16][4], ws fp32 [N] (per-row scale).
-void q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const float* ws, float* y) {
+int q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const float* ws, float* y) {
     int nb = K / QB;
     int8_t* xq = malloc((size_t)M * K);
-    float* dx = malloc(sizeof(float) * M * nb * 3);
+    float* dx = malloc(sizeof(float) * ((size_t)M * nb * 2 + M));
+    if (!xq || !dx) {
+        free(xq);
+        free(dx);
+        return -1;
+    }
     float* sx = dx + M * nb;
     float* corr = sx + M * nb;
     for (int m = 0; m < M; m++) {
@@ -122,6 +133,7 @@ void q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const flo
     }
     free(xq);
     free(dx);
+    return 0;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -141,9 +153,9 @@ typedef struct {
 
 enum { LQ, LK, LV, LO, LG, LU, LD };
 
-static void lin(const Model* m, int layer, int which, const float* x, int K, int N, float* y) {
+static int lin(const Model* m, int layer, int which, const float* x, int K, int N, float* y) {
     const void* const* p = m->lin + ((size_t)layer * 7 + which) * 3;
-    q4_matmul(x, 1, K, N, (const uint8_t*)p[0], (const uint16_t*)p[1], (const float*)p[2], y);
+    return q4_matmul(x, 1, K, N, (const uint8_t*)p[0], (const uint16_t*)p[1], (const float*)p[2], y);
 }
 
 static void rms(const float* x, const float* w, int C, float eps, float* out) {
@@ -284,10 +296,11 @@ static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 // One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
 // ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
 // model has a table, else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
-void sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
-             float* out, float* queries, float* gauge) {
-    int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, I = m->inter;
+int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
+            float* out, float* queries, float* gauge) {
+    int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, I = m->inter, err = 0;
     float* x = malloc(sizeof(float) * (3 * C + (H + 2 * Hkv) * D + H * D + 2 * I + 2 * D + (size_t)H * (pos + 1)));
+    if (!x) return -1;
     float *h = x + C, *t = h + C, *q = t + C, *k = q + H * D, *v = k + Hkv * D, *att = v + Hkv * D;
     float *gu = att + H * D, *cs = gu + 2 * I, *sn = cs + D, *scores = sn + D;
     memcpy(x, x_in, sizeof(float) * C);
@@ -298,9 +311,9 @@ void sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* cons
     }
     for (int l = 0; l < m->n_layers; l++) {
         rms(x, m->norm_in + (size_t)l * C, C, m->eps, h);
-        lin(m, l, LQ, h, C, H * D, q);
-        lin(m, l, LK, h, C, Hkv * D, k);
-        lin(m, l, LV, h, C, Hkv * D, v);
+        err |= lin(m, l, LQ, h, C, H * D, q);
+        err |= lin(m, l, LK, h, C, Hkv * D, k);
+        err |= lin(m, l, LV, h, C, Hkv * D, v);
         memcpy(queries + (size_t)l * H * D, q, sizeof(float) * H * D);
         for (int i = 0; i < H; i++) rope(q + i * D, cs, sn, D);
         for (int i = 0; i < Hkv; i++) {
@@ -310,21 +323,22 @@ void sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* cons
         }
         gauge[2 * l] = gauge[2 * l + 1] = 0;
         attend(m, q, keys[l], values[l], cap, pos, n_gauge, scores, att, gauge + 2 * l);
-        lin(m, l, LO, att, H * D, C, t);
+        err |= lin(m, l, LO, att, H * D, C, t);
         for (int c = 0; c < C; c++) x[c] += t[c];
         rms(x, m->norm_post + (size_t)l * C, C, m->eps, h);
-        lin(m, l, LG, h, C, I, gu);
-        lin(m, l, LU, h, C, I, gu + I);
+        err |= lin(m, l, LG, h, C, I, gu);
+        err |= lin(m, l, LU, h, C, I, gu + I);
         for (int i = 0; i < I; i++) gu[i] = silu(gu[i]) * gu[I + i];
-        lin(m, l, LD, gu, I, C, t);
+        err |= lin(m, l, LD, gu, I, C, t);
         for (int c = 0; c < C; c++) x[c] += t[c];
     }
     rms(x, m->norm_final, C, m->eps, h);
     if (m->table)
-        q8_matmul(h, 1, C, m->vocab, m->table, m->table_scale, out);
+        err |= q8_matmul(h, 1, C, m->vocab, m->table, m->table_scale, out);
     else
         memcpy(out, h, sizeof(float) * C);
     free(x);
+    return err;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -349,10 +363,10 @@ static void rot_row(const float* k, float* o, const float* cs, const float* sn, 
     for (int i = rot; i < D; i++) o[i] = k[i];
 }
 
-void kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
-              const float* sn, int rot, int bf16) {
+int kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
+             const float* sn, int rot, int bf16) {
     float kin[1024], kout[1024];
-    if (D > 1024) return;
+    if (D > 1024 || rot > D) return -1;
     size_t esz = bf16 ? 2 : 4;
     for (int h = 0; h < n_heads; h++) {
         for (int s = 0; s < n; s++) {
@@ -375,4 +389,5 @@ void kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int coun
         size_t src = ((size_t)h * cap + start + count) * D, dst = ((size_t)h * cap + start) * D;
         memmove((char*)V + dst * esz, (const char*)V + src * esz, esz * D * (size_t)n);  // overlapping: memmove
     }
+    return 0;
 }
