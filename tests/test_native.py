@@ -110,11 +110,15 @@ def _stream(eng: Engine, ids: list[int]) -> torch.Tensor:
 
 
 WIDE = dict(vocab_size=1000, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192)
+D64 = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=128)
+D128 = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128)
 
 
+# head dims 16 (the generic attention loops), 64 and 128 (the unrolled ones); WIDE: 3 query heads per kv head and
+# a vocab that pads to 1008
 @pytest.mark.parametrize("kind,tied,shape", [("llama", False, {}), ("llama", True, {}), ("qwen2", False, {}),
-                                             ("qwen2", True, WIDE)])  # WIDE: head dim 16 x 6 heads, 3 per kv
-@pytest.mark.parametrize("kv", ["float32", "bfloat16"])                # head, a vocab that pads to 1008
+                                             ("qwen2", True, WIDE), ("llama", True, D64), ("qwen2", False, D128)])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_native_step_matches_the_transformers_forward_across_evictions(kind, tied, shape, kv):
     model = _native_model(kind, tied, **shape)
     cfg = CacheConfig("sink", 4, 40, 5)
@@ -129,11 +133,12 @@ def test_native_step_matches_the_transformers_forward_across_evictions(kind, tie
     # flips it, and the changed k/v stays in the cache (seen: ~2e-7 untied, up to ~5e-3 tied, on logits of ~0.6).
     # A wrong slot, position or mask is O(0.1).
     torch.testing.assert_close(b, a, rtol=0, atol=2e-3 if kv == "float32" and not tied else 1e-2)
+    rtol = 2**-7 if kv == "bfloat16" else 0  # a flip there can also move a cached value by one bf16 step
     for la, lb in zip(ref.cache.layers, fast.cache.layers):
         n = la.length
         assert lb.keys.dtype == la.keys.dtype
-        torch.testing.assert_close(lb.keys[:, :, :n].float(), la.keys[:, :, :n].float(), rtol=0, atol=1e-2)
-        torch.testing.assert_close(lb.values[:, :, :n].float(), la.values[:, :, :n].float(), rtol=0, atol=1e-2)
+        torch.testing.assert_close(lb.keys[:, :, :n].float(), la.keys[:, :, :n].float(), rtol=rtol, atol=1e-2)
+        torch.testing.assert_close(lb.values[:, :, :n].float(), la.values[:, :, :n].float(), rtol=rtol, atol=1e-2)
 
 
 def test_native_generation_and_gauge_agree_with_the_reference():
