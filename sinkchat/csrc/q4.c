@@ -39,6 +39,52 @@ static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+// Many rows (prefill): each weight block is unpacked once into registers and used for every row, with the rows'
+// accumulators in an L1-sized buffer, instead of unpacking it again per row (2x the work per row).
+static int q4_rows(const int8_t* xq, const float* dx, const float* sx, int M, int K, int N, const uint8_t* qw,
+                   const uint16_t* sw, const float* bias, float* y) {
+    int nb = K / QB;
+    const int MB = 256;  // rows per pass: 16 KB of accumulators
+    __m512* acc = aligned_alloc(64, sizeof(__m512) * MB);
+    if (!acc) return -1;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int m0 = 0; m0 < M; m0 += MB) {
+        int mn = M - m0 < MB ? M - m0 : MB;
+        for (int g = 0; g < N / RG; g++) {
+            const uint8_t* wg = qw + (size_t)g * nb * 256;
+            const uint16_t* sg = sw + (size_t)g * nb * 32;
+            for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
+            for (int b = 0; b < nb; b++) {
+                __m512i w[8];
+                for (int s = 0; s < 4; s++) {
+                    __m512i v = _mm512_loadu_si512((const void*)(wg + b * 256 + s * 64));
+                    w[2 * s] = _mm512_and_si512(v, lo4);
+                    w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                }
+                __m512 d = f16x16(sg + b * 32), mn16 = f16x16(sg + b * 32 + 16);
+                for (int m = 0; m < mn; m++) {
+                    const int32_t* xm = (const int32_t*)(xq + (size_t)(m0 + m) * K) + b * 8;
+                    __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+                    for (int s = 0; s < 4; s++) {
+                        i0 = _mm512_dpbusd_epi32(i0, w[2 * s], _mm512_set1_epi32(xm[2 * s]));
+                        i1 = _mm512_dpbusd_epi32(i1, w[2 * s + 1], _mm512_set1_epi32(xm[2 * s + 1]));
+                    }
+                    __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+                    size_t at = (size_t)(m0 + m) * nb + b;
+                    __m512 a = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dx[at])), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(sx[at]), a);
+                }
+            }
+            for (int m = 0; m < mn; m++) {
+                __m512 a = bias ? _mm512_add_ps(acc[m], _mm512_loadu_ps(bias + g * RG)) : acc[m];
+                _mm512_storeu_ps(y + (size_t)(m0 + m) * N + g * RG, a);
+            }
+        }
+    }
+    free(acc);
+    return 0;
+}
+
 // y[M, N] = x[M, K] @ W^T (+ bias), W 4-bit: qw [N/16][K/32][4][16][4] bytes (sub-block s, row r, byte t holds
 // q[r, 8s+t] in its low nibble and q[r, 8s+4+t] in its high one), sw fp16 [N/16][K/32][2][16] (d, then m:
 // w = d*q + m).
@@ -55,6 +101,12 @@ int q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint
     float* sx = dx + M * nb;
     for (int m = 0; m < M; m++) quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    if (M > 1) {
+        int rc = q4_rows(xq, dx, sx, M, K, N, qw, sw, bias, y);
+        free(xq);
+        free(dx);
+        return rc;
+    }
     for (int g = 0; g < N / RG; g++) {
         const uint8_t* wg = qw + (size_t)g * nb * 256;
         const uint16_t* sg = sw + (size_t)g * nb * 32;
