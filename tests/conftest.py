@@ -51,6 +51,18 @@ def tiny_model(kind: str = "llama", layers: int = 2, max_pos: int = 512, seed: i
     return model.eval()
 
 
+def stream_logits(eng, ids: list[int]):
+    """Prefill 12 tokens through `eng`, then feed the rest one at a time; logits after each single token [n, V]."""
+    import torch
+
+    list(eng.feed_ids(ids[:12]))
+    out = []
+    for t in ids[12:]:
+        list(eng.feed_ids([t]))
+        out.append(eng.last_logits.clone())
+    return torch.stack(out)
+
+
 @pytest.fixture
 def word_tok():
     return WordTokenizer()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WordTokenizer, tiny_model
+from conftest import WordTokenizer, stream_logits as _stream, tiny_model
 from sinkchat import int4
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.engine import Engine
@@ -25,16 +25,6 @@ def q4_model(kind: str = "llama", **kw):
 def _engines(model, kv_dtype: str = "float32", cfg: CacheConfig = CacheConfig("sink", 4, 40, 5), **kw):
     return [Engine(model, WordTokenizer(), cfg, SamplingConfig(temperature=0), decode=d, kv_dtype=kv_dtype, **kw)
             for d in ("hf", "eager")]
-
-
-def _stream(eng: Engine, ids: list[int]) -> torch.Tensor:
-    """Prefill 12 tokens, then feed the rest one at a time; logits after each single token [n, V]."""
-    list(eng.feed_ids(ids[:12]))
-    out = []
-    for t in ids[12:]:
-        list(eng.feed_ids([t]))
-        out.append(eng.last_logits.clone())
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

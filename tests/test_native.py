@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WordTokenizer, tiny_model
+from conftest import WordTokenizer, stream_logits as _stream, tiny_model
 from sinkchat import int4, native
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.engine import Engine
@@ -98,15 +98,6 @@ def _native_model(kind: str, tied: bool = False, **kw):
     if tied:
         assert int4.quantize_tied_table(model, "native")
     return model
-
-
-def _stream(eng: Engine, ids: list[int]) -> torch.Tensor:
-    list(eng.feed_ids(ids[:12]))
-    out = []
-    for t in ids[12:]:
-        list(eng.feed_ids([t]))
-        out.append(eng.last_logits.clone())
-    return torch.stack(out)  # [n, V]
 
 
 WIDE = dict(vocab_size=1000, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, intermediate_size=192)
