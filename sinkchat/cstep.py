@@ -1,4 +1,4 @@
-"""The native decode step: one token through every layer in one C call (`csrc/q4.c: sc_step`), over the sink
+"""The native decode step: one token through every layer in one C call (`csrc/step.c: sc_step`), over the sink
 cache's own K/V buffers.
 
 Why: with the matmuls in sinkchat's VNNI kernels, what is left of a token is ~20 small operations a layer; through
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from sinkchat import int4, native
-from sinkchat.fastdecode import unsupported_reason
+from sinkchat.fastdecode import DecodeStep, unsupported_reason
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_p
             ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
 
-class _Model(ctypes.Structure):  # csrc/q4.c: Model
+class _Model(ctypes.Structure):  # csrc/step.c: Model
     _fields_ = [(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv", "head_dim", "inter", "vocab",
                                              "kv_bf16")]
     _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
@@ -157,3 +157,15 @@ class NativeStep:
 
     def warm_up(self, kv_dtype: torch.dtype) -> None:
         """Nothing to build."""
+
+
+def decode_step(model: Any, mode: str, build_cmd: list[str] | None = None, build_key: str = "") -> Any:
+    """The single-token path for `--decoder mode`: "native" / "auto" take the native C step (`NativeStep`) where the
+    weights were packed for it, "auto" else the torch step compiled in the background; "native" without native
+    weights falls back to the eager torch step. None: the transformers forward."""
+    if mode in ("auto", "native"):
+        step = NativeStep.for_model(model)
+        if step is not None:
+            return step
+        mode = "eager" if mode == "native" else mode
+    return DecodeStep.for_model(model, mode, build_cmd, build_key)

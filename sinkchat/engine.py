@@ -18,7 +18,7 @@ import torch
 from sinkchat.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.fastdecode import decode_step
+from sinkchat.cstep import decode_step
 from sinkchat.gauge import SinkGauge
 from sinkchat.interrupts import deferred_sigint
 from sinkchat.kv_cache import SinkKVCache, rope_from_model

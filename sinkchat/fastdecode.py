@@ -378,20 +378,6 @@ class DecodeStep:
         return "compiled" if self._ready else "eager"
 
 
-def decode_step(model: Any, mode: str, build_cmd: list[str] | None = None, build_key: str = "") -> Any:
-    """The single-token path for `--decoder mode`: "native" / "auto" take the native C step (`cstep`) where the
-    weights were packed for it, "auto" else the torch step compiled in the background; "native" without native
-    weights falls back to the eager torch step. None: the transformers forward."""
-    if mode in ("auto", "native"):
-        from sinkchat.cstep import NativeStep
-
-        step = NativeStep.for_model(model)
-        if step is not None:
-            return step
-        mode = "eager" if mode == "native" else mode
-    return DecodeStep.for_model(model, mode, build_cmd, build_key)
-
-
 def _compile() -> Callable[..., Any]:
     import torch._inductor.config as inductor_config
 

@@ -1,4 +1,4 @@
-"""sinkchat's own CPU kernels (`csrc/q4.c`): 4-bit and 8-bit weight matmuls on int8 activations with AVX-512 VNNI,
+"""sinkchat's own CPU kernels (`csrc/`: matmul.c, step.c): 4-bit and 8-bit weight matmuls on int8 activations with AVX-512 VNNI,
 and the whole one-token decode step built on them.
 
 Why our own: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to float before its
@@ -31,7 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "q4.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("matmul.c", "step.c")  # and simd.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
 RG = 16  # output rows per register (the layouts' row interleave)
@@ -95,7 +96,7 @@ def library() -> Any | None:
     cc = _compiler()
     if cc is None:
         return None
-    src = SOURCE.read_bytes()
+    src = b"".join((CSRC / f).read_bytes() for f in (*SOURCES, "simd.h"))
     key = hashlib.sha256(src + " ".join(CFLAGS).encode() + repr(sorted(_cpu()[0])).encode() + _cpu()[1].encode())
     out = cache_dir() / "native" / f"q4-{key.hexdigest()[:16]}.so"
     if not out.exists() and not _build(cc, out):
@@ -121,8 +122,8 @@ def _build(cc: str, out: Path) -> bool:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
         os.close(fd)
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                             check=False)
+        res = subprocess.run([cc, *CFLAGS, "-o", tmp, *[str(CSRC / f) for f in SOURCES], "-lm"],
+                             capture_output=True, text=True, check=False)
         if res.returncode != 0:
             log.warning("native kernels did not compile: %s", (res.stderr.strip().splitlines() or ["?"])[-1])
             return False

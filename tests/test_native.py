@@ -214,8 +214,8 @@ def test_native_step_follows_a_new_cache_even_where_addresses_repeat():
 
 
 def test_decoder_choice_follows_the_packed_weights(monkeypatch):
-    from sinkchat.cstep import NativeStep
-    from sinkchat.fastdecode import DecodeStep, decode_step
+    from sinkchat.cstep import NativeStep, decode_step
+    from sinkchat.fastdecode import DecodeStep
     from sinkchat.loader import q4_kernels
 
     assert isinstance(decode_step(_native_model("llama"), "native"), NativeStep)
