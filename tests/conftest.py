@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A shell's background job (`.ci/run &`) starts with SIGINT ignored; Python then never installs its Ctrl-C handler,
+# and every child process inherits the ignore. The Ctrl-C tests need the usual disposition, however pytest started.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 _home = tempfile.mkdtemp(prefix="sinkchat-test-home-")
 os.environ.setdefault("SINKCHAT_HOME", _home)  # never touch the user's data dir from tests
 os.environ.setdefault("SINKCHAT_DECODER", "native")  # no background compiles in test processes (test_fastdecode builds one)

@@ -135,18 +135,8 @@ def test_sigint_twenty_times_during_generation_keeps_the_cache_consistent(word_t
     list(eng.feed(" ".join(str(i) for i in range(1, 30))))
     interrupted = 0
     for i in range(20):
-        landed = threading.Event()
-
-        def send(delay: float = 0.02 + 0.01 * (i % 5)) -> None:
-            # again every 0.5 s until one lands: CPython drops a KeyboardInterrupt raised while a finalizer runs
-            # ("Exception ignored in ..."), which a loaded machine hits now and then; one lost signal must not
-            # hang the suite
-            while not landed.wait(delay):
-                os.kill(os.getpid(), signal.SIGINT)
-                delay = 0.5
-
-        sender = threading.Thread(target=send, daemon=True)
-        sender.start()
+        timer = threading.Timer(0.02 + 0.01 * (i % 5), os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
         try:
             while True:  # the tiny model may sample its EOS id: keep generating until the signal lands
                 for _ in eng.generate(10_000):
@@ -154,8 +144,7 @@ def test_sigint_twenty_times_during_generation_keeps_the_cache_consistent(word_t
         except KeyboardInterrupt:
             interrupted += 1
         finally:
-            landed.set()
-            sender.join()
+            timer.join()
         assert eng.cache.length == len(eng.ledger) <= 48
         before = eng.ledger.seen
         list(eng.feed_ids([5, 6, 7]))  # the next turn works on the same cache
