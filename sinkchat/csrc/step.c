@@ -30,13 +30,23 @@ static void rms(const float* x, const float* w, int C, float eps, float* out) {
     for (int i = 0; i < C; i++) out[i] = w[i] * (x[i] * r);
 }
 
-static void rope(float* t, const float* cs, const float* sn, int D) {
-    int h = D / 2;
-    for (int i = 0; i < h; i++) {
-        float a = t[i], b = t[i + h];
-        t[i] = a * cs[i] - b * sn[i];
-        t[i + h] = b * cs[i + h] + a * sn[i + h];
+// Rotate-half RoPE of one row k [D] by the angles cos/sin [rot] into o (o may be k: in place); dims past rot are
+// copied. The decode step rotates q and k with it, the eviction re-rotates moved keys.
+static void rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D) {
+    int h = rot / 2, i = 0;
+    if (h % 16 == 0) {
+        for (; i < h; i += 16) {
+            __m512 a = _mm512_loadu_ps(k + i), b = _mm512_loadu_ps(k + i + h);
+            _mm512_storeu_ps(o + i, _mm512_fmsub_ps(a, _mm512_loadu_ps(cs + i), _mm512_mul_ps(b, _mm512_loadu_ps(sn + i))));
+            _mm512_storeu_ps(o + i + h, _mm512_fmadd_ps(b, _mm512_loadu_ps(cs + i + h), _mm512_mul_ps(a, _mm512_loadu_ps(sn + i + h))));
+        }
     }
+    for (; i < h; i++) {
+        float a = k[i], b = k[i + h];
+        o[i] = a * cs[i] - b * sn[i];
+        o[i + h] = b * cs[i + h] + a * sn[i + h];
+    }
+    for (int i = rot; i < D; i++) o[i] = k[i];
 }
 
 // r[j] = the sum of v[j]'s 16 lanes, for j < 16: a transposing add tree (15 adds, 30 shuffles) instead of 16
@@ -196,9 +206,9 @@ int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const
         err |= lin(m, l, LK, h, C, Hkv * D, k);
         err |= lin(m, l, LV, h, C, Hkv * D, v);
         memcpy(queries + (size_t)l * H * D, q, sizeof(float) * H * D);
-        for (int i = 0; i < H; i++) rope(q + i * D, cs, sn, D);
+        for (int i = 0; i < H; i++) rot_row(q + i * D, q + i * D, cs, sn, D, D);
         for (int i = 0; i < Hkv; i++) {
-            rope(k + i * D, cs, sn, D);
+            rot_row(k + i * D, k + i * D, cs, sn, D, D);
             store_kv(keys[l], ((size_t)i * cap + pos) * D, k + i * D, D, m->kv_bf16);
             store_kv(values[l], ((size_t)i * cap + pos) * D, v + i * D, D, m->kv_bf16);
         }
@@ -228,25 +238,9 @@ int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const
 // One pass over the cache instead of torch's five (copy out, two multiplies, two adds, copy back): the pause at an
 // eviction is what p99 latency sees.
 
-static void rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D) {
-    int h = rot / 2, i = 0;
-    if (h % 16 == 0) {
-        for (; i < h; i += 16) {
-            __m512 a = _mm512_loadu_ps(k + i), b = _mm512_loadu_ps(k + i + h);
-            _mm512_storeu_ps(o + i, _mm512_fmsub_ps(a, _mm512_loadu_ps(cs + i), _mm512_mul_ps(b, _mm512_loadu_ps(sn + i))));
-            _mm512_storeu_ps(o + i + h, _mm512_fmadd_ps(b, _mm512_loadu_ps(cs + i + h), _mm512_mul_ps(a, _mm512_loadu_ps(sn + i + h))));
-        }
-    }
-    for (; i < h; i++) {
-        o[i] = k[i] * cs[i] - k[i + h] * sn[i];
-        o[i + h] = k[i + h] * cs[i + h] + k[i] * sn[i + h];
-    }
-    for (int i = rot; i < D; i++) o[i] = k[i];
-}
-
 int kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
              const float* sn, int rot, int bf16) {
-    float kin[1024], kout[1024];
+    float kin[1024];
     if (D > 1024 || rot > D) return -1;
     size_t esz = bf16 ? 2 : 4;
     for (int h = 0; h < n_heads; h++) {
@@ -258,11 +252,10 @@ int kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count
                     continue;
                 }
                 get_bf16(kin, (const uint16_t*)K + src, D);
-                rot_row(kin, kout, cs, sn, rot, D);
-                put_bf16((uint16_t*)K + dst, kout, D);
+                rot_row(kin, kin, cs, sn, rot, D);
+                put_bf16((uint16_t*)K + dst, kin, D);
             } else if (cs) {
-                rot_row((const float*)K + src, kout, cs, sn, rot, D);
-                memcpy((float*)K + dst, kout, sizeof(float) * D);
+                rot_row((const float*)K + src, (float*)K + dst, cs, sn, rot, D);  // whole rows, never partly overlapping
             } else {
                 memmove((float*)K + dst, (const float*)K + src, sizeof(float) * D);
             }
