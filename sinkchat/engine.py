@@ -70,7 +70,7 @@ class Engine:
         """`kv_dtype`: what the cache stores (auto, float32, bfloat16; a snapshot's is converted to it).
         `decode`: how single tokens are decoded (auto, native: `cstep.NativeStep` where the weights are packed for
         the native kernels; compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model;
-        `fastdecode.decode_step` picks). `build_cmd`: how "auto" builds the compiled step in another process
+        `cstep.decode_step` picks). `build_cmd`: how "auto" builds the compiled step in another process
         (`build_step`); `build_key`: the weights' fingerprint, which lets later sessions skip that process once a
         build exists."""
         self.model, self.tokenizer = model, tokenizer

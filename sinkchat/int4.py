@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from sinkchat import native
+
 log = logging.getLogger(__name__)
 
 GROUP = 32
@@ -71,8 +73,6 @@ class Int4Linear(nn.Module):
         self.kernels = kernels
         q, scale, zero = quantize(linear.weight.data.float())
         if kernels == "native":
-            from sinkchat import native
-
             qw, sw = native.pack_q4(q, scale, zero)
             self.register_buffer("qw", qw)  # uint8 [N/16, K/32, 4, 16, 4]
             self.register_buffer("sw", sw)  # fp16 [N/16, K/32, 2, 16]
@@ -88,8 +88,6 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
         lead = x.shape[:-1]
         if self.kernels == "native":
-            from sinkchat import native
-
             y = native.q4_matmul(x.reshape(-1, self.in_features).float(), self.qw, self.sw, self.bias)  # [M, N]
             return y.to(x.dtype).reshape(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype)  # [M, K]
@@ -147,44 +145,36 @@ class Int8Table(nn.Module):
         super().__init__()
         n, d = weight.shape
         self.kernels = kernels = kernels if d % GROUP == 0 else "torch"  # the VNNI kernel quantizes x per 32
-        pad = (-n) % 16 if kernels == "native" else 0
-        q, scale = torch.empty((n, d), dtype=torch.int8), torch.zeros(n + pad)
-        hw = torch.empty(0, dtype=torch.uint8)
-        if kernels == "native":  # the kernel's layout only: one copy of the table, filled block by block
-            from sinkchat import native
-
-            q, hw = q[:0], torch.empty(((n + pad) // 16, d // 4, 16, 4), dtype=torch.uint8)
+        if kernels == "native":  # only the kernel's layout: one copy of the table, rows padded to a multiple of 16
+            rows = n + (-n) % native.RG
+            table = torch.empty((rows // native.RG, d // 4, native.RG, 4), dtype=torch.uint8)  # [Vpad/16, D/4, 16, 4]
+        else:
+            rows, table = n, torch.empty((n, d), dtype=torch.int8)  # [V, D]
+        scale = torch.zeros(rows)  # fp32, 0 on padding rows
         for i in range(0, n, 4096):  # in row blocks: whole-table temporaries would cost 3 x 113 MB of RSS
             blk = weight[i : i + 4096].detach().float()  # [b, D]
             s = (blk.abs().amax(1) / 127).clamp(min=1e-12)  # [b]
             qb = torch.round(blk / s[:, None]).clamp(-127, 127).to(torch.int8)
             if kernels == "native":
-                hw[i // 16 : (i + len(qb) + 15) // 16] = native.pack_q8(qb)
+                table[i // native.RG : (i + len(qb) + native.RG - 1) // native.RG] = native.pack_q8(qb)
             else:
-                q[i : i + 4096] = qb
+                table[i : i + len(qb)] = qb
             scale[i : i + len(s)] = s
-        if kernels == "native":
-            self.register_buffer("hw", hw)  # uint8 [Vpad/16, D/4, 16, 4]
-            self.register_buffer("scale", scale)  # fp32 [Vpad], 0 on the padding rows
-        else:
-            self.register_buffer("q", q)  # int8 [V, D]
-            self.register_buffer("scale", scale)  # fp32 [V], for lookups
-            self.register_buffer("scale_c", scale.to(compute_dtype))  # for the kernel
+        self.register_buffer("hw" if kernels == "native" else "q", table)
+        self.register_buffer("scale", scale)  # for lookups (and the native kernel)
+        if kernels != "native":
+            self.register_buffer("scale_c", scale.to(compute_dtype))  # for torch's kernel
         self.compute_dtype, self.out_dtype = compute_dtype, out_dtype
         self.num_embeddings, self.embedding_dim = n, d
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., D] in out_dtype
         if self.kernels == "native":
-            from sinkchat import native
-
             return (native.q8_rows(self.hw, ids).float() * self.scale[ids][..., None]).to(self.out_dtype)
         return (self.q[ids].float() * self.scale[ids][..., None]).to(self.out_dtype)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # x [..., D] -> logits [..., V] in x's dtype
         lead = x.shape[:-1]
         if self.kernels == "native":
-            from sinkchat import native
-
             y = native.q8_matmul(x.reshape(-1, self.embedding_dim).float(), self.hw, self.scale)
             return y[:, : self.num_embeddings].to(x.dtype).reshape(*lead, self.num_embeddings)
         y = torch._weight_int8pack_mm(x.reshape(-1, self.embedding_dim).to(self.compute_dtype), self.q, self.scale_c)

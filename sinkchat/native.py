@@ -155,8 +155,8 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[t
 
 
 def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4], rows padded with zeros (q = -128... never read: their
-    scale is 0) to a multiple of 16."""
+    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4], padded to a multiple of 16 rows with q = 0 (stored 128;
+    their scale is 0, so they project to 0 and are cut off)."""
     v, k = q.shape
     pad = (-v) % RG
     u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
