@@ -26,7 +26,7 @@ from typing import Any, Callable
 import click
 
 from sinkchat.cliopts import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
-from sinkchat.config import ConfigError
+from sinkchat.config import ConfigError, attention_shape
 from sinkchat.metrics import percentile, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,8 @@ def kv_bytes_per_token(model: Any, dtype: Any) -> int:
     """Bytes of K and V for one token over all layers at the cache's dtype: what a cache of N tokens holds x N."""
     import torch
 
-    cfg = model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+    _, kv_heads, head_dim = attention_shape(model.config)
+    return 2 * model.config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 def _tokens(ids: list[int], n: int) -> list[int]:

@@ -225,6 +225,14 @@ def data_dir() -> Path:
     return Path(base) / "sinkchat"
 
 
+def attention_shape(hf_config: Any) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of a transformers model config, with the fallbacks every family uses
+    (no `num_key_value_heads`: one kv head per query head; no `head_dim`: hidden size / heads)."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    return heads, kv, getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+
+
 def cache_dir() -> Path:
     """Where converted models live (SINKCHAT_CACHE_DIR or the XDG user cache dir)."""
     d = env("SINKCHAT_CACHE_DIR")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sinkchat import int4, native
+from sinkchat.config import attention_shape
 from sinkchat.fastdecode import DecodeStep, unsupported_reason
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,7 @@ def why_not(model: Any) -> str | None:
         return reason
     if getattr(model.model.norm, "weight", None) is None:
         return "final norm without weight"
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = attention_shape(model.config)[2]
     if head_dim % 16:
         return f"head dim {head_dim} (the C attention takes multiples of 16)"
     return None
@@ -63,9 +63,7 @@ class NativeStep:
         cfg, base = model.config, model.model
         layers = base.layers
         self.n_layers = len(layers)
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_heads, self.n_kv, self.head_dim = attention_shape(cfg)
         self.embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
@@ -117,11 +115,12 @@ class NativeStep:
         """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2]."""
         k0 = keys[0]
         cap = k0.shape[2]
-        key = (tuple(b.data_ptr() for b in keys + values), cap, k0.dtype)  # every buffer: a new cache may reuse some
+        ptrs = tuple(b.data_ptr() for b in keys + values)  # every buffer: a new cache may reuse some addresses
+        key = (ptrs, cap, k0.dtype)
         if not self._kv or self._kv[0] != key:
             self._check_buffers(keys, values)
-            kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() for b in keys])
-            vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() for b in values])
+            kp = (ctypes.c_void_p * len(keys))(*ptrs[: len(keys)])
+            vp = (ctypes.c_void_p * len(values))(*ptrs[len(keys) :])
             self._kv = (key, kp, vp, keys + values)  # the tensors too: their memory must outlive the pointers
             self._m.kv_bf16 = int(k0.dtype == torch.bfloat16)
         if not 0 <= pos < cap:

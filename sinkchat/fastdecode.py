@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from sinkchat import heap, int4
+from sinkchat.config import attention_shape
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def unsupported_reason(model: Any, kernels: str = "torch") -> str | None:
 
 def weights_of(model: Any) -> Weights:
     cfg, base = model.config, model.model
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    n_heads, n_kv, head_dim = attention_shape(cfg)
     attn = [layer.self_attn for layer in base.layers]
     mlp = [layer.mlp for layer in base.layers]
     attn0 = attn[0]
@@ -209,7 +210,7 @@ def weights_of(model: Any) -> Weights:
         embed=model.get_input_embeddings(), norm=base.norm, head=model.get_output_embeddings(),
         inv_freq=base.rotary_emb.inv_freq.detach().float().clone(),
         rope_scale=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
-        n_heads=cfg.num_attention_heads, n_kv=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        n_heads=n_heads, n_kv=n_kv,
         head_dim=head_dim, inter=cfg.intermediate_size, scaling=float(getattr(attn0, "scaling", head_dim**-0.5)),
     )
 

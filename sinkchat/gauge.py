@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sinkchat.config import attention_shape
 from sinkchat.events import GaugeEvent
 from sinkchat.kv_cache import Rope, SinkKVCache
 
@@ -23,8 +24,7 @@ class SinkGauge:
     def __init__(self, model: Any, rope: Rope) -> None:
         cfg = model.config
         self.rope = rope
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.n_heads, self.n_kv, _ = attention_shape(cfg)
         self.head_dim = rope.head_dim
         base = getattr(model, "model", model)
         self.attn = [layer.self_attn for layer in base.layers]

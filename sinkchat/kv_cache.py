@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sinkchat import native
 from sinkchat.cache_policy import Eviction
+from sinkchat.config import attention_shape
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def rope_from_model(model: torch.nn.Module) -> Rope:
             f"model type '{name}' has no rotary position embedding (RoPE) that sinkchat can find; "
             "only RoPE models (Llama, Qwen2, Mistral, Gemma, Phi-3, ...) are supported"
         )
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = attention_shape(cfg)[2]
     inv = emb.original_inv_freq if hasattr(emb, "original_inv_freq") else emb.inv_freq
     inv = inv.detach().to("cpu", torch.float32).clone()
     if 2 * inv.numel() > head_dim:

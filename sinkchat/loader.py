@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from sinkchat.config import ModelConfig, cache_dir
+from sinkchat.config import ModelConfig, attention_shape, cache_dir
 from sinkchat.heap import lean_heap
 
 log = logging.getLogger(__name__)
@@ -315,10 +315,7 @@ def q4_kernels(decoder: str, config: Any = None) -> str:
 
     if decoder in ("compiled", "eager"):
         return "torch"
-    head_dim = None
-    if config is not None:
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if decoder == "auto" and head_dim is not None and head_dim % 16:
+    if decoder == "auto" and config is not None and attention_shape(config)[2] % 16:
         return "torch"
     return native.resolve("auto")
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from sinkchat.config import SamplingConfig, data_dir
+from sinkchat.config import SamplingConfig, attention_shape, data_dir
 from sinkchat.transcript import NullLog, Turn, auto_snapshot_path, get_session, turns
 
 log = logging.getLogger(__name__)
@@ -92,10 +92,7 @@ def _kv_shape(engine: Any) -> tuple[int, int, int]:
     layer = engine.cache.layers[0]
     if layer.is_initialized:
         return int(layer.keys.shape[0]), int(layer.keys.shape[1]), int(layer.keys.shape[-1])
-    cfg = engine.model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    _, kv, hd = attention_shape(engine.model.config)
     return 1, int(kv), int(hd)
 
 
