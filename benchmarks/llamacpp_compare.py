@@ -149,7 +149,7 @@ def main() -> None:
               "source, ~15 min; this script never builds it).", file=sys.stderr)
         sys.exit(0)
     if args.text is None:
-        from sinkchat.demo import default_text_path
+        from sinkchat.apps.evals.demo import default_text_path
 
         args.text = str(default_text_path())
     llama = llama_side(args, None)

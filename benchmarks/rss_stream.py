@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from sinkchat.cliopts import build_settings, open_engine
-    from sinkchat.metrics import rss_bytes
+    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.core.metrics import rss_bytes
 
     settings = build_settings({"cache_size": args.cache, "policy": "sink"})
     eng = open_engine(settings, system=None, progress=lambda m: print(m, file=sys.stderr))

@@ -14,18 +14,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
-from sinkchat.cliopts import common_options  # noqa: E402
+from sinkchat.bootstrap import common_options  # noqa: E402
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "chat": ("sinkchat.ui.repl", "chat_command"),
-    "ppl": ("sinkchat.evaluate", "ppl_command"),
-    "demo": ("sinkchat.demo", "demo_command"),
-    "probe-sinks": ("sinkchat.demo", "probe_sinks_command"),
-    "bench": ("sinkchat.bench", "bench_command"),
-    "summarize": ("sinkchat.pipe_cli", "summarize_command"),
-    "agent": ("sinkchat.agent", "agent_command"),
-    "soak": ("sinkchat.soak", "soak_command"),
-    "logs": ("sinkchat.logs_cli", "logs_command"),
+    "chat": ("sinkchat.apps.chat.repl", "chat_command"),
+    "ppl": ("sinkchat.apps.evals.ppl", "ppl_command"),
+    "demo": ("sinkchat.apps.evals.demo", "demo_command"),
+    "probe-sinks": ("sinkchat.apps.evals.demo", "probe_sinks_command"),
+    "bench": ("sinkchat.apps.evals.bench", "bench_command"),
+    "summarize": ("sinkchat.apps.summarize.command", "summarize_command"),
+    "agent": ("sinkchat.apps.agent.agent", "agent_command"),
+    "soak": ("sinkchat.apps.soak.command", "soak_command"),
+    "logs": ("sinkchat.apps.logs", "logs_command"),
 }
 
 

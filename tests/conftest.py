@@ -77,7 +77,7 @@ def word_tok():
 def bundled():
     """The real bundled SmolLM2-135M-Instruct (fp32, unquantized for exactness tests), loaded once per session."""
     from sinkchat.config import ModelConfig
-    from sinkchat.loader import load
+    from sinkchat.model.loader import load
 
     return load(ModelConfig(quant="none", threads=1))
 
@@ -85,6 +85,6 @@ def bundled():
 @pytest.fixture(scope="session")
 def bundled_nf4():
     from sinkchat.config import ModelConfig
-    from sinkchat.loader import load
+    from sinkchat.model.loader import load
 
     return load(ModelConfig(quant="nf4", threads=1))

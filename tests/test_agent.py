@@ -9,12 +9,12 @@ from collections import deque
 
 import pytest
 
-from sinkchat.agent import Agent, AgentCounts, build_default_tools
-from sinkchat.agent_protocol import (
+from sinkchat.apps.agent.agent import Agent, AgentCounts, build_default_tools
+from sinkchat.apps.agent.protocol import (
     FEW_SHOT, ModelTextEvent, StepEvent, TaskDoneEvent, ToolResultEvent, ToolsTokenizer, parse_reply,
 )
-from sinkchat.events import DoneEvent, EvictionEvent, PrefillEvent, TokenEvent
-from sinkchat.turns import Conversation
+from sinkchat.core.events import DoneEvent, EvictionEvent, PrefillEvent, TokenEvent
+from sinkchat.core.turns import Conversation
 
 SECRET = "OUTSIDE-SECRET-91c2"
 
@@ -226,7 +226,7 @@ def test_real_model_structural(bundled, tmp_path):
     """The bundled model on a simple task: the loop ends within max_steps and every step's result is fed back
     (what the model says is not asserted)."""
     from sinkchat.config import CacheConfig, SamplingConfig
-    from sinkchat.engine import Engine
+    from sinkchat.core.engine import Engine
 
     eng = Engine(bundled.model, bundled.tokenizer, CacheConfig(capacity=1024),
                  SamplingConfig(temperature=0, max_tokens=32, seed=0))
@@ -267,7 +267,7 @@ class HalfScripted:
 
 def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
     from sinkchat.config import CacheConfig, SamplingConfig
-    from sinkchat.engine import Engine
+    from sinkchat.core.engine import Engine
 
     from tests.conftest import tiny_model
 
@@ -303,8 +303,8 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     """The command end to end (tiny random model, so it is quick): plain lines, status line, summary."""
     from click.testing import CliRunner
 
-    import sinkchat.agent as agent_mod
-    from sinkchat.engine import Engine
+    import sinkchat.apps.agent.agent as agent_mod
+    from sinkchat.core.engine import Engine
     from sinkchat.config import CacheConfig, SamplingConfig
     from tests.conftest import tiny_model
 
@@ -318,7 +318,7 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "── step 3 ──" in res.output and "max_steps" in res.output and "kv " in res.output
     assert "agent: 1 task(s), 3 step(s)" in res.output
-    from sinkchat import transcript  # the run is in the session log: the task, each reply, each tool call
+    from sinkchat.store import transcript  # the run is in the session log: the task, each reply, each tool call
 
     s = transcript.latest_session("agent")
     assert s is not None and s.ended
@@ -334,11 +334,11 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
 def test_agent_log_maps_events_to_rows():
     from types import SimpleNamespace
 
-    from sinkchat.agent_protocol import (
+    from sinkchat.apps.agent.protocol import (
         AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
     )
-    from sinkchat.events import EvictionEvent
-    from sinkchat.runlog import AgentLog
+    from sinkchat.core.events import EvictionEvent
+    from sinkchat.apps.runlog import AgentLog
 
     rows = []
 

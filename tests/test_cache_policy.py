@@ -2,7 +2,7 @@
 
 import pytest
 
-from sinkchat.cache_policy import ContextFull, Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.core.cache_policy import ContextFull, Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sinkchat import config
-from sinkchat.cliopts import build_settings
+from sinkchat.bootstrap import build_settings
 from sinkchat.config import ENV_SETTINGS, ConfigError, settings_from_env
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,9 +13,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import WordTokenizer, tiny_model
 
-from sinkchat import bench, demo
+from sinkchat.apps.evals import bench
+from sinkchat.apps.evals import demo
 from sinkchat.config import CacheConfig, SamplingConfig, Settings
-from sinkchat.engine import Engine
+from sinkchat.core.engine import Engine
 
 SCHEMA = ("policy", "cache", "prefill_tok_s", "decode_tok_s", "p50_ms", "p99_ms", "peak_rss_mb", "kv_bytes")
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from sinkchat.cache_policy import ContextFull
+from sinkchat.core.cache_policy import ContextFull
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine, IncrementalDecoder
-from sinkchat.events import DoneEvent, EvictionEvent, GaugeEvent, TokenEvent
-from sinkchat.sampling import sample
+from sinkchat.core.engine import Engine, IncrementalDecoder
+from sinkchat.core.events import DoneEvent, EvictionEvent, GaugeEvent, TokenEvent
+from sinkchat.core.sampling import sample
 
 
 def rand_ids(n, seed=0):
@@ -162,7 +162,7 @@ def test_sampling_greedy_topk_seed():
 
 
 def test_plain_template_for_base_models_is_prefix_stable(word_tok):
-    from sinkchat.turns import Conversation
+    from sinkchat.core.turns import Conversation
 
     conv = Conversation(word_tok, system=None)
     first = conv.delta_for("user", "1 2 3")
@@ -174,7 +174,7 @@ def test_plain_template_for_base_models_is_prefix_stable(word_tok):
 
 
 def test_conversation_trim_keeps_next_delta_identical(bundled):
-    from sinkchat.turns import Conversation
+    from sinkchat.core.turns import Conversation
 
     tok = bundled.tokenizer
     a, b = Conversation(tok, system="Be brief."), Conversation(tok, system="Be brief.", max_messages=10_000)
@@ -189,7 +189,7 @@ def test_conversation_trim_keeps_next_delta_identical(bundled):
 
 
 def test_undecodable_bytes_encode_without_error(bundled, word_tok):
-    from sinkchat.engine import Engine
+    from sinkchat.core.engine import Engine
 
     eng = Engine(tiny_model(), bundled.tokenizer, CacheConfig("sink", 4, 64, 4))
     bad = b"ok \xff\xfe bytes".decode("utf-8", "surrogateescape")
@@ -200,7 +200,7 @@ def test_undecodable_bytes_encode_without_error(bundled, word_tok):
 def test_switching_sink_to_window_reports_the_gap_as_two_ranges(word_tok):
     """The first window eviction after a switch drops the old sinks and the oldest window tokens: two runs of the
     stream, reported as two events, never one range that claims the hundreds of tokens in between."""
-    from sinkchat.events import EvictionEvent
+    from sinkchat.core.events import EvictionEvent
 
     eng = Engine(tiny_model(), word_tok, CacheConfig(policy="sink", n_sink=4, capacity=32, evict_chunk=8))
     list(eng.feed_ids(list(range(1, 101))))  # 100 tokens: sinks 0-3 plus the most recent ones

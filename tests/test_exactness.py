@@ -17,8 +17,8 @@ import torch
 from conftest import tiny_model
 from shadow_cache import ShadowCache, rotate_at
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.kv_cache import rope_from_model
+from sinkchat.core.engine import Engine
+from sinkchat.core.kv_cache import rope_from_model
 
 TOL = 1e-4
 

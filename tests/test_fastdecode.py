@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import WordTokenizer, stream_logits as _stream, tiny_model
-from sinkchat import int4
+from sinkchat.model import int4
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.events import GaugeEvent
-from sinkchat.fastdecode import DecodeStep, Projection, compiler_available, unsupported_reason
+from sinkchat.core.engine import Engine
+from sinkchat.core.events import GaugeEvent
+from sinkchat.decode.torch_step import DecodeStep, Projection, compiler_available, unsupported_reason
 
 
 def q4_model(kind: str = "llama", **kw):

@@ -25,8 +25,8 @@ import pytest
 
 from conftest import tiny_model
 
-MODES = {"chat": "sinkchat.ui.repl", "ppl": "sinkchat.evaluate", "agent": "sinkchat.agent",
-         "summarize": "sinkchat.pipe_cli", "soak": "sinkchat.soak"}
+MODES = {"chat": "sinkchat.apps.chat.repl", "ppl": "sinkchat.apps.evals.ppl", "agent": "sinkchat.apps.agent.agent",
+         "summarize": "sinkchat.apps.summarize.command", "soak": "sinkchat.apps.soak.command"}
 TINY = ["--quant", "none", "--threads", "1"]
 
 
@@ -63,7 +63,7 @@ def tiny_dir(tmp_path_factory) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sinkchat.loader import resolve_source
+    from sinkchat.model.loader import resolve_source
 
     src = Path(resolve_source(None, lambda m: None)[1])
     cfg = json.loads((src / "config.json").read_text())
@@ -128,7 +128,7 @@ def test_sigint_twenty_times_during_generation_keeps_the_cache_consistent(word_t
     """Real SIGINTs land inside engine.generate 20x in a row; each time the cache and ledger agree and the next
     turn works (the in-process half of the REPL's Ctrl-C promise)."""
     from sinkchat.config import CacheConfig, SamplingConfig
-    from sinkchat.engine import Engine
+    from sinkchat.core.engine import Engine
 
     eng = Engine(tiny_model(), word_tok, CacheConfig(policy="sink", n_sink=4, capacity=48, evict_chunk=4),
                  SamplingConfig(temperature=0.0, max_tokens=10_000))

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from sinkchat import int4
-
+from sinkchat.model import int4
 pytestmark = pytest.mark.skipif(not int4.available(), reason="no CPU int4 kernel in this torch build")
 
 

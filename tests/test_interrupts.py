@@ -11,10 +11,10 @@ import signal
 import pytest
 
 from conftest import tiny_model
-from sinkchat.cache_policy import Ledger
+from sinkchat.core.cache_policy import Ledger
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.interrupts import deferred_sigint
+from sinkchat.core.engine import Engine
+from sinkchat.core.interrupts import deferred_sigint
 
 
 def _sigint() -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sinkchat.config import ModelConfig
-from sinkchat.kv_cache import UnsupportedModel, rope_from_model
-from sinkchat.loader import LoadError, load
+from sinkchat.core.kv_cache import UnsupportedModel, rope_from_model
+from sinkchat.model.loader import LoadError, load
 
 
 def test_bundled_loads_from_cached_conversion(bundled):
@@ -33,8 +33,7 @@ def test_nf4_quantizes_most_linear_weights(bundled_nf4):
 def test_the_bundled_q4_1_weights_are_held_exactly_by_the_q4_layout(bundled):
     """The GGUF's Q4_1 blocks survive fp32 dequantization and a min/max requantization unchanged (before the kernel
     rounds scale and zero to bf16): q4 starts from the same model llama.cpp runs, NF4 does not."""
-    from sinkchat import int4
-
+    from sinkchat.model import int4
     layers = bundled.model.model.layers
     for lin in (layers[0].self_attn.k_proj, layers[13].mlp.down_proj, layers[29].mlp.gate_proj):
         w = lin.weight.data
@@ -43,8 +42,7 @@ def test_the_bundled_q4_1_weights_are_held_exactly_by_the_q4_layout(bundled):
 
 
 def test_q4_swaps_every_decoder_linear_and_keeps_the_logits(bundled):
-    from sinkchat import int4
-
+    from sinkchat.model import int4
     q4 = load(ModelConfig(quant="q4", threads=1))
     assert q4.quant == "q4" and q4.quantized_fraction == 1.0 and ":q4:" in q4.fingerprint
     layer = q4.model.model.layers[0]
@@ -68,9 +66,9 @@ def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, kernels):
     norm left at its init value, an untied head) changes the logits."""
     import copy
 
-    from sinkchat import native
-    from sinkchat.loader import quantize_q4
-    from sinkchat.q4load import load_q4
+    from sinkchat.kernels import native
+    from sinkchat.model.loader import quantize_q4
+    from sinkchat.model.q4load import load_q4
 
     if kernels == "native" and not native.available():
         pytest.skip(f"native kernels: {native.why_unavailable()}")
@@ -88,14 +86,14 @@ def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, kernels):
 def test_streamed_q4_load_declines_a_folder_it_cannot_map(bundled, tmp_path):
     from safetensors.torch import save_file
 
-    from sinkchat.q4load import load_q4
+    from sinkchat.model.q4load import load_q4
 
     save_file({"not.a.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
     assert load_q4(str(tmp_path), bundled.model.config, torch.float32) is None
 
 
 def test_auto_quant_is_q4_on_cpu():
-    from sinkchat.loader import resolve_quant
+    from sinkchat.model.loader import resolve_quant
 
     assert resolve_quant("auto", "cpu") == "q4"
     assert resolve_quant("auto", "cuda") == "nf4"

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from conftest import WordTokenizer, stream_logits as _stream, tiny_model
-from sinkchat import int4, native
+from sinkchat.model import int4
+from sinkchat.kernels import native
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.events import GaugeEvent
+from sinkchat.core.engine import Engine
+from sinkchat.core.events import GaugeEvent
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
@@ -152,8 +153,8 @@ def test_native_generation_and_gauge_agree_with_the_reference():
 @pytest.mark.parametrize("rerotate", [True, False])
 @pytest.mark.parametrize("rot,head_dim", [(32, 48), (16, 16)])  # vector path + partial rotary; scalar path
 def test_native_eviction_equals_the_torch_path(monkeypatch, dtype, rerotate, rot, head_dim):
-    from sinkchat.cache_policy import Eviction
-    from sinkchat.kv_cache import Rope, SinkKVCache
+    from sinkchat.core.cache_policy import Eviction
+    from sinkchat.core.kv_cache import Rope, SinkKVCache
 
     rope = Rope(inv_freq=1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot)), head_dim=head_dim)
     caches = []
@@ -179,7 +180,7 @@ def test_native_eviction_equals_the_torch_path(monkeypatch, dtype, rerotate, rot
 def test_q4_load_keeps_native_biases_fp32_under_a_bf16_model(tmp_path):
     """The native kernel adds an fp32 bias: a bf16 model read straight into q4 must still hand it fp32 (a bf16 bias
     read as fp32 was garbage, and read past the end of the buffer)."""
-    from sinkchat.q4load import load_q4
+    from sinkchat.model.q4load import load_q4
 
     src = tiny_model("qwen2")
     for layer in src.model.layers:
@@ -198,7 +199,7 @@ def test_q4_load_keeps_native_biases_fp32_under_a_bf16_model(tmp_path):
 def test_native_step_follows_a_new_cache_even_where_addresses_repeat():
     """The step caches its pointer arrays; a cache rebuilt with some buffers at the old addresses must not leave the
     others pointing at freed memory."""
-    from sinkchat.cstep import NativeStep
+    from sinkchat.decode.native_step import NativeStep
 
     model = _native_model("llama", layers=3)
     step = NativeStep(model)
@@ -214,9 +215,9 @@ def test_native_step_follows_a_new_cache_even_where_addresses_repeat():
 
 
 def test_decoder_choice_follows_the_packed_weights(monkeypatch):
-    from sinkchat.cstep import NativeStep, decode_step
-    from sinkchat.fastdecode import DecodeStep
-    from sinkchat.loader import q4_kernels
+    from sinkchat.decode.native_step import NativeStep, decode_step
+    from sinkchat.decode.torch_step import DecodeStep
+    from sinkchat.model.loader import q4_kernels
 
     assert isinstance(decode_step(_native_model("llama"), "native"), NativeStep)
     assert isinstance(decode_step(_native_model("llama"), "auto"), NativeStep)

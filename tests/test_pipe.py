@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from sinkchat.pipe_input import (
+from sinkchat.apps.summarize.reader import (
     Batcher, End, LineSplitter, Line, Notice, Reader, clean_line, follow_chunks, stream_chunks,
 )
 
@@ -167,7 +167,7 @@ def test_follow_survives_append_truncation_and_rotation(tmp_path):
 
 
 def test_render_block_formats():
-    from sinkchat.pipe_input import render_block
+    from sinkchat.apps.summarize.reader import render_block
 
     b = {"time": "T", "first_line": 3, "last_line": 9, "lines": 7, "summarized": 5, "filtered": 1, "deduped": 0,
          "skipped": 1, "tokens_fed": 10, "tokens_evicted": 2, "final": True, "summary": "it broke"}
@@ -201,8 +201,8 @@ def test_summarizer_feeds_once_keeps_memory_flat_and_accounts_lines():
     from conftest import tiny_model
 
     from sinkchat.config import CacheConfig, SamplingConfig
-    from sinkchat.engine import Engine
-    from sinkchat.pipe import Output, Status, Summarizer
+    from sinkchat.core.engine import Engine
+    from sinkchat.apps.summarize.summarizer import Output, Status, Summarizer
 
     eng = Engine(tiny_model(max_pos=4096), CharTok(), CacheConfig(capacity=96, n_sink=4),
                  SamplingConfig(temperature=0, max_tokens=3))
@@ -276,7 +276,7 @@ def tiny_dir(tmp_path_factory) -> str:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from sinkchat.loader import resolve_source
+    from sinkchat.model.loader import resolve_source
 
     _, src = resolve_source(None, lambda m: None)
     tok = AutoTokenizer.from_pretrained(src)
@@ -297,8 +297,8 @@ def run_inprocess(monkeypatch):
     from click.testing import CliRunner
     from conftest import tiny_model
 
-    import sinkchat.pipe_cli as pipe
-    from sinkchat.engine import Engine
+    import sinkchat.apps.summarize.command as pipe
+    from sinkchat.core.engine import Engine
 
     def fake_open_engine(settings, system=None, progress=None):
         return Engine(tiny_model(max_pos=4096), CharTok(), settings.cache, settings.sampling, system=system)
@@ -326,8 +326,7 @@ def test_cli_bad_input_binary_utf8_crlf_and_a_10mb_line(run_inprocess):
 
 
 def test_summarize_sessions_are_logged(run_inprocess, tmp_path, monkeypatch):
-    from sinkchat import transcript
-
+    from sinkchat.store import transcript
     monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path))
     res, blocks = run_inprocess(b"".join(b"event %d\n" % i for i in range(12)), "--every", "6", "--cache", "64",
                                 "--max-tokens", "3", "--backpressure", "block")

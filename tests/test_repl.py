@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.events import PrefillEvent, TokenEvent
-from sinkchat.ui.commands import COMMANDS, SlashCompleter
-from sinkchat.ui.render import Renderer, toolbar_text
-from sinkchat.ui.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
+from sinkchat.core.engine import Engine
+from sinkchat.core.events import PrefillEvent, TokenEvent
+from sinkchat.apps.chat.commands import COMMANDS, SlashCompleter
+from sinkchat.apps.render import Renderer, toolbar_text
+from sinkchat.apps.chat.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
 
 from conftest import tiny_model
 
@@ -313,7 +313,7 @@ def test_cli_pipe_path_invalid_utf8(monkeypatch, tmp_path):
     """CliRunner through `chat_command` with open_engine swapped for the fake engine: plain stdout, no traceback."""
     from click.testing import CliRunner
 
-    import sinkchat.ui.repl as repl
+    import sinkchat.apps.chat.repl as repl
 
     monkeypatch.setattr(repl, "open_engine", lambda settings, system, progress=None: fake_engine())
     res = CliRunner().invoke(repl.chat_command, ["--system", "x"], input=b"hi \xff\xfe\n/nope\n\nbye\n")

@@ -10,8 +10,7 @@ import time
 
 import pytest
 
-from sinkchat import transcript
-
+from sinkchat.store import transcript
 BASE = [sys.executable, "-m", "sinkchat.cli", "chat", "--cache", "96", "--temperature", "0", "--max-tokens", "16",
         "--system", "You are terse."]
 

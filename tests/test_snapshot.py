@@ -12,10 +12,10 @@ import torch
 
 from conftest import WordTokenizer, tiny_model
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.snapshot import (AutoSnapshot, SnapshotError, load_snapshot, resume_session, save_snapshot,
+from sinkchat.core.engine import Engine
+from sinkchat.store.snapshot import (AutoSnapshot, SnapshotError, load_snapshot, resume_session, save_snapshot,
                                snapshot_info, snapshot_path)
-from sinkchat.transcript import SessionLog, auto_snapshot_path, turns
+from sinkchat.store.transcript import SessionLog, auto_snapshot_path, turns
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8, repetition_penalty=1.0)
 
@@ -303,9 +303,9 @@ sys.path.insert(0, sys.argv[3])
 from transformers import AutoTokenizer
 from conftest import tiny_model
 from sinkchat.config import CacheConfig, SamplingConfig
-from sinkchat.engine import Engine
-from sinkchat.snapshot import AutoSnapshot
-from sinkchat.transcript import SessionLog
+from sinkchat.core.engine import Engine
+from sinkchat.store.snapshot import AutoSnapshot
+from sinkchat.store.transcript import SessionLog
 tok = AutoTokenizer.from_pretrained(sys.argv[2])
 m = tiny_model("llama", layers=2, seed=2, vocab_size=len(tok))
 eng = Engine(m, tok, CacheConfig(capacity=96, n_sink=4, evict_chunk=8),

@@ -16,7 +16,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from sinkchat.soak_report import MIB, Thresholds, evaluate, load_run, slope_per_hour, write_report
+from sinkchat.apps.soak.report import MIB, Thresholds, evaluate, load_run, slope_per_hour, write_report
 
 from conftest import tiny_model
 
@@ -101,7 +101,7 @@ def _write_run(d: Path, samples: list[dict], end: dict | None, torn: bool = Fals
 
 
 def test_report_command_on_killed_and_finished_runs(tmp_path):
-    from sinkchat.soak import soak_command
+    from sinkchat.apps.soak.command import soak_command
 
     killed, good = tmp_path / "killed", tmp_path / "good"
     killed.mkdir(), good.mkdir()
@@ -121,7 +121,7 @@ def test_report_command_on_killed_and_finished_runs(tmp_path):
 
 
 def test_parse_duration():
-    from sinkchat.soak import parse_duration
+    from sinkchat.apps.soak.command import parse_duration
 
     assert parse_duration("8h") == 8 * 3600
     assert parse_duration("1h30m") == 5400
@@ -135,7 +135,7 @@ def test_parse_duration():
 # ------------------------------------------------------------------------------------------------ runner, tiny model
 def _tiny_engine(word_tok, capacity=32):
     from sinkchat.config import CacheConfig
-    from sinkchat.engine import Engine
+    from sinkchat.core.engine import Engine
 
     return Engine(tiny_model(), word_tok, CacheConfig(policy="sink", n_sink=4, capacity=capacity, evict_chunk=4))
 
@@ -159,9 +159,9 @@ class Flaky:
 def test_runner_survives_faults_and_nan_logits(tmp_path, word_tok):
     import torch
 
-    from sinkchat.soak import Soak
-    from sinkchat.soak_report import Recorder
-    from sinkchat.soak_scenarios import StreamScenario
+    from sinkchat.apps.soak.command import Soak
+    from sinkchat.apps.soak.report import Recorder
+    from sinkchat.apps.soak.scenarios import StreamScenario
 
     text = tmp_path / "ids.txt"
     text.write_text(" ".join(str(random.Random(1).randrange(128)) for _ in range(300)))
@@ -203,7 +203,7 @@ def test_runner_survives_faults_and_nan_logits(tmp_path, word_tok):
 def test_probe_does_not_disturb_the_cache(word_tok):
     import torch
 
-    from sinkchat.soak_scenarios import Probe
+    from sinkchat.apps.soak.scenarios import Probe
 
     a, b = _tiny_engine(word_tok), _tiny_engine(word_tok)
     probe = Probe(b, text=" ".join(str(i) for i in range(40)))
@@ -224,7 +224,7 @@ def test_scored_feed_matches_a_dense_forward(word_tok):
     """Running ppl of the input: the NLL per token equals a plain forward's while nothing was evicted."""
     import torch
 
-    from sinkchat.soak_scenarios import Scores, scored_feed
+    from sinkchat.apps.soak.scenarios import Scores, scored_feed
 
     eng = _tiny_engine(word_tok, capacity=64)
     ids = [random.Random(3).randrange(128) for _ in range(40)]
@@ -272,7 +272,7 @@ def test_display_plain_line_and_live_panel(capsys):
     from collections import deque
     from types import SimpleNamespace
 
-    from sinkchat.soak import Display, spark
+    from sinkchat.apps.soak.command import Display, spark
 
     s = spark([1.0, 2.0, None, 3.0, 4.0])
     assert len(s) == 4 and s[0] == "▁" and s[-1] == "█" and spark([]) == ""

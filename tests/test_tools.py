@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sinkchat.tools import (
+from sinkchat.apps.agent.tools import (
     ToolError, Toolbox, Workspace, build_default_tools, cap_text, load_tools_module, parse_docstring, tool,
     tool_from_function,
 )

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from sinkchat.transcript import (SCHEMA_VERSION, LogError, NullLog, SessionLog, auto_snapshot_path, export,
+from sinkchat.store.transcript import (SCHEMA_VERSION, LogError, NullLog, SessionLog, auto_snapshot_path, export,
                                  get_session, latest_session, list_sessions, migrate, turns)
-from sinkchat.logs_cli import logs_command
+from sinkchat.apps.logs import logs_command
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_disk_full_mid_session_degrades_once(tmp_path):
 
 WRITER = """
 import sys
-from sinkchat.transcript import SessionLog
+from sinkchat.store.transcript import SessionLog
 slog = SessionLog.open("soak", "w" + sys.argv[1], {}, path=sys.argv[2], warn=lambda m: sys.exit("WARN " + m))
 print(slog.id, flush=True)
 for i in range(int(sys.argv[3])):
@@ -219,7 +219,7 @@ def test_logs_cli(home):
 
 def test_undecodable_input_is_stored_not_a_crash(tmp_path):
     """Bytes that are not UTF-8 reach us as lone surrogates (surrogateescape); SQLite must still take the turn."""
-    from sinkchat.transcript import SessionLog, turns
+    from sinkchat.store.transcript import SessionLog, turns
 
     log = SessionLog.open("agent", "m", {}, path=tmp_path / "t.db")
     log.turn("user", "bad \udcff\udcfe bytes")

@@ -1,0 +1,48 @@
+"""`notes`: a scratchpad file (NOTES.md) in the workspace. The cache forgets the oldest steps; what the model writes
+here survives eviction and can be read back at any time."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from typing import Literal
+
+from sinkchat.apps.agent.tools import ToolError, Workspace, tool
+
+NOTES_FILE = "NOTES.md"
+MAX_NOTE_CHARS = 4000
+
+
+@tool(side_effects=lambda args: args.get("action", "read") != "read")
+def notes(action: Literal["read", "append", "clear"] = "read", text: str = "", *, workspace: Workspace) -> str:
+    """Your scratchpad that survives forgetting: read it, append a note, or clear it.
+
+    Args:
+        action: "read", "append" or "clear"
+        text: the note to append (for action "append")
+    """
+    real = workspace.resolve(NOTES_FILE, kind="file", must_exist=False)
+    if action == "append":
+        if not text.strip():
+            raise ToolError('action "append" needs a non-empty "text"')
+        if len(text) > MAX_NOTE_CHARS:
+            raise ToolError(f"a note is limited to {MAX_NOTE_CHARS} characters")
+        stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            os.write(fd, f"- [{stamp}] {text.strip()}\n".encode("utf-8"))
+        finally:
+            os.close(fd)
+        return f"note saved to {NOTES_FILE}"
+    if action == "clear":
+        fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.close(fd)
+        return "notes cleared"
+    if not real.exists():
+        return "(no notes yet)"
+    fd = workspace.open_regular(real, os.O_RDONLY)
+    try:
+        data = os.read(fd, 256 * 1024)
+    finally:
+        os.close(fd)
+    return data.decode("utf-8", errors="replace") or "(no notes yet)"

@@ -1,0 +1,388 @@
+"""`sinkchat chat`: the terminal chat REPL over one Engine and its attention-sink cache.
+
+One core, `ChatLoop.run(read)`, serves both paths: on a terminal `read` is a prompt-toolkit PromptSession (history,
+emacs keys, completion, a bottom toolbar refreshed twice a second); off a terminal it reads lines from stdin (invalid
+UTF-8 becomes U+FFFD) and the Renderer writes plain replies to stdout and everything else to stderr. Tests drive the
+same loop with prompt-toolkit's pipe input or with plain line lists.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator
+
+import click
+
+from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, \
+    user_errors
+from sinkchat.config import ConfigError, data_dir
+from sinkchat.core.events import DoneEvent, EvictionEvent, Event, TokenEvent
+from sinkchat.core.metrics import Metrics, Stats, model_bytes, read_stats
+from sinkchat.apps.chat.commands import Exit, SlashCompleter, dispatch
+from sinkchat.apps.chat import session
+from sinkchat.apps.render import Renderer, toolbar_fragments
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[bool], str]  # read(continuation) -> one line; EOFError ends, KeyboardInterrupt cancels the line
+FENCE = '"""'
+MAX_EVICTION_LINES = 6  # per turn; a huge paste evicts hundreds of times, the rest is summarised
+
+
+class ChatLoop:
+    """The REPL core: turns lines into chat turns or slash commands, streams events to a Renderer."""
+
+    def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
+                 interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
+                 auto_snapshot: Any = None) -> None:
+        from sinkchat.store.transcript import NullLog
+
+        self.engine = engine
+        self.slog = slog if slog is not None else NullLog()  # the SQLite session log (NullLog with --no-log)
+        self.auto_snapshot = auto_snapshot
+        self.exit_on_interrupt = exit_on_interrupt  # piped input: Ctrl-C ends the run (after a consistent stop)
+        self.r = renderer
+        self.metrics = metrics or Metrics()
+        self.interactive = interactive
+        self._model_nbytes = model_bytes(engine.model)
+        self._hidden: list[EvictionEvent] = []
+        self._shown = 0
+        if self.r.stats is None:
+            self.r.stats = self.stats
+
+    def stats(self) -> Stats:
+        return read_stats(self.engine, self.metrics, self._model_nbytes)
+
+    def toolbar(self) -> list[tuple[str, str]]:
+        try:
+            from prompt_toolkit.application import get_app
+
+            width = get_app().output.get_size().columns
+        except Exception:  # noqa: BLE001 - no running app (tests): full width
+            width = 200
+        return toolbar_fragments(self.stats(), width)
+
+    # ------------------------------------------------------------------------------------------- events
+    def on_event(self, ev: Event) -> None:
+        self.metrics.fold(ev)
+        if isinstance(ev, TokenEvent):
+            self.r.token(ev.text)
+        elif isinstance(ev, EvictionEvent):
+            self.slog.eviction(ev)
+            if self._shown < MAX_EVICTION_LINES:
+                self._shown += 1
+                self.r.eviction(ev)
+            else:
+                self._hidden.append(ev)
+
+    def _summarise_hidden(self) -> None:
+        if self._hidden:
+            h = self._hidden
+            n = sum(e.count for e in h)
+            self.r.info(f"⟂ ... and {len(h)} more evictions this turn: {n} tokens [{h[0].first},{h[-1].last})",
+                        style="dim yellow")
+        self._hidden, self._shown = [], 0
+
+    # ------------------------------------------------------------------------------------------- actions
+    def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:
+        """One chat turn. Ctrl-C stops it; whatever was generated stays in the cache and the conversation."""
+        eng = self.engine
+        seen0 = eng.ledger.seen
+        done: DoneEvent | None = None
+        interrupted = generating = False
+        self.r.begin_reply()
+        try:
+            try:
+                feed = eng.add_message("user", text)
+                try:
+                    for ev in feed:
+                        self.on_event(ev)
+                finally:
+                    feed.close()
+                if log_user:
+                    session.log_turn(self, "user", text, eng.ledger.seen - seen0)
+                eng.last_reply_ids = []
+                generating, t_gen = True, time.perf_counter()
+                gen = eng.generate()
+                try:
+                    for ev in gen:
+                        self.on_event(ev)
+                        if isinstance(ev, DoneEvent):
+                            done = ev
+                finally:
+                    gen.close()
+            finally:
+                # Record the reply even when cut (the engine.chat contract). A prompt cut while being fed is taken
+                # back whole by the engine; only if it had already evicted does it stay, and then an empty reply
+                # closes its turn so the next message extends the conversation by prefix.
+                if generating or not eng.message_taken_back:
+                    eng.conv.add_reply(eng.reply_text() if generating else "")
+                if generating:
+                    reply = done.text if done is not None else eng.tokenizer.decode(eng.last_reply_ids,
+                                                                                    skip_special_tokens=True)
+                    session.log_turn(self, "assistant", reply, len(eng.last_reply_ids), done,
+                                     seconds=time.perf_counter() - t_gen)
+                    if self.auto_snapshot is not None:
+                        self.auto_snapshot.after_turn(eng, self.slog)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            unsent = None
+            if interrupted and not generating:
+                unsent = ("message not sent: taken back out of the cache" if eng.message_taken_back
+                          else "message cut while being fed: the part already fed stays (it had evicted older tokens)")
+            self.r.end_reply(done, interrupted, unsent)
+            self._summarise_hidden()
+        self.r.status(self.stats())
+        if interrupted and self.exit_on_interrupt:
+            raise KeyboardInterrupt
+        return done
+
+    def feed_message(self, role: str, content: str, quiet: bool = False) -> int:
+        """Feed a message without a reply (transcript replay, mid-conversation system prompt); returns tokens."""
+        eng = self.engine
+        before = eng.ledger.seen
+        from jinja2 import TemplateError
+
+        try:
+            events = list(eng.add_message(role, content, add_generation_prompt=False))
+        except TemplateError as e:  # a chat template may refuse a role or position (e.g. a late system message)
+            if eng.conv.messages and eng.conv.messages[-1] == {"role": role, "content": content}:
+                eng.conv.messages.pop()  # rendering failed before anything was fed
+            raise ConfigError(f"the chat template refused a {role} message here: {e}") from None
+        for ev in events:
+            self.metrics.fold(ev)
+            if isinstance(ev, EvictionEvent) and not quiet:
+                self.r.eviction(ev)
+        return eng.ledger.seen - before
+
+    def handle(self, line: str) -> None:
+        """One input: slash command, message, or nothing (empty line). Raises Exit on /bye."""
+        if not line.strip():
+            return
+        from sinkchat.core.cache_policy import ContextFull
+
+        try:
+            if line.lstrip().startswith("/") and "\n" not in line.strip():
+                dispatch(self, line.strip())
+            else:
+                self.turn(line)
+        except ContextFull as e:
+            self.r.error(f"{e} (/policy sink, or /clear)")
+
+    def run(self, read: Reader) -> None:
+        """Read-eval loop until EOF or /bye. Ctrl-C at the prompt clears the line (or a pending \"\"\" block)."""
+        while True:
+            try:
+                line = read(False)
+                if line.lstrip().startswith(FENCE):
+                    line = self._read_block(line, read)
+            except KeyboardInterrupt:
+                if self.exit_on_interrupt:
+                    raise
+                continue
+            except EOFError:
+                return
+            try:
+                self.handle(line)
+            except Exit:
+                return
+            except KeyboardInterrupt:  # Ctrl-C inside a slash command (e.g. a long /load)
+                if self.exit_on_interrupt:
+                    raise
+                self.r.error("^C interrupted")
+
+    @staticmethod
+    def _read_block(first: str, read: Reader) -> str:
+        """ollama-style multi-line input: from a line starting with \"\"\" to a line ending with \"\"\"."""
+        body = first.lstrip()[len(FENCE):]
+        if body.rstrip().endswith(FENCE):
+            return body.rstrip()[: -len(FENCE)]
+        lines = [body] if body else []
+        while True:
+            try:
+                line = read(True)
+            except EOFError:
+                break
+            if line.rstrip().endswith(FENCE):
+                lines.append(line.rstrip()[: -len(FENCE)])
+                break
+            lines.append(line)
+        return "\n".join(lines).strip("\n")
+
+
+# ----------------------------------------------------------------------------------------------- input sources
+def stream_reader(stream: BinaryIO) -> Reader:
+    """Lines from a byte stream; invalid UTF-8 becomes U+FFFD rather than a traceback."""
+
+    def read(_continuation: bool) -> str:
+        raw = stream.readline()
+        if not raw:
+            raise EOFError
+        return raw.decode("utf-8", errors="replace").rstrip("\r\n")
+
+    return read
+
+
+def lines_reader(lines: list[str]) -> Reader:
+    it: Iterator[str] = iter(lines)
+
+    def read(_continuation: bool) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    return read
+
+
+def make_prompt_session(loop: ChatLoop, history_file: Path | None = None) -> Any:
+    """A PromptSession: file history, emacs keys, slash completion, Esc-Enter newline, live toolbar."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+    from prompt_toolkit.styles import Style
+
+    kb = KeyBindings()
+
+    @kb.add("escape", "enter")  # Alt-Enter arrives as Esc-Enter
+    def _newline(event: Any) -> None:
+        event.current_buffer.insert_text("\n")
+
+    history: History = InMemoryHistory()
+    if history_file is not None:
+        try:
+            history_file.parent.mkdir(parents=True, exist_ok=True)
+            history_file.touch(exist_ok=True)
+            history = FileHistory(str(history_file))
+        except OSError as e:
+            log.warning("history disabled: cannot write %s (%s)", history_file, e.strerror)
+    style = Style.from_dict({
+        "bottom-toolbar": "noreverse bg:#202020 #d0d0d0", "toolbar.policy": "bg:#005f87 #ffffff bold",
+        "toolbar.kv": "bg:#303030 #87d7ff", "toolbar.evicted": "bg:#303030 #ffaf5f", "toolbar.gauge": "#5fd75f",
+        "prompt": "bold #5fafff",
+    })
+    return PromptSession(history=history, key_bindings=kb, completer=SlashCompleter(), complete_while_typing=True,
+                         bottom_toolbar=loop.toolbar, refresh_interval=0.5, style=style, enable_open_in_editor=True,
+                         prompt_continuation=lambda width, n, soft: "... ".rjust(width))
+
+
+def prompt_reader(session: Any) -> Reader:
+    def read(continuation: bool) -> str:
+        return session.prompt([("class:prompt", "... " if continuation else ">>> ")])
+
+    return read
+
+
+# ----------------------------------------------------------------------------------------------- command
+def resolve_system(text: str | None, path: str | None) -> str:
+    if text is not None and path is not None:
+        raise ConfigError("give --system or --system-file, not both")
+    if text is not None:
+        return text
+    if path is not None:
+        try:
+            return Path(path).read_text(encoding="utf-8", errors="replace").strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read --system-file {path}: {e.strerror}") from None
+    return read_prompt("system")
+
+
+def load_engine(settings: Any, system: str, tty: bool) -> Any:
+    """Load the model with a rich status spinner on stderr (a plain line per step off a terminal)."""
+    if not tty:
+        return open_engine(settings, system, progress=lambda m: click.echo(m, err=True))
+    from rich.console import Console
+
+    with Console(stderr=True).status("loading model ...") as st:
+        return open_engine(settings, system, progress=lambda m: st.update(m))
+
+
+@click.command("chat")
+@click.option("--system", "system_text", default=None, metavar="TEXT",
+              help="system prompt (default: prompts/system.txt)")
+@click.option("--system-file", type=click.Path(dir_okay=False), default=None, help="read the system prompt from a file")
+@click.option("--load", "load_name", default=None, metavar="NAME|FILE.json",
+              help="start from a snapshot saved with /save NAME, or replay a transcript saved with /save FILE.json")
+@click.option("--resume", "resume_arg", is_flag=False, flag_value="", default=None, metavar="[ID]",
+              help="continue a logged session after a crash (default: the newest chat session)")
+@click.option("--snapshot-every", type=click.IntRange(0, None), default=0, show_default=True,
+              help="write an automatic snapshot every N turns (used by --resume)")
+@click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
+@common_options
+def chat_command(system_text: str | None, system_file: str | None, load_name: str | None, resume_arg: str | None,
+                 snapshot_every: int, no_log: bool, **kw: Any) -> None:
+    """Chat with the model forever: replies stream, the cache never overflows (attention sinks keep it sane), and
+    the toolbar shows memory, cache fill, evictions and the sink gauge. /help inside lists the slash commands.
+
+    With stdin/stdout not a terminal it reads one message per line and writes plain replies, so
+    `sinkchat chat < questions.txt > answers.txt` works (events and stats go to stderr)."""
+    opts = pop_common(kw)
+    setup_logging(opts["verbose"] or 0)
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
+    out, err = sys.stdout, sys.stderr
+    tty_out = _isatty(out)
+    interactive = tty_out and _isatty(stdin)
+    with user_errors():
+        settings = build_settings(opts)
+        system = resolve_system(system_text, system_file)
+        if load_name is not None and resume_arg is not None:
+            raise ConfigError("give --load or --resume, not both")
+        resume_id = session.resume_target(resume_arg) if resume_arg is not None else None
+        if resume_id is not None:
+            session.check_resumable(resume_id)  # a wrong id is told before the model loads
+        if load_name is not None and not session.is_transcript_file(load_name):
+            settings = session.settings_for_load(settings, load_name)
+        engine = load_engine(settings, system, tty_out)
+        renderer = Renderer(out, err, tty=tty_out)
+        slog = session.open_log(engine, "chat", no_log, system, lambda m: renderer.error(m), resume_id)
+        auto = None
+        if snapshot_every:
+            from sinkchat.store.snapshot import AutoSnapshot
+
+            auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
+        loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
+                        auto_snapshot=auto)
+        try:
+            _start(loop, load_name, resume_id, interactive, stdin)
+        finally:
+            slog.close()
+
+
+def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interactive: bool, stdin: Any) -> None:
+    """Restore (--load / --resume) if asked, then run the loop on a prompt or on stdin."""
+    engine = loop.engine
+    with user_errors():
+        if load_name is not None and session.is_transcript_file(load_name):
+            from sinkchat.apps.chat.commands import load_transcript
+
+            load_transcript(loop, load_name)
+        elif load_name is not None:
+            session.load(loop, load_name, strict=True)
+        elif resume_id is not None:
+            session.do_resume(loop, resume_id)
+        if interactive:
+            loaded = getattr(engine, "loaded", None)
+            c = engine.cache_cfg
+            what = f"{Path(loaded.source).name} ({loaded.quant}, {loaded.device})" if loaded is not None else "model"
+            pol = f"{c.policy} with {c.n_sink} sinks" if c.policy == "sink" else c.policy
+            loop.r.info(f"sinkchat · {what} · cache {c.capacity} tokens, {pol} · "
+                        f"/help for commands, /bye or Ctrl-D to exit", style="bold cyan")
+            prompt = make_prompt_session(loop, data_dir() / "history")
+            loop.run(prompt_reader(prompt))
+        else:
+            loop.run(stream_reader(stdin))
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+if __name__ == "__main__":  # pragma: no cover
+    chat_command(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""`sinkchat logs`: list, show, export and delete sessions from the SQLite log (`sinkchat.store.transcript`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from sinkchat.store.transcript import (LogError, SessionInfo, db_path, delete_session, export, latest_session,
+                                 list_sessions)
+
+
+# ------------------------------------------------------------------------------------------------ formatting
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
+
+
+def format_sessions(sessions: list[SessionInfo]) -> str:
+    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>7}  STATUS"
+    lines = [head]
+    for s in sessions:
+        status = "ended" if s.ended else "open/crashed"
+        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_model_name(s.model)[:28]:28}  {s.turns:>5}  "
+                     f"{s.tokens:>7}  {status}")
+    return "\n".join(lines)
+
+
+def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
+    s = data["session"]
+    title = f"session {s['id']} · {s['mode']} · {s['model'] or '-'} · started {_when(s['started'])}"
+    out: list[str] = [f"# {title}" if markdown else title]
+    if s.get("system"):
+        out.append(f"**system**: {s['system']}" if markdown else f"[system] {s['system']}")
+    tools: dict[int, list[dict[str, Any]]] = {}
+    for tc in data["tool_calls"]:
+        tools.setdefault(tc["turn_seq"], []).append(tc)
+    for t in data["turns"]:
+        stat = f"{t['tokens']} tokens, {t['seconds']:.1f} s" + (f", {t['reason']}" if t.get("reason") else "")
+        if markdown:
+            out.append(f"\n## {t['role']} ({stat})\n\n{t['text']}")
+        else:
+            out.append(f"\n[{t['role']}] ({stat})\n{t['text']}")
+        for tc in tools.get(t["seq"], []):
+            mark = "ok" if tc["ok"] else "failed"
+            out.append(f"\n> tool `{tc['name']}` {tc['args']} -> {mark}: {tc['result']}" if markdown else
+                       f"  <tool {tc['name']} {tc['args']} -> {mark}: {tc['result']}>")
+    if data["evictions"]:
+        n = sum(e["count"] for e in data["evictions"])
+        out.append(f"\n_{len(data['evictions'])} evictions, {n} tokens_" if markdown else
+                   f"\n({len(data['evictions'])} evictions, {n} tokens evicted)")
+    return "\n".join(out)
+
+
+def _model_name(model: str | None) -> str:
+    """The file or folder name (a full path cut to the column width says nothing), or the hub id."""
+    if not model:
+        return "-"
+    return Path(model).name if model.startswith(("/", ".", "~")) else model
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+@click.group("logs", invoke_without_command=True)
+@click.option("--mode", type=click.Choice(("chat", "agent", "summarize", "soak")), default=None,
+              help="only sessions of this mode")
+@click.option("-n", "--limit", type=click.IntRange(1, None), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.pass_context
+def logs_command(ctx: click.Context, mode: str | None, limit: int, as_json: bool) -> None:
+    """List logged sessions (newest first); `logs show ID` prints one, `logs rm ID` deletes one."""
+    if ctx.invoked_subcommand is not None:
+        return
+    with _cli_errors():
+        sessions = list_sessions(mode, limit) if db_path().exists() else []
+    if as_json:
+        click.echo(json.dumps([asdict(s) for s in sessions], indent=1))
+    elif not sessions:
+        click.echo("no sessions logged yet")
+    else:
+        click.echo(format_sessions(sessions))
+
+
+@logs_command.command("show")
+@click.argument("session_id", type=int, required=False)
+@click.option("--json", "as_json", is_flag=True, help="export everything as JSON")
+@click.option("--markdown", is_flag=True, help="export as Markdown")
+def show_command(session_id: int | None, as_json: bool, markdown: bool) -> None:
+    """Print the transcript of session ID (default: the newest)."""
+    with _cli_errors():
+        if session_id is None:
+            latest = latest_session()
+            if latest is None:
+                raise LogError("no sessions logged yet")
+            session_id = latest.id
+        data = export(session_id)
+    click.echo(json.dumps(data, indent=1) if as_json else format_transcript(data, markdown))
+
+
+@logs_command.command("rm")
+@click.argument("session_ids", type=int, nargs=-1, required=True)
+def rm_command(session_ids: tuple[int, ...]) -> None:
+    """Delete sessions (and their automatic snapshots)."""
+    with _cli_errors():
+        for sid in session_ids:
+            delete_session(sid)
+            click.echo(f"removed session {sid}")
+
+
+@contextlib.contextmanager
+def _cli_errors() -> Iterator[None]:
+    """Log problems (missing, newer schema, unknown id) as one-line click errors, never a traceback."""
+    from sinkchat.config import ConfigError
+
+    try:
+        yield
+    except (LogError, sqlite3.Error) as e:
+        raise click.ClickException(str(e)) from None
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None

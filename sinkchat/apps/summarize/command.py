@@ -1,0 +1,174 @@
+"""`sinkchat summarize`, the command: options, input selection, signals and exit codes around the Summarizer."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import stat
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+
+from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
+from sinkchat.apps.summarize.summarizer import DEFAULT_SUMMARY_TOKENS, Status, Summarizer
+from sinkchat.apps.runlog import open_log
+from sinkchat.apps.summarize.reader import FORMATS, Batcher, Item, Output, OutputClosed, Reader, follow_chunks, stream_chunks
+
+
+def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise click.UsageError(f"{flag} {pattern!r} is not a valid regular expression: {e}") from None
+
+
+@click.command("summarize")
+@click.option("--file", "file_path", type=click.Path(dir_okay=False), default=None, help="read this file instead of stdin")
+@click.option("--follow", "follow_path", type=click.Path(dir_okay=False), default=None,
+              help="follow this file like `tail -F` (survives rotation and truncation); ends with Ctrl-C")
+@click.option("--from-end", is_flag=True, help="with --follow: skip what the file already holds")
+@click.option("--every", type=click.IntRange(0, None), default=100, show_default=True,
+              help="summarize every N input lines (0 = only on --interval and at the end)")
+@click.option("--interval", type=click.FloatRange(0, None), default=300.0, show_default=True,
+              help="summarize at least every SECONDS when lines came in (0 = off)")
+@click.option("--chunk-lines", type=click.IntRange(1, None), default=32, show_default=True, help="lines fed per chunk")
+@click.option("--chunk-tokens", type=click.IntRange(1, None), default=256, show_default=True, help="tokens fed per chunk")
+@click.option("--grep", default=None, help="keep only lines matching this regex")
+@click.option("--exclude", default=None, help="drop lines matching this regex")
+@click.option("--dedupe/--no-dedupe", default=True, show_default=True, help="count repeated identical lines like uniq -c")
+@click.option("--max-line-chars", type=click.IntRange(16, None), default=500, show_default=True,
+              help="longer lines are cut, with a marker")
+@click.option("--backpressure", type=click.Choice(("drop", "block")), default=None,
+              help="when the model falls behind: drop lines (counted as skipped) or block the writer "
+                   "[default: block for --file or a redirected file, drop for pipes and --follow]")
+@click.option("--queue-lines", type=click.IntRange(1, None), default=10000, show_default=True,
+              help="lines read ahead of the model before back-pressure starts")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True)
+@click.option("--prompt", "prompt_path", type=click.Path(dir_okay=False), default=None,
+              help="question template instead of prompts/summarize.txt ({first_line} {last_line} {lines} {skipped} ...)")
+@click.option("--quiet", "-q", is_flag=True, help="no progress or notices on stderr")
+@click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
+@common_options
+@click.pass_context
+def summarize_command(ctx: click.Context, file_path: str | None, follow_path: str | None, from_end: bool, every: int,
+                      interval: float, chunk_lines: int, chunk_tokens: int, grep: str | None, exclude: str | None,
+                      dedupe: bool, max_line_chars: int, backpressure: str | None, queue_lines: int, fmt: str,
+                      prompt_path: str | None, quiet: bool, no_log: bool, **kw: Any) -> None:
+    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize`.
+
+    Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
+    what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
+    input: a final summary, exit 0. Ctrl-C: a final summary of the pending lines, exit 130 (SIGTERM: the same,
+    exit 143).
+    """
+    opts = pop_common(kw)
+    setup_logging(opts["verbose"] or 0)
+    status = Status(sys.stderr, quiet)
+    with user_errors():
+        if file_path and follow_path:
+            raise click.UsageError("use either --file or --follow, not both")
+        grep_re, exclude_re = _compile(grep, "--grep"), _compile(exclude, "--exclude")
+        if prompt_path:
+            try:
+                prompt = Path(prompt_path).read_text(encoding="utf-8").strip()
+            except (OSError, UnicodeDecodeError) as e:
+                raise click.UsageError(f"cannot read --prompt {prompt_path}: {getattr(e, 'strerror', None) or e}") from None
+        else:
+            prompt = read_prompt("summarize")
+        if opts["max_tokens"] is None and not os.environ.get("SINKCHAT_MAX_TOKENS"):
+            opts["max_tokens"] = DEFAULT_SUMMARY_TOKENS
+        settings = build_settings(opts)
+        stop = threading.Event()
+        q: "queue.Queue[Item]" = queue.Queue(maxsize=queue_lines)
+        reader_box: list[Reader] = []
+        if follow_path:
+            chunks: Any = follow_chunks(follow_path, stop, lambda m: reader_box[0].notice(m), from_end=from_end)
+            mode = backpressure or "drop"
+        else:
+            stream = _open_input(file_path)
+            regular = _is_regular(stream)
+            chunks = stream_chunks(stream, stop)
+            mode = backpressure or ("block" if file_path or regular else "drop")
+            if not file_path and not regular and getattr(sys.stdin, "isatty", lambda: False)():
+                status.notice("reading log lines from the terminal; end with Ctrl-D")
+        reader = Reader(chunks, q, max_line_chars=max_line_chars, backpressure=mode, stop=stop)
+        reader_box.append(reader)
+        reader.start()  # reading starts while the model loads
+        try:
+            engine = open_engine(settings, system=None, progress=status.notice)
+        except KeyboardInterrupt:
+            stop.set()
+            ctx.exit(130)  # Ctrl-C while loading: nothing was summarized yet
+        batcher = Batcher(lambda s: len(engine.encode(s)), chunk_lines, chunk_tokens, grep_re, exclude_re, dedupe)
+        slog = open_log(engine, "summarize", no_log, prompt, status.notice,
+                        extra={"input": follow_path or file_path or "stdin", "every": every, "interval": interval})
+        summ = Summarizer(engine, batcher, Output(fmt, sys.stdout), status, prompt=prompt, every=every,
+                          interval=interval, max_tokens=settings.sampling.max_tokens, slog=slog)
+        summ.queued = q.qsize
+        code = 0
+        signal.signal(signal.SIGTERM, _on_sigterm)  # `kill` / systemd stop: a final summary too, like Ctrl-C
+        try:
+            try:
+                summ.run(q)
+            except KeyboardInterrupt as e:
+                code = 143 if isinstance(e, Terminated) else 130
+                stop.set()
+                status.clear()
+                try:
+                    summ.drain(q)
+                    summ.finish()
+                except KeyboardInterrupt:
+                    pass
+        except OutputClosed:
+            stop.set()
+            _silence_stdout()
+            ctx.exit(0)
+        except Exception as e:
+            if type(e).__name__ == "TemplateError":
+                raise click.ClickException(f"the model's chat template refused the log turns: {e}") from None
+            raise
+        finally:
+            slog.close()
+        if code == 0 and summ.error:
+            code = 1
+        ctx.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so both end with a final summary."""
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
+def _open_input(file_path: str | None) -> Any:
+    if not file_path:
+        return getattr(sys.stdin, "buffer", sys.stdin)
+    try:
+        return open(file_path, "rb")  # noqa: SIM115 - owned by the reader thread until exit
+    except OSError as e:
+        raise click.ClickException(f"cannot read {file_path}: {e.strerror}") from None
+
+
+def _is_regular(stream: Any) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (OSError, AttributeError, ValueError):
+        return False
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point stdout at /dev/null so the interpreter's final flush cannot complain."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass

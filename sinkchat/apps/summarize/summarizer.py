@@ -1,0 +1,279 @@
+"""`sinkchat summarize`: a rolling summary of a log that keeps coming, in flat memory.
+
+How log text and chat turns share the one cache: every chunk of log lines is fed once as a user message without a
+generation prompt (`add_message(..., add_generation_prompt=False)`), so it is templated like any turn and never
+re-encoded. At a summary boundary the question (prompts/summarize.txt, with the line range) is one more user
+message, and the reply is generated into the same cache and recorded in the conversation. The conversation object
+is then trimmed to its last turns (the cache already holds the rest, or evicted it), so nothing grows with the log:
+the cache is fixed-size, the queue is bounded, the conversation is trimmed, and counters are integers.
+
+The plumbing around the model (reader thread, queue, filters, dedupe, batching, accounting, output blocks) lives
+in `pipe_input.py`; the command itself (options, signals, exit codes) in `pipe_cli.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import time
+from datetime import datetime
+from typing import Any, Callable, TextIO
+
+from sinkchat.apps.summarize.reader import (
+    Batcher, End, Item, Notice, Output, Period, fill,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_FLUSH = 0.5  # feed a partial chunk after this long without new lines
+LIVE_EVERY = 0.25  # status refresh on a terminal
+PLAIN_EVERY = 10.0  # plain status lines when stderr is not a terminal
+DEFAULT_SUMMARY_TOKENS = 128
+
+
+class Status:
+    """Progress on stderr: one live line on a terminal, a plain line every PLAIN_EVERY seconds otherwise."""
+
+    def __init__(self, stream: TextIO, quiet: bool, line: Callable[[], str] | None = None) -> None:
+        self.stream, self.quiet = stream, quiet
+        self.line = line
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.every = LIVE_EVERY if self.tty else PLAIN_EVERY
+        self.last = time.monotonic()
+        self.live = False
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):
+            self.quiet = True  # stderr is gone; keep working without it
+
+    def clear(self) -> None:
+        if self.live:
+            self._write("\r\x1b[K")
+            self.live = False
+
+    def notice(self, message: str) -> None:
+        if not self.quiet:
+            self.clear()
+            self._write(f"sinkchat: {message}\n")
+
+    def done(self) -> None:
+        """The last status, left on screen as a plain line."""
+        if not self.quiet and self.line is not None:
+            self.clear()
+            self._write(self.line() + "\n")
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.quiet or self.line is None or (not force and now - self.last < self.every):
+            return
+        self.last = now
+        text = self.line()
+        if self.tty:
+            width = max(20, _term_width() - 1)
+            self._write("\r\x1b[K" + text[:width])
+            self.live = True
+        else:
+            self._write(text + "\n")
+
+
+def _term_width() -> int:
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns or 120
+    except (OSError, ValueError):
+        return 120
+
+
+def settle_conversation(engine: Any, keep: int) -> None:
+    """Close the last turn in the cache and trim the conversation to its last `keep` messages, so its memory and
+    the cost of templating the next turn stay flat however long the log runs. The cache is not touched beyond the
+    closing text (it already holds, or has evicted, everything before)."""
+    conv = engine.conv
+    try:
+        closing = conv.closing()
+        if closing is None:
+            return  # a template that rewrites history: leave it to the conversation's own fallback
+        if closing:
+            for _ in engine.feed(closing):
+                pass
+            conv.fed += closing
+        conv.trim(keep)
+    except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone
+        log.debug("conversation not trimmed: %s", e)
+
+
+class Summarizer:
+    """The consumer: takes items off the queue, feeds chunks, asks for a summary every N lines / T seconds."""
+
+    def __init__(self, engine: Any, batcher: Batcher, out: Output, status: Status, *, prompt: str, every: int,
+                 interval: float, max_tokens: int, slog: Any = None) -> None:
+        from sinkchat.core.metrics import Metrics, model_bytes
+        from sinkchat.store.transcript import NullLog
+
+        self.slog = slog if slog is not None else NullLog()  # summary questions and answers, evictions, figures
+
+        self.engine, self.batcher, self.out, self.status = engine, batcher, out, status
+        self.prompt, self.every, self.interval, self.max_tokens = prompt, every, interval, max_tokens
+        self.metrics = Metrics()
+        self.model_nbytes = model_bytes(engine.model)
+        self.mark = (engine.ledger.seen, engine.ledger.evicted)
+        self.totals = Period()
+        self.summaries = 0
+        self.error: str | None = None
+        self.due = self._next_due()
+        self.queued: Callable[[], int] = lambda: 0  # lines read but not yet taken (the command wires the queue in)
+        status.line = self.status_text
+
+    def _next_due(self) -> float:
+        return time.monotonic() + self.interval if self.interval > 0 else float("inf")
+
+    def _events(self, events: Any) -> str:
+        """Fold engine events into the metrics (keeps the status live); returns the generated text, if any."""
+        from sinkchat.core.events import DoneEvent
+
+        from sinkchat.core.events import EvictionEvent
+
+        text = ""
+        for ev in events:
+            self.metrics.fold(ev)
+            if isinstance(ev, DoneEvent):
+                text = ev.text
+            elif isinstance(ev, EvictionEvent):
+                self.slog.eviction(ev)
+            self.status.tick()
+        return text
+
+    def status_text(self) -> str:
+        from sinkchat.core.metrics import read_stats, status_line
+
+        t, p = self.totals, self.batcher.period
+        read = t.lines + p.lines
+        return (f"lines {read}: fed {t.summarized + p.summarized} filt {t.filtered + p.filtered} "
+                f"dup {t.deduped + p.deduped} skip {t.skipped + p.skipped} queue {self.queued()} | "
+                f"summaries {self.summaries} | "
+                + status_line(read_stats(self.engine, self.metrics, self.model_nbytes)))
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def handle(self, item: Item) -> bool:
+        """Account one queue item; False at the end of input."""
+        if isinstance(item, Notice):
+            self.status.notice(item.message)
+            return True
+        self.batcher.add(item)
+        if isinstance(item, End):
+            if item.error:
+                self.error = item.error
+                self.status.notice(f"input error: {item.error}")
+            return False
+        return True
+
+    def feed_chunk(self) -> None:
+        text = self.batcher.take_chunk()
+        if text is None:
+            return
+        self._events(self.engine.add_message("user", text, add_generation_prompt=False))
+        settle_conversation(self.engine, keep=1)
+
+    def boundary(self) -> None:
+        """After an item: summarize when N lines or the interval are reached, else feed a full chunk."""
+        p = self.batcher.period
+        if p.lines and ((self.every and p.lines >= self.every) or time.monotonic() >= self.due):
+            self.summarize()
+        elif self.batcher.full:
+            self.feed_chunk()
+
+    def summarize(self, final: bool = False) -> None:
+        """Ask the model about the lines since the last summary and print one block."""
+        self.batcher.end_run()
+        self.feed_chunk()
+        p = self.batcher.period
+        text = ""
+        if p.summarized:
+            note = f" {p.skipped} lines were skipped because they came faster than they could be read." if p.skipped else ""
+            question = fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
+                            summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
+                            note=note)
+            self._events(self.engine.add_message("user", question))
+            t0 = time.perf_counter()
+            try:
+                text = self._events(self.engine.generate(self.max_tokens)).strip()
+            finally:
+                self.engine.conv.add_reply(self.engine.reply_text())
+            self.slog.turn("user", question)
+            self.slog.turn("assistant", text, len(self.engine.last_reply_ids), time.perf_counter() - t0,
+                           cache_len=self.engine.cache.length)
+            settle_conversation(self.engine, keep=2)
+        self.emit(self.batcher.take_period(), text, final)
+
+    def emit(self, p: Period, text: str, final: bool) -> None:
+        from sinkchat.core.metrics import rss_bytes
+
+        led, cache = self.engine.ledger, self.engine.cache
+        block = {
+            "time": datetime.now().astimezone().isoformat(timespec="seconds"),
+            "first_line": p.first_line, "last_line": p.last_line, "lines": p.lines, "summarized": p.summarized,
+            "filtered": p.filtered, "deduped": p.deduped, "skipped": p.skipped, "truncated": p.truncated,
+            "tokens_fed": led.seen - self.mark[0], "tokens_evicted": led.evicted - self.mark[1],
+            "kv_bytes": cache.nbytes, "cache_len": cache.length, "capacity": self.engine.cache_cfg.capacity,
+            "rss": rss_bytes(), "final": final, "summary": text,
+        }
+        self.slog.metrics({k: v for k, v in block.items() if k != "summary"})
+        self.slog.flush()
+        self.mark = (led.seen, led.evicted)
+        for k in ("summarized", "filtered", "deduped", "skipped", "truncated"):
+            setattr(self.totals, k, getattr(self.totals, k) + getattr(p, k))
+        self.summaries += 1
+        self.due = self._next_due()
+        self.status.clear()
+        self.out.write(block)
+        self.status.tick(force=not self.status.tty)
+
+    # ------------------------------------------------------------------------------------------------ loops
+    def run(self, q: "queue.Queue[Item]") -> None:
+        """Until the input ends: take lines as they come, feed idle chunks, summarize on time."""
+        while True:
+            wait = min(self.due - time.monotonic(), self.status.every)
+            if self.batcher.chunk:
+                wait = min(wait, IDLE_FLUSH)
+            try:
+                item = q.get(timeout=max(0.01, wait))
+            except queue.Empty:
+                if self.batcher.chunk:
+                    self.feed_chunk()
+                if time.monotonic() >= self.due:
+                    if self.batcher.period.lines:
+                        self.summarize()
+                    else:
+                        self.due = self._next_due()
+                self.status.tick()
+                continue
+            if not self.handle(item):
+                break
+            self.boundary()
+            self.status.tick()
+        self.finish()
+
+    def drain(self, q: "queue.Queue[Item]") -> None:
+        """After Ctrl-C: take what was already read, without waiting for more."""
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            if not self.handle(item):
+                return
+            if self.batcher.full:
+                self.feed_chunk()
+
+    def finish(self) -> None:
+        """The final summary of whatever is pending (nothing is printed when nothing is pending)."""
+        self.batcher.end_run()
+        if self.batcher.period.lines:
+            self.summarize(final=True)
+        self.status.done()
+        if self.totals.lines == 0 and not self.error:
+            self.status.notice("no input lines; nothing to summarize")

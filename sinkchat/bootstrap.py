@@ -1,0 +1,135 @@
+"""Options every sinkchat command shares, settings resolution (flags > env > .env > defaults), error mapping and
+the one-call bootstrap `open_engine` that clients use. Torch is imported only when an engine is opened."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+
+from sinkchat.config import DECODERS, DEVICES, DTYPES, KV_DTYPES, POLICIES, QUANTS, ConfigError, Settings, settings_from_env
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+
+COMMON = [
+    click.option("--model", "-m", default=None, help="HF id, local folder or .gguf file [env SINKCHAT_MODEL; default: bundled SmolLM2-135M-Instruct]"),
+    click.option("--quant", type=click.Choice(QUANTS), default=None, help="weight quantization: auto = q4 on CPU, nf4 on CUDA [env SINKCHAT_QUANT; default auto]"),
+    click.option("--device", type=click.Choice(DEVICES), default=None, help="[env SINKCHAT_DEVICE; default auto]"),
+    click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
+    click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None, help="what the KV cache stores: auto = bfloat16 with a fast decode step [env SINKCHAT_KV_DTYPE; default auto]"),
+    click.option("--decoder", type=click.Choice(DECODERS), default=None, help="single-token decoding: auto = the native C step (AVX-512 VNNI), else the torch step compiled in the background; native; compiled / eager = torch step and kernels; hf = the transformers forward [env SINKCHAT_DECODER; default auto]"),
+    click.option("--threads", type=click.IntRange(0, 256), default=None, help="torch threads [env SINKCHAT_THREADS; default 1]"),
+    click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
+    click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),
+    click.option("--cache", "cache_size", type=click.IntRange(0, None), default=None, help="cache capacity in tokens incl. sinks [env SINKCHAT_CACHE; default min(2048, model context)]"),
+    click.option("--evict-chunk", type=click.IntRange(0, None), default=None, help="tokens evicted at once [env SINKCHAT_EVICT_CHUNK; default (cache - sinks)/16]"),
+    click.option("--temperature", type=click.FloatRange(0, 10), default=None, help="[env SINKCHAT_TEMPERATURE; default 0.7; 0 = greedy]"),
+    click.option("--max-tokens", type=click.IntRange(1, None), default=None, help="max tokens per reply [env SINKCHAT_MAX_TOKENS; default 512]"),
+    click.option("--seed", type=int, default=None, help="random seed [env SINKCHAT_SEED]"),
+    click.option("-v", "--verbose", count=True, help="log more (-vv for debug)"),
+]
+COMMON_KEYS = ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads", "policy", "sinks", "cache_size", "evict_chunk",
+               "temperature", "max_tokens", "seed", "verbose")
+
+
+def common_options(f: Callable[..., Any] | None = None, *, exclude: tuple[str, ...] = ()) -> Any:
+    """Decorator adding the shared options (minus `exclude`, e.g. a command that takes several --policy)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        for key, opt in reversed(list(zip(COMMON_KEYS, COMMON))):
+            if key not in exclude:
+                fn = opt(fn)
+        return fn
+
+    return deco(f) if f is not None else deco
+
+
+def pop_common(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Remove the shared options from a command's kwargs, merged with the ones given before the subcommand."""
+    ctx = click.get_current_context(silent=True)
+    parent = (ctx.find_root().obj or {}) if ctx else {}
+    out = {}
+    for k in COMMON_KEYS:
+        v = kwargs.pop(k, None)
+        if v is None or (k == "verbose" and v == 0):
+            v = parent.get(k, v)
+        out[k] = v
+    return out
+
+
+def build_settings(opts: dict[str, Any]) -> Settings:
+    """Flags (non-None values in `opts`) over environment / .env over defaults."""
+    base = settings_from_env()
+    m = base.model
+    m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads") if opts.get(k) is not None})
+    c = base.cache
+    cache_changes = {"policy": opts.get("policy"), "n_sink": opts.get("sinks"), "capacity": opts.get("cache_size"),
+                     "evict_chunk": opts.get("evict_chunk")}
+    c = replace(c, **{k: v for k, v in cache_changes.items() if v is not None})
+    s = base.sampling
+    samp = {k: opts.get(k) for k in ("temperature", "max_tokens", "seed")}
+    s = replace(s, **{k: v for k, v in samp.items() if v is not None})
+    return replace(base, model=m, cache=c, sampling=s)
+
+
+def setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("bitsandbytes", "transformers", "accelerate", "urllib3", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
+
+
+def read_prompt(name: str) -> str:
+    """A prompt file from prompts/ (name without extension)."""
+    p = PROMPTS_DIR / f"{name}.txt"
+    try:
+        return p.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ConfigError(f"cannot read prompt file {p}: {e.strerror}") from None
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn user mistakes into one-line errors (exit 2 for bad config, 1 for runtime/load failures)."""
+    from sinkchat.core.cache_policy import ContextFull
+
+    try:
+        yield
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    except ContextFull as e:
+        raise click.ClickException(str(e)) from None
+    except Exception as e:
+        name = type(e).__name__
+        if name in ("LoadError", "UnsupportedModel", "SnapshotError", "LogError"):
+            raise click.ClickException(str(e)) from None
+        raise
+
+
+def open_engine(settings: Settings, system: str | None, progress: Callable[[str], None] | None = None) -> Any:
+    """Load the model and build the Engine (the one bootstrap every client shares)."""
+    import os
+
+    from sinkchat.config import cache_dir
+
+    # before transformers is imported (importing it fixes inductor's cache dir): compiled decode steps are kept
+    # with sinkchat's other caches, not in /tmp where they would be rebuilt after every reboot
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from sinkchat.core.engine import Engine
+    from sinkchat.model.loader import load
+
+    loaded = load(settings.model, progress)
+    m = settings.model
+    build = [sys.executable, "-m", "sinkchat.decode.build", json.dumps(dataclasses.asdict(m))]
+    eng = Engine(loaded.model, loaded.tokenizer, settings.cache, settings.sampling, system=system,
+                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder, build_cmd=build,
+                 build_key=loaded.fingerprint)
+    eng.loaded = loaded  # type: ignore[attr-defined]
+    return eng

@@ -1,0 +1,355 @@
+"""The one Engine: owns the model, tokenizer, the persistent sink cache and the ledger of what it holds.
+
+gpt-fast shape: `_forward` (one model call at explicit in-cache positions), `_make_room` (evict before a call), and
+`feed` / `generate` built from them. Positions come from one place, the cache length. Every public method is a
+generator of events; nothing here prints. A call interrupted mid-forward (Ctrl-C) rolls the cache back to the last
+completed step, so the cache and the ledger always agree.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
+from sinkchat.core.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.decode.native_step import decode_step
+from sinkchat.core.gauge import SinkGauge
+from sinkchat.core.interrupts import deferred_sigint
+from sinkchat.core.kv_cache import SinkKVCache, rope_from_model
+from sinkchat.core.sampling import make_generator, sample
+from sinkchat.textutil import utf8_safe
+from sinkchat.core.turns import Conversation
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 256
+PREVIEW_CHARS = 60
+
+
+class IncrementalDecoder:
+    """Streams text token by token without splitting multi-byte characters (vLLM's prefix/read offsets)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        cache: CacheConfig = CacheConfig(),
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        system: str | None = None,
+        gauge_every: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
+        rerotate: bool = True,
+        kv_dtype: str = "auto",
+        decode: str = "eager",
+        build_cmd: list[str] | None = None,
+        build_key: str = "",
+    ) -> None:
+        """`kv_dtype`: what the cache stores (auto, float32, bfloat16; a snapshot's is converted to it).
+        `decode`: how single tokens are decoded (auto, native: `cstep.NativeStep` where the weights are packed for
+        the native kernels; compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model;
+        `cstep.decode_step` picks). `build_cmd`: how "auto" builds the compiled step in another process
+        (`build_step`); `build_key`: the weights' fingerprint, which lets later sessions skip that process once a
+        build exists."""
+        self.model, self.tokenizer = model, tokenizer
+        self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.cache_cfg = cache.resolved(self.max_positions)
+        self.sampling = sampling
+        self.generator = make_generator(sampling.seed)
+        self.rope = rope_from_model(model)
+        self.rerotate = rerotate
+        self.n_layers = model.config.num_hidden_layers
+        self.fast = None if decode == "hf" else decode_step(model, decode, build_cmd, build_key)
+        self.kv_store = resolve_kv_dtype(kv_dtype, self.fast is not None, model)  # what the buffers hold
+        self.cache = self.new_cache(self.cache_cfg.capacity)
+        self.ledger = Ledger()
+        self.conv = Conversation(tokenizer, system)
+        self.gauge = SinkGauge(model, self.rope)
+        self.gauge_every = gauge_every
+        self.prefill_chunk = prefill_chunk
+        self.device = next(model.parameters()).device
+        self.last_logits: torch.Tensor | None = None  # [V] after the last fed token
+        self.last_reply_ids: list[int] = []
+        self.message_taken_back = False  # the last add_message was interrupted and undone
+        self.stop_ids = _stop_ids(tokenizer, model)
+
+    # ----------------------------------------------------------------------------------------------- core steps
+    def _forward(self, ids: list[int], all_logits: bool = False, record: list[int] | None = None) -> torch.Tensor:
+        """Run `ids` at in-cache positions [L, L+q); return logits [q or 1, V].
+
+        Ctrl-C during the model call rolls the cache back to L; once the call returns, the ledger (and `record`)
+        are updated before any Ctrl-C is delivered, so the cache and the ledger always agree."""
+        L = self.cache.length
+        with deferred_sigint() as guard:
+            try:
+                with guard.interruptible(), torch.no_grad():
+                    logits = self._run(ids, L, all_logits)  # [q or 1, V]
+            except BaseException:
+                self.cache.truncate(L)
+                raise
+            self.ledger.append(ids)
+            if record is not None:
+                record.extend(ids)
+            self.last_logits = logits[-1].float()
+        return logits
+
+    def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
+        """One model call: the fast step for a single token when the model allows it, else transformers."""
+        if self.fast is not None and len(ids) == 1:
+            keys, values = self.cache.buffers(self.fast.n_kv, self.fast.head_dim, self.device, self.kv_store)
+            self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
+            logits, queries, shares = self.fast(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
+            if self.gauge.armed:
+                self.gauge.queries = list(queries[:, None])
+                self.gauge.shares = (self.gauge_n, shares)
+            return logits
+        self.gauge.shares = None  # shares of an earlier fast step must not stand for this forward's attention
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
+        pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
+        out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
+                         logits_to_keep=0 if all_logits else 1)
+        return out.logits[0]
+
+    def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
+        """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
+        c = self.cache_cfg
+        ev = plan_eviction(c.policy, c.n_sink, c.capacity, c.evict_chunk, self.cache.length, incoming)
+        if ev is not None:
+            yield from self._evict(ev)
+
+    def _evict(self, ev: Eviction) -> list[EvictionEvent]:
+        """Drop the slots of `ev`: one event per run of consecutive stream positions, so that a block spanning a gap
+        (the old sinks plus the oldest window tokens, right after switching sink -> window) never shows as one
+        range that claims everything in between."""
+        runs, idx = [], self.ledger.abs_index[ev.start : ev.start + ev.count]
+        n = 1
+        for a, b in zip(idx, idx[1:]):
+            if b != a + 1:
+                runs.append(n)
+                n = 0
+            n += 1
+        runs.append(n)
+        return [self._evict_run(Eviction(ev.start, r)) for r in runs]  # each run starts where the last one was
+
+    def _evict_run(self, ev: Eviction) -> EvictionEvent:
+        t0 = time.perf_counter()
+        with deferred_sigint():
+            self.cache.evict(ev)
+            dropped, first, last = self.ledger.evict(ev)
+        preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
+        preview = " ".join(preview.split())[:PREVIEW_CHARS]
+        c = self.cache_cfg
+        return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0)
+
+    def _step(
+        self, ids: list[int], all_logits: bool = False, record: list[int] | None = None
+    ) -> Iterator[EvictionEvent | torch.Tensor]:
+        yield from self._make_room(len(ids))
+        yield self._forward(ids, all_logits, record)
+
+    # ----------------------------------------------------------------------------------------------- public API
+    @property
+    def max_chunk(self) -> int:
+        pinned = self.cache_cfg.n_sink if self.cache_cfg.policy == "sink" else 0
+        return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - pinned))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
+        return list(self.tokenizer.encode(utf8_safe(text), add_special_tokens=False))
+
+    def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:
+        """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""
+        ids = list(ids)
+        pos = 0
+        for n in chunk_sizes(len(ids), self.max_chunk):
+            t0 = time.perf_counter()
+            for item in self._step(ids[pos : pos + n], all_logits):
+                if isinstance(item, torch.Tensor):
+                    if all_logits:
+                        yield item
+                else:
+                    yield item
+            pos += n
+            yield PrefillEvent(n, time.perf_counter() - t0, self.cache.length)
+
+    def feed(self, text: str) -> Iterator[Event]:
+        """Feed raw text (no template) into the cache."""
+        yield from self.feed_ids(self.encode(text))  # type: ignore[misc]
+
+    def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
+        """Template only the new message (plus assistant header) and feed it.
+
+        Interrupted (Ctrl-C, or the generator closed) before the whole message is in: if nothing was evicted
+        meanwhile, the message is taken back entirely (cache, ledger and conversation as before it), so a cut
+        prompt never leaves half a message in the model's context. Once feeding it has evicted, the evicted
+        tokens cannot come back, so what was fed stays and the conversation keeps the message."""
+        length, evicted = self.cache.length, self.ledger.evicted
+        messages, fed, logits = list(self.conv.messages), self.conv.fed, self.last_logits
+        self.message_taken_back = False
+        delta = self.conv.delta_for(role, content, add_generation_prompt)
+        try:
+            yield from self.feed(delta)
+        except BaseException:
+            if self.ledger.evicted == evicted:
+                with deferred_sigint():
+                    self.cache.truncate(length)
+                    self.ledger.truncate(length)
+                    self.conv.messages, self.conv.fed, self.last_logits = messages, fed, logits
+                    self.message_taken_back = True
+            raise
+
+    def generate(
+        self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None
+    ) -> Iterator[Event]:
+        """Sample tokens until EOS, a stop string or max_tokens. Each yielded token is already in the cache, so
+        closing the generator (Ctrl-C) leaves the cache consistent; `last_reply_ids` holds what was produced."""
+        cfg = sampling or self.sampling
+        limit = max_tokens or cfg.max_tokens
+        if self.last_logits is None:
+            raise RuntimeError("nothing has been fed yet")
+        dec = IncrementalDecoder(self.tokenizer)
+        self.last_reply_ids = ids = []
+        text, reason, t_start = "", "length", time.perf_counter()
+        for i in range(limit):
+            t0 = time.perf_counter()
+            recent = self.ledger.ids[-64:]
+            tok = sample(self.last_logits, cfg, recent, self.generator)
+            gauge_now = self.gauge_every > 0 and i % self.gauge_every == 0
+            self.gauge.armed = gauge_now
+            try:
+                for item in self._step([tok], record=ids):  # ids gains tok together with the cache
+                    if isinstance(item, EvictionEvent):
+                        yield item
+            finally:
+                self.gauge.armed = False
+            if tok in self.stop_ids:
+                reason = "eos"
+                break
+            piece = dec.add(tok)
+            text += piece
+            yield TokenEvent(tok, piece, time.perf_counter() - t0, self.cache.length)
+            if gauge_now:
+                g = self.measure_gauge()
+                if g is not None:
+                    yield g
+            if stop and any(s in text for s in stop):
+                reason = "stop"
+                break
+        yield DoneEvent(reason, len(ids), time.perf_counter() - t_start, text, tuple(ids))
+
+    @property
+    def gauge_n(self) -> int:
+        """How many first (and newest) slots the sink gauge measures."""
+        return max(1, self.cache_cfg.n_sink or 4)
+
+    def measure_gauge(self, n: int | None = None) -> GaugeEvent | None:
+        n = n or self.gauge_n
+        return self.gauge.measure(self.cache, n, self.ledger.holds_stream_start())
+
+    def chat(self, content: str, role: str = "user", max_tokens: int | None = None) -> Iterator[Event]:
+        """One chat turn: feed the templated user message, generate the reply, record it in the conversation."""
+        yield from self.add_message(role, content)
+        try:
+            yield from self.generate(max_tokens)
+        finally:
+            self.conv.add_reply(self.reply_text())
+
+    def reply_text(self) -> str:
+        """The last reply exactly as it is in the cache (special tokens included)."""
+        return self.tokenizer.decode(self.last_reply_ids, skip_special_tokens=False)
+
+    # ----------------------------------------------------------------------------------------------- control
+    def clear(self) -> None:
+        """Empty the cache and the conversation (the system prompt is fed again with the next message)."""
+        with deferred_sigint():
+            self.cache.reset()
+            self.ledger.clear()
+            self.conv.reset()
+            self.last_logits = None
+
+    def reconfigure(self, **changes: Any) -> list[EvictionEvent]:
+        """Change policy / n_sink / capacity / evict_chunk live. Shrinking evicts now; growing reallocates."""
+        if "capacity" in changes and "evict_chunk" not in changes:
+            changes["evict_chunk"] = 0  # re-derive from the new capacity
+        new = replace(self.cache_cfg, **changes).resolved(self.max_positions)
+        events: list[EvictionEvent] = []
+        excess = self.cache.length - new.capacity
+        if excess > 0:
+            if new.policy == "dense":
+                raise ConfigError(f"the cache holds {self.cache.length} tokens, more than --cache {new.capacity}")
+            pinned = new.n_sink if new.policy == "sink" else 0
+            events.extend(self._evict(Eviction(pinned, excess)))
+        if new.capacity != self.cache.capacity:
+            state = self.cache.state()
+            self.cache = self.new_cache(new.capacity)
+            if state:
+                self.cache.load_state(state)
+        self.cache_cfg = new
+        return events
+
+    @property
+    def decoder_status(self) -> str:
+        """For status lines: "compiled, kv bfloat16", "compiling, kv bfloat16" (eager meanwhile), "hf, kv float32"."""
+        how = self.fast.status if self.fast is not None else "hf"
+        return f"{how}, kv {str(self.kv_store).removeprefix('torch.')}"
+
+    def prepare_decoder(self) -> None:
+        """Build the compiled decode step now if the mode asks for one (bench calls this before timing)."""
+        if self.fast is not None:
+            self.fast.prepare(self.kv_store)
+
+    def new_cache(self, capacity: int) -> SinkKVCache:
+        if self.fast is not None:
+            self.fast.warm_up(self.kv_store)
+        return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_store)
+
+    def set_sampling(self, **changes: Any) -> None:
+        self.sampling = replace(self.sampling, **changes)
+        if "seed" in changes:
+            self.generator = make_generator(self.sampling.seed)
+
+
+def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:
+    """auto: bf16 with the fast step (half the bytes attention reads per token; the ppl cost is in the README),
+    else the model's own floating dtype."""
+    if name == "auto" and not fast:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _stop_ids(tokenizer: Any, model: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+        unk = getattr(tokenizer, "unk_token_id", None)
+        if isinstance(tid, int) and tid >= 0 and tid != unk:
+            ids.add(tid)
+    return ids

@@ -1,0 +1,87 @@
+"""The sink-attention gauge: how much of the newest query's attention lands on the first cache slots.
+
+With the fast decode step the step itself returns these shares (it has the softmax in hand); what follows is how
+they are measured for tokens that went through transformers' forward.
+
+sdpa does not return attention weights, and asking for them would force the slow eager path on every step. Instead a
+forward hook keeps the last token's query projection per layer; on sampled steps we rotate it to its in-cache position
+and recompute softmax(q K^T * scale) against the cached keys, which are exactly what attention used. Cost: one
+[H, D] x [D, L] product per layer on sampled steps only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sinkchat.config import attention_shape
+from sinkchat.core.events import GaugeEvent
+from sinkchat.core.kv_cache import Rope, SinkKVCache
+
+
+class SinkGauge:
+    def __init__(self, model: Any, rope: Rope) -> None:
+        cfg = model.config
+        self.rope = rope
+        self.n_heads, self.n_kv, _ = attention_shape(cfg)
+        self.head_dim = rope.head_dim
+        base = getattr(model, "model", model)
+        self.attn = [layer.self_attn for layer in base.layers]
+        self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
+        self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
+        self.armed = False
+        self._handles = []
+        for i, attn in enumerate(self.attn):
+            # q_norm (Qwen3/Gemma3) follows q_proj; Phi-3 fuses q, k, v into qkv_proj (q first)
+            target = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
+            if target is None:
+                raise ValueError(f"cannot find the query projection of {type(attn).__name__}")
+            fused = target is getattr(attn, "qkv_proj", None)
+            self._handles.append(target.register_forward_hook(self._make_hook(i, fused)))
+
+    def _make_hook(self, i: int, fused: bool) -> Any:
+        width = self.n_heads * self.head_dim
+
+        def hook(module: Any, args: Any, out: torch.Tensor) -> None:
+            if self.armed:
+                q = out[:, -1:].detach()  # [B, 1, H*D] or [B, 1, H, D] (or [B, 1, (H+2Hkv)*D] fused)
+                self.queries[i] = q[..., :width] if fused else q
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
+        """Attention share of the last fed token on slots [0, n), from the queries captured in the last forward."""
+        L = cache.length
+        shares, self.shares = self.shares, None
+        if L == 0 or any(q is None for q in self.queries):
+            return None
+        if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
+            self.queries = [None] * len(self.attn)
+            first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
+            return GaugeEvent(share=sum(first) / len(first), per_layer=tuple(first), recent=sum(last) / len(last),
+                              uniform=min(n, L) / L, n=min(n, L), holds_start=holds_start)
+        n = min(n, L)
+        per_layer, recent = [], []
+        for i, attn in enumerate(self.attn):
+            q = self.queries[i].reshape(1, self.n_heads, 1, self.head_dim)  # [B, H, 1, D]
+            q = self.rope.rotate(q, L - 1).float()  # the token sat at in-cache position L-1
+            keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
+            qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
+            scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+            probs = torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, dim=-1)  # [B, H_kv, G, L]
+            per_layer.append(float(probs[..., :n].sum(-1).mean()))
+            recent.append(float(probs[..., L - n :].sum(-1).mean()))
+        self.queries = [None] * len(self.attn)
+        return GaugeEvent(
+            share=sum(per_layer) / len(per_layer),
+            per_layer=tuple(per_layer),
+            recent=sum(recent) / len(recent),
+            uniform=n / L,
+            n=n,
+            holds_start=holds_start,
+        )

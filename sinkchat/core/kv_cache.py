@@ -1,0 +1,307 @@
+"""The attention-sink KV cache, built on transformers' public `Cache` / `CacheLayerMixin` API.
+
+Design (gpt-fast / mlx-lm style): each layer owns a preallocated `[B, H_kv, capacity, D]` buffer and a length. The
+Engine evicts *between* forward calls, so during a forward `update` only appends, and `get_seq_length` /
+`get_mask_sizes` (read by transformers before `update`) already describe the post-eviction state. Eviction removes a
+block of slots and shifts the later slots down; because positions are in-cache (slot i = RoPE position i), the shifted
+keys are re-rotated by -count in fp32 so the buffer equals what keys computed at their new positions would be.
+
+Re-rotation error does not accumulate without bound: a key is rotated at most once per eviction it survives, i.e. at
+most capacity / evict_chunk times before it leaves the cache, and sinks (slots < n_sink) are never rotated.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from sinkchat.kernels import native
+from sinkchat.core.cache_policy import Eviction
+from sinkchat.config import attention_shape
+
+log = logging.getLogger(__name__)
+
+# rope_type values whose inverse frequencies do not depend on the position (for positions below the trained
+# context, which in-cache positions never exceed), so a shift by -n is the exact inverse of a shift by +n.
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional"}
+
+
+class UnsupportedModel(ValueError):
+    """The model's position encoding cannot be re-rotated by this cache."""
+
+
+@dataclass
+class Rope:
+    """What re-rotation needs: fp32 inverse frequencies [rot_dim/2]; rot_dim < head_dim means partial rotary."""
+
+    inv_freq: torch.Tensor  # [rot_dim // 2], fp32
+    head_dim: int
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def rot_dim(self) -> int:
+        return 2 * self.inv_freq.numel()
+
+    def cos_sin(self, shift: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the angle shift*inv_freq, computed in fp64 so large shifts stay exact to fp32 precision.
+        Memoised: an eviction asks once per layer for the same shift."""
+        key = (shift, str(device))
+        hit = self._memo.get(key)
+        if hit is None:
+            ang = float(shift) * self.inv_freq.to(torch.float64)  # [R/2]
+            ang = torch.cat([ang, ang])  # [R], rotate_half layout
+            if len(self._memo) > 64:
+                self._memo.clear()
+            hit = self._memo[key] = (ang.cos().to(device=device, dtype=torch.float32).contiguous(),
+                                     ang.sin().to(device=device, dtype=torch.float32).contiguous())
+        return hit
+
+    def rotate_into(self, k: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
+        """`out` = `k` rotated by `shift`, for fp32 k [B, H, T, D], without the temporaries of `rotate`: an eviction
+        re-rotates the whole cache (90 MB at cache 2048), so each pass over it is a visible pause. `out` must not
+        overlap `k`. The angle is the same for every position, so cos/sin are one [R/2] vector each."""
+        cos, sin = self.cos_sin(shift, k.device)
+        half, r = self.rot_dim // 2, self.rot_dim
+        c, s = cos[:half], sin[:half]  # the two halves of the rotate_half layout carry the same angles
+        k1, k2 = k[..., :half], k[..., half:r]
+        o1, o2 = out[..., :half], out[..., half:r]
+        torch.mul(k1, c, out=o1)
+        o1.addcmul_(k2, s, value=-1.0)  # x1 cos - x2 sin
+        torch.mul(k2, c, out=o2)
+        o2.addcmul_(k1, s)  # x2 cos + x1 sin
+        if r < k.shape[-1]:
+            out[..., r:].copy_(k[..., r:])
+        return out
+
+    def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
+        """Rotate keys k [B, H, T, D] from position p to p + shift (shift may be negative); math in fp32."""
+        k32 = k.float()  # a copy unless k is fp32 already; rotate_into must not write over its input
+        return self.rotate_into(k32, shift, torch.empty_like(k32)).to(k.dtype)
+
+
+def rope_from_model(model: torch.nn.Module) -> Rope:
+    """Find the model's rotary embedding and check that its family can be re-rotated; raise UnsupportedModel if not."""
+    cfg = model.config
+    name = getattr(cfg, "model_type", "?")
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise UnsupportedModel(
+            f"model type '{name}' mixes attention kinds ({sorted(set(layer_types))}); "
+            "sinkchat's cache supports models whose every layer uses full attention"
+        )
+    rope_params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(rope_params, dict) and "rope_type" not in rope_params and rope_params:
+        rope_params = next(iter(rope_params.values())) if isinstance(next(iter(rope_params.values())), dict) else {}
+    rope_type = (rope_params or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModel(f"model type '{name}' uses RoPE type '{rope_type}', which sinkchat cannot re-rotate")
+    emb = None
+    base = getattr(model, "model", model)
+    emb = getattr(base, "rotary_emb", None)
+    if emb is None or not hasattr(emb, "inv_freq"):
+        raise UnsupportedModel(
+            f"model type '{name}' has no rotary position embedding (RoPE) that sinkchat can find; "
+            "only RoPE models (Llama, Qwen2, Mistral, Gemma, Phi-3, ...) are supported"
+        )
+    head_dim = attention_shape(cfg)[2]
+    inv = emb.original_inv_freq if hasattr(emb, "original_inv_freq") else emb.inv_freq
+    inv = inv.detach().to("cpu", torch.float32).clone()
+    if 2 * inv.numel() > head_dim:
+        raise UnsupportedModel(f"model type '{name}': rotary dim {2 * inv.numel()} exceeds head dim {head_dim}")
+    return Rope(inv_freq=inv, head_dim=head_dim)
+
+
+class Scratch:
+    """Temporaries for evictions, kept between them: one flat buffer per role, viewed to the shape needed."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        buf = self.bufs.get(role)
+        if buf is None or buf.numel() < like.numel() or buf.dtype != dtype or buf.device != like.device:
+            buf = self.bufs[role] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return buf[: like.numel()].view(like.shape)
+
+
+class SinkLayer(CacheLayerMixin):
+    """One layer's keys/values in a fixed buffer of `capacity` slots; `length` slots are live."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None, **kwargs: object) -> None:
+        """`dtype`: what the buffers store (None: whatever the model computes in)."""
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.store_dtype = dtype
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        b, h, _, dk = key_states.shape
+        dv = value_states.shape[-1]
+        dt = self.store_dtype or key_states.dtype
+        self.keys = key_states.new_zeros(b, h, self.capacity, dk, dtype=dt)  # [B, H_kv, cap, D]
+        self.values = value_states.new_zeros(b, h, self.capacity, dv, dtype=dt)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v [B, H_kv, q, D]; return views of all live slots [B, H_kv, length, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        end = self.length + q
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache overflow ({end} > {self.capacity}): evict before the forward pass")
+        self.keys[:, :, self.length : end] = key_states
+        self.values[:, :, self.length : end] = value_states
+        self.length = end
+        k, v = self.keys[:, :, :end], self.values[:, :, :end]
+        if k.dtype != key_states.dtype:  # a bf16 cache under an fp32 model: attention computes in the model's dtype
+            k, v = k.to(key_states.dtype), v.to(value_states.dtype)
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def evict(self, start: int, count: int, rope: Rope | None, scratch: "Scratch | None" = None) -> None:
+        """Drop slots [start, start+count); move the later ones down and re-rotate their keys by -count.
+
+        `scratch`: reusable buffers (the cache passes one set for all its layers): fresh temporaries of a whole
+        layer would be new pages each time, and faulting them in doubled an eviction's pause at cache 2048."""
+        if not self.is_initialized or count <= 0:
+            return
+        src, n = start + count, self.length - start - count
+        if n < 0:
+            raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
+        cs = None if rope is None else rope.cos_sin(-count, self.keys.device)
+        if n and not native.kv_evict(self.keys, self.values, start, count, n, cs):  # type: ignore[arg-type]
+            scratch = scratch or Scratch()
+            k = self.keys[:, :, src : src + n]  # [B, H_kv, n, D]
+            dest = self.keys[:, :, start : start + n]
+            if rope is None:
+                dest.copy_(scratch.take("same", k).copy_(k))  # source and destination overlap: via a copy
+            else:  # rotate in fp32 (a bf16 cache rounds once, on the way back)
+                k32 = k if k.dtype == torch.float32 else scratch.take("k32", k, torch.float32).copy_(k)
+                dest.copy_(rope.rotate_into(k32, -count, scratch.take("rot32", k, torch.float32)))
+            v = self.values[:, :, src : src + n]
+            self.values[:, :, start : start + n].copy_(scratch.take("same", v).copy_(v))
+        self.length -= count
+
+    def truncate(self, length: int) -> None:
+        """Forget slots >= length (stale data past `length` is overwritten by the next update)."""
+        self.length = min(self.length, length)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove")
+        self.truncate(self.length + tokens_to_remove)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for this layer (constant once initialised)."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class SinkKVCache(Cache):
+    """The one persistent cache: a `Cache` of `SinkLayer`s plus the RoPE needed to re-rotate on eviction.
+
+    `rerotate=False` gives the naive absolute-position variant (used only to measure what in-cache positions buy).
+    """
+
+    def __init__(
+        self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(layers=[SinkLayer(capacity, dtype) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.rope = rope if rerotate else None
+        self.scratch = Scratch()
+
+    def evict(self, ev: Eviction) -> None:
+        for layer in self.layers:
+            layer.evict(ev.start, ev.count, self.rope, self.scratch)
+
+    def truncate(self, length: int) -> None:
+        for layer in self.layers:
+            layer.truncate(length)
+
+    def buffers(self, n_kv: int, head_dim: int, device: torch.device, dtype: torch.dtype
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's full key and value buffers [B, H_kv, cap, D], allocated if not yet (the fast decode step
+        writes into them directly; `advance` then counts the new slots)."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                empty = torch.empty(1, n_kv, 0, head_dim, device=device, dtype=dtype)  # [B, H_kv, 0, D]
+                layer.lazy_initialization(empty, empty)
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers]
+
+    def advance(self, n: int) -> None:
+        """Count `n` slots written in place after the live ones."""
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow ({self.length + n} > {self.capacity}): evict first")
+        for layer in self.layers:
+            layer.length += n
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache tensors (allocated, i.e. at capacity: this is what RSS sees)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the live slots only."""
+        if not self.layers or not self.layers[0].is_initialized:
+            return 0
+        per_slot = sum(layer.nbytes for layer in self.layers) / self.capacity
+        return int(per_slot * self.length)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Live slots as flat tensors {'k.{i}': [B, H_kv, L, D], 'v.{i}': ...} (safetensors-ready copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if layer.is_initialized:
+                out[f"k.{i}"] = layer.keys[:, :, : layer.length].contiguous().clone()
+                out[f"v.{i}"] = layer.values[:, :, : layer.length].contiguous().clone()
+        return out
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state`; shapes must match this cache (checked: a mismatch raises ValueError)."""
+        for i, layer in enumerate(self.layers):
+            k, v = state.get(f"k.{i}"), state.get(f"v.{i}")
+            if k is None or v is None:
+                raise ValueError(f"snapshot lacks layer {i}")
+            if k.shape[-2] > self.capacity:
+                raise ValueError("snapshot holds more tokens than this cache's capacity")
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            if layer.keys.shape[:2] != k.shape[:2] or layer.keys.shape[-1] != k.shape[-1]:
+                raise ValueError(f"snapshot layer {i} has shape {tuple(k.shape)}, cache expects {tuple(layer.keys.shape)}")
+            layer.length = 0
+            layer.update(k.to(layer.keys.dtype), v.to(layer.values.dtype))
