@@ -15,11 +15,12 @@ from typing import Any, Callable, Iterator
 import click
 
 from sinkchat.config import DECODERS, DEVICES, DTYPES, KV_DTYPES, POLICIES, QUANTS, ConfigError, Settings, settings_from_env
+from sinkchat.errors import UserError
 
-PROMPTS_DIR = Path(__file__).resolve().parent.parent / "prompts"
+PROMPTS_PACKAGE = "sinkchat.prompts"  # the checkout's top-level prompts/ folder as a package (see pyproject.toml)
 
 COMMON = [
-    click.option("--model", "-m", default=None, help="HF id, local folder or .gguf file [env SINKCHAT_MODEL; default: bundled SmolLM2-135M-Instruct]"),
+    click.option("--model", "-m", default=None, help="HF id, local folder or .gguf file [env SINKCHAT_MODEL; default: the embedded SmolLM2-135M-Instruct, a small demo model]"),
     click.option("--quant", type=click.Choice(QUANTS), default=None, help="weight quantization: auto = q4 on CPU, nf4 on CUDA [env SINKCHAT_QUANT; default auto]"),
     click.option("--device", type=click.Choice(DEVICES), default=None, help="[env SINKCHAT_DEVICE; default auto]"),
     click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
@@ -87,8 +88,13 @@ def setup_logging(verbose: int) -> None:
 
 
 def read_prompt(name: str) -> str:
-    """A prompt file from prompts/ (name without extension)."""
-    p = PROMPTS_DIR / f"{name}.txt"
+    """A prompt file from prompts/ (name without extension), read as package data, so an installed wheel has it."""
+    from importlib import resources
+
+    try:
+        p: Any = resources.files(PROMPTS_PACKAGE) / f"{name}.txt"
+    except ModuleNotFoundError:  # sinkchat imported from a checkout that is not installed (PYTHONPATH=.)
+        p = Path(__file__).resolve().parent.parent / "prompts" / f"{name}.txt"
     try:
         return p.read_text(encoding="utf-8").strip()
     except OSError as e:
@@ -97,20 +103,17 @@ def read_prompt(name: str) -> str:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn user mistakes into one-line errors (exit 2 for bad config, 1 for runtime/load failures)."""
-    from sinkchat.core.cache_policy import ContextFull
-
+    """Turn user mistakes (`sinkchat.errors.UserError` and its subclasses: ConfigError, LoadError,
+    UnsupportedModel, ContextFull, SnapshotError, LogError) into one-line errors with the error's exit status (2 for
+    bad settings, 1 for the rest). Anything else is a bug and keeps its traceback."""
     try:
         yield
-    except ConfigError as e:
-        raise click.UsageError(str(e)) from None
-    except ContextFull as e:
-        raise click.ClickException(str(e)) from None
-    except Exception as e:
-        name = type(e).__name__
-        if name in ("LoadError", "UnsupportedModel", "SnapshotError", "LogError"):
-            raise click.ClickException(str(e)) from None
-        raise
+    except UserError as e:
+        if e.exit_code == 2:
+            raise click.UsageError(str(e)) from None
+        err = click.ClickException(str(e))
+        err.exit_code = e.exit_code
+        raise err from None
 
 
 def open_engine(settings: Settings, system: str | None, progress: Callable[[str], None] | None = None) -> Any:
@@ -122,14 +125,15 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
     # before transformers is imported (importing it fixes inductor's cache dir): compiled decode steps are kept
     # with sinkchat's other caches, not in /tmp where they would be rebuilt after every reboot
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from sinkchat import decode
     from sinkchat.core.engine import Engine
+    from sinkchat.core.sampling import Sampler
     from sinkchat.model.loader import load
 
-    loaded = load(settings.model, progress)
+    loaded = load(settings.model, progress, check_context=settings.cache.resolved)
     m = settings.model
     build = [sys.executable, "-m", "sinkchat.decode.build", json.dumps(dataclasses.asdict(m))]
-    eng = Engine(loaded.model, loaded.tokenizer, settings.cache, settings.sampling, system=system,
-                 gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, decode=m.decoder, build_cmd=build,
-                 build_key=loaded.fingerprint)
-    eng.loaded = loaded  # type: ignore[attr-defined]
-    return eng
+    step = decode.select(loaded.model, m.decoder, loaded.spec, build, loaded.fingerprint)
+    return Engine(loaded.model, loaded.tokenizer, settings.cache, spec=loaded.spec, step=step,
+                  sampler=Sampler(settings.sampling), loaded=loaded, system=system,
+                  gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype)

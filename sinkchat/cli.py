@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import click  # noqa: E402
 
+from sinkchat import __version__  # noqa: E402
 from sinkchat.bootstrap import common_options  # noqa: E402
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -52,6 +53,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="sinkchat", message="%(prog)s %(version)s")
 @common_options
 @click.pass_context
 def main(ctx: click.Context, **opts: Any) -> None:
@@ -59,6 +61,10 @@ def main(ctx: click.Context, **opts: Any) -> None:
 
     With no command, starts `sinkchat chat`. Options given here apply to every command; settings come from flags,
     then SINKCHAT_* environment variables, then a .env file in the working directory.
+
+    The default model, the embedded SmolLM2-135M-Instruct, is a small demo model: fast anywhere, often wrong. For
+    real use pass your own: `sinkchat --model FILE.gguf` (a llama.cpp GGUF of a Llama, Qwen2/3, Mistral, Phi-3 or
+    Gemma model) or `--model FOLDER` (a Hugging Face model folder).
     """
     ctx.obj = opts
     if ctx.invoked_subcommand is None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from sinkchat.errors import UsageError
+
 POLICIES = ("sink", "window", "dense")
 MAX_SINKS = 64  # the paper uses 4; more only shrinks the window
 QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
@@ -24,7 +26,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_QUANT": ("auto", "weight quantization: auto (q4 on CPU, nf4 on CUDA), q4 (asymmetric int4, group 32, "
                        "sinkchat's VNNI kernels or torch's), nf4, fp4, int8 (bitsandbytes) or none"),
     "SINKCHAT_KERNELS": ("auto", "q4 kernels: auto (sinkchat's native AVX-512 VNNI kernels where the CPU has them "
-                         "and a C compiler is found, else torch's) or torch"),
+                         "and a C compiler is found, else torch's), torch, or ref (sinkchat's kernels through their "
+                         "scalar C reference: any CPU, slow; for checks)"),
     "SINKCHAT_DEVICE": ("auto", "auto, cpu or cuda"),
     "SINKCHAT_DTYPE": ("auto", "compute dtype: auto, float32, bfloat16, float16"),
     "SINKCHAT_KV_DTYPE": ("auto", "what the KV cache stores: auto (bfloat16 with a fast decode step, else the "
@@ -50,8 +53,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
 }
 
 
-class ConfigError(ValueError):
-    """A user-facing configuration mistake; the CLI prints it as one line."""
+class ConfigError(UsageError, ValueError):
+    """A user-facing configuration mistake; the CLI prints it as one line (exit 2)."""
 
 
 _dotenv_loaded = False
@@ -223,14 +226,6 @@ def data_dir() -> Path:
         return Path(home).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "sinkchat"
-
-
-def attention_shape(hf_config: Any) -> tuple[int, int, int]:
-    """(query heads, kv heads, head dim) of a transformers model config, with the fallbacks every family uses
-    (no `num_key_value_heads`: one kv head per query head; no `head_dim`: hidden size / heads)."""
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    return heads, kv, getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
 
 
 def cache_dir() -> Path:

@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny random models (no download, exact) and the real bundled model (session-scoped)."""
+"""Shared fixtures: a fresh SINKCHAT_HOME per test, the words-preset tokenizer, the real bundled model (session-scoped).
+
+Helper classes and functions (fake tokenizer, scripted engine, tiny models) live in tests/fakes.py, imported
+explicitly.
+"""
 
 from __future__ import annotations
 
@@ -8,64 +12,25 @@ import tempfile
 
 import pytest
 
+from fakes import WordTokenizer, tiny_model  # noqa: F401 - tiny_model: for the modules that still import it from here
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A shell's background job (`.ci/run &`) starts with SIGINT ignored; Python then never installs its Ctrl-C handler,
 # and every child process inherits the ignore. The Ctrl-C tests need the usual disposition, however pytest started.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-_home = tempfile.mkdtemp(prefix="sinkchat-test-home-")
-os.environ.setdefault("SINKCHAT_HOME", _home)  # never touch the user's data dir from tests
+# Outside a test (session fixtures, collection) sinkchat's data dir is this one; each test gets its own (below).
+os.environ.setdefault("SINKCHAT_HOME", tempfile.mkdtemp(prefix="sinkchat-test-home-"))
 os.environ.setdefault("SINKCHAT_DECODER", "native")  # no background compiles in test processes (test_fastdecode builds one)
 
 
-class WordTokenizer:
-    """Token ids written as space-separated integers: lets tests feed exact ids through text APIs."""
-
-    eos_token_id = None
-    eos_token = None
-    unk_token_id = None
-    chat_template = None
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(str(i) for i in ids)
-
-    def convert_tokens_to_ids(self, tok: str) -> None:
-        return None
-
-
-def tiny_model(kind: str = "llama", layers: int = 2, max_pos: int = 512, seed: int = 0, **extra):
-    """A small random model of the given family (fp32, eval mode)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos)
-    common.update(extra)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
-    elif kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=100000.0, **common))
-    elif kind == "phi3":
-        model = Phi3ForCausalLM(Phi3Config(partial_rotary_factor=0.5, rope_theta=10000.0, pad_token_id=0, **common))
-    else:
-        raise ValueError(kind)
-    return model.eval()
-
-
-def stream_logits(eng, ids: list[int]):
-    """Prefill 12 tokens through `eng`, then feed the rest one at a time; logits after each single token [n, V]."""
-    import torch
-
-    list(eng.feed_ids(ids[:12]))
-    out = []
-    for t in ids[12:]:
-        list(eng.feed_ids([t]))
-        out.append(eng.last_logits.clone())
-    return torch.stack(out)
+@pytest.fixture(autouse=True)
+def sinkchat_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    """Every test gets an empty data dir (session log, history, snapshots, agent workspaces) as SINKCHAT_HOME, which
+    its subprocesses inherit: no test sees another's sessions, none touches the user's."""
+    home = tmp_path_factory.mktemp("sinkchat-home")
+    monkeypatch.setenv("SINKCHAT_HOME", str(home))
+    return home
 
 
 @pytest.fixture

@@ -5,64 +5,20 @@ cache stays within capacity while evictions happen."""
 from __future__ import annotations
 
 import json
-from collections import deque
 
 import pytest
 
 from sinkchat.apps.agent.agent import Agent, AgentCounts, build_default_tools
+from sinkchat.apps.agent.tools.workspace import Workspace
 from sinkchat.apps.agent.protocol import (
     FEW_SHOT, ModelTextEvent, StepEvent, TaskDoneEvent, ToolResultEvent, ToolsTokenizer, parse_reply,
 )
-from sinkchat.core.events import DoneEvent, EvictionEvent, PrefillEvent, TokenEvent
+from sinkchat.core.events import DoneEvent, EvictionEvent, TokenEvent
 from sinkchat.core.turns import Conversation
 
+from fakes import ScriptedEngine as FakeEngine, tiny_model
+
 SECRET = "OUTSIDE-SECRET-91c2"
-
-
-class FakeTok:
-    eos_token = None
-
-    def __init__(self, chat_template: str = "<role>content</role> (no tool support)") -> None:
-        self.chat_template = chat_template
-        self.tools_seen: list = []
-
-    def apply_chat_template(self, msgs, tools=None, tokenize=False, add_generation_prompt=False):
-        self.tools_seen.append(tools)
-        out = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in msgs)
-        return out + ("<assistant>" if add_generation_prompt else "")
-
-
-class FakeEngine:
-    """Same methods the Agent uses; replies come from a queue and stream in 3-character tokens."""
-
-    def __init__(self, replies, chat_template: str = "<role>content</role> (no tool support)") -> None:
-        self.tokenizer = FakeTok(chat_template)
-        self.conv = Conversation(self.tokenizer)
-        self.replies = deque(replies)
-        self.fed: list[tuple[str, str, bool]] = []
-        self.raw: list[str] = []
-        self.reply = ""
-        self.last_reply_ids: list[int] = []
-
-    def add_message(self, role, content, add_generation_prompt=True):
-        self.fed.append((role, content, add_generation_prompt))
-        delta = self.conv.delta_for(role, content, add_generation_prompt)
-        yield PrefillEvent(len(delta), 0.0, 0)
-
-    def feed(self, text):
-        self.raw.append(text)
-        yield PrefillEvent(len(text), 0.0, 0)
-
-    def generate(self, max_tokens=None, stop=(), sampling=None):
-        text = self.replies.popleft() if self.replies else "I am out of script"
-        self.reply = ""
-        for i in range(0, len(text), 3):
-            self.reply += text[i : i + 3]
-            yield TokenEvent(0, text[i : i + 3], 0.0, 0)
-        yield DoneEvent("eos", len(text), 0.0, text)
-
-    def reply_text(self):
-        return self.reply
 
 
 def call(name, **args):
@@ -213,7 +169,7 @@ def test_compaction_keeps_the_next_delta_identical(bundled, tmp_path):
         for conv in (full, eng.conv):
             conv.delta_for("user", f"Tool result (clock): {i}")
             conv.add_reply('{"tool": "clock", "args": {}}' + ("<|im_end|>" if i % 2 else ""))
-    agent = Agent(eng, build_default_tools(tmp_path / "ws"))
+    agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)))
     assert not agent.own_system and eng.conv.system == "SYS"
     list(agent._compact())
     assert len(eng.conv.messages) == 0 and len(eng.conv.fed) < 100
@@ -230,7 +186,7 @@ def test_real_model_structural(bundled, tmp_path):
 
     eng = Engine(bundled.model, bundled.tokenizer, CacheConfig(capacity=1024),
                  SamplingConfig(temperature=0, max_tokens=32, seed=0))
-    agent = Agent(eng, build_default_tools(tmp_path / "ws"), tmp_path / "ws")
+    agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)), tmp_path / "ws")
     events, steps, results, done = run_all(agent, "What time is it? Use the clock tool.", 3)
     assert len(done) == 1 and 1 <= len(steps) <= 3
     finished = done[0].reason == "final"
@@ -269,7 +225,6 @@ def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
     from sinkchat.config import CacheConfig, SamplingConfig
     from sinkchat.core.engine import Engine
 
-    from tests.conftest import tiny_model
 
     class Eng(HalfScripted, Engine):
         pass
@@ -278,7 +233,7 @@ def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
     model = tiny_model(vocab_size=len(tok), max_pos=4096)
     eng = Eng(model, tok, CacheConfig(capacity=128, n_sink=4, evict_chunk=16),
               SamplingConfig(temperature=1.0, max_tokens=6, seed=1))
-    agent = Agent(eng, build_default_tools(tmp_path / "ws"), tmp_path / "ws", max_result_chars=200)
+    agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)), tmp_path / "ws", max_result_chars=200)
     evictions, max_len, n = 0, 0, 0
     for ev in agent.run("keep working", 200):
         n += 1
@@ -306,7 +261,6 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     import sinkchat.apps.agent.agent as agent_mod
     from sinkchat.core.engine import Engine
     from sinkchat.config import CacheConfig, SamplingConfig
-    from tests.conftest import tiny_model
 
     def fake_open(settings, system=None, progress=None):
         return Engine(tiny_model(vocab_size=len(bundled.tokenizer)), bundled.tokenizer, CacheConfig(capacity=96),
@@ -314,7 +268,7 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
 
     monkeypatch.setattr(agent_mod, "open_engine", fake_open)
     res = CliRunner().invoke(agent_mod.agent_command, ["Do a thing", "--max-steps", "3", "--workspace",
-                                                       str(tmp_path / "w"), "--approve", "auto"])
+                                                       str(tmp_path / "w"), "--create-workspace", "--approve", "auto"])
     assert res.exit_code == 0, res.output
     assert "── step 3 ──" in res.output and "max_steps" in res.output and "kv " in res.output
     assert "agent: 1 task(s), 3 step(s)" in res.output
@@ -338,7 +292,7 @@ def test_agent_log_maps_events_to_rows():
         AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
     )
     from sinkchat.core.events import EvictionEvent
-    from sinkchat.apps.runlog import AgentLog
+    from sinkchat.apps.agent.log import AgentLog
 
     rows = []
 
@@ -357,3 +311,25 @@ def test_agent_log_maps_events_to_rows():
     kinds = [r[0] for r in rows]
     assert kinds == ["turn", "turn", "tool_call", "eviction", "turn", "metrics", "flush"]
     assert rows[0][1][:2] == ("user", "find it") and rows[2][1] == ("ls", {}, "a.txt", True)
+
+
+def test_cli_missing_workspace_is_a_one_line_error_unless_asked(tmp_path, monkeypatch):
+    """`--workspace DIR` with a mistyped DIR must not become a new folder tree: exit 2, one line, nothing created,
+    the model never loaded; --create-workspace creates it (and --help says so)."""
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.agent as agent_mod
+
+    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: pytest.fail("the model must not load"))
+    missing = tmp_path / "typo" / "ws"
+    res = CliRunner().invoke(agent_mod.agent_command, ["x", "--workspace", str(missing), "--no-log"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.output.strip().splitlines() == [f"Error: workspace {missing} does not exist (pass --create-workspace "
+                                               "to create it)"]
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(agent_mod.agent_command, ["x", "--workspace", str(tmp_path / "afile"), "--no-log"])
+    assert res.exit_code == 2 and "is a file" in res.output  # click's own check of --workspace
+    assert "--create-workspace" in CliRunner().invoke(agent_mod.agent_command, ["--help"]).output
+    made = agent_mod.open_workspace(str(missing), create=True)
+    assert made.root == missing.resolve() and missing.is_dir()

@@ -77,3 +77,27 @@ def test_cache_config_resolution_and_validation():
         CacheConfig(policy="lru")
     with pytest.raises(ConfigError):
         CacheConfig(capacity=5, n_sink=4)
+
+
+def test_clear_is_not_eviction_and_the_new_stream_starts_at_the_next_token():
+    """After /clear (or /load) the sinks hold the new stream's first tokens: "(start gone)" must not show, and the
+    cleared tokens must not count as evicted."""
+    led = Ledger()
+    led.append(list(range(10)))
+    led.evict(Eviction(4, 3))
+    led.clear()
+    assert (led.evicted, led.cleared, len(led)) == (3, 7, 0)
+    assert not led.holds_stream_start()  # empty
+    led.append([5, 6, 7])
+    assert led.holds_stream_start() and led.abs_index == [10, 11, 12]
+    assert len(led) == led.seen - led.evicted - led.cleared
+    led.evict(Eviction(0, 1))  # the naive window drops the new stream's first token
+    assert not led.holds_stream_start()
+    again = Ledger.from_state(led.state())
+    assert again == led
+
+
+def test_a_ledger_saved_before_cleared_and_start_existed_still_loads():
+    old = {"ids": [1, 2], "abs_index": [40, 41], "seen": 42, "evicted": 40}
+    led = Ledger.from_state(old)
+    assert (led.cleared, led.start) == (0, 40) and led.holds_stream_start()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from conftest import WordTokenizer, tiny_model
+from fakes import WordTokenizer, tiny_model
 
 from sinkchat.apps.evals import bench
 from sinkchat.apps.evals import demo

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_model
+from fakes import tiny_model
 from sinkchat.core.cache_policy import ContextFull
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine, IncrementalDecoder
@@ -211,3 +211,18 @@ def test_switching_sink_to_window_reports_the_gap_as_two_ranges(word_tok):
     assert evs[1].first > 4 and evs[1].last - evs[1].first == evs[1].count
     assert sum(e.count for e in evs) == 8 and eng.cache.length == len(eng.ledger) <= 32
     assert not eng.ledger.holds_stream_start()
+
+
+@pytest.mark.parametrize("policy,holds", [("sink", True), ("window", False)])
+def test_after_clear_the_gauge_judges_the_new_stream(word_tok, policy, holds):
+    """/clear empties the cache; the sinks then hold the new stream's first tokens, so the gauge must not say
+    "(start gone)" under sink, and must under window once it evicts them. Cleared tokens are not evictions."""
+    eng = Engine(tiny_model(), word_tok, CacheConfig(policy=policy, n_sink=4, capacity=32, evict_chunk=8), gauge_every=1)
+    list(eng.feed_ids(rand_ids(50)))
+    evicted = eng.ledger.evicted
+    eng.clear()
+    assert eng.ledger.evicted == evicted and eng.ledger.cleared > 0
+    list(eng.feed_ids(rand_ids(40, seed=2)))  # past capacity: an eviction in the new stream
+    eng.stop_ids = set()
+    gauges = [e for e in eng.generate(max_tokens=3) if isinstance(e, GaugeEvent)]
+    assert gauges and all(g.holds_start is holds for g in gauges)

@@ -8,12 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import WordTokenizer, stream_logits as _stream, tiny_model
+from fakes import WordTokenizer, stream_logits as _stream, tiny_model
 from sinkchat.model import int4
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.core.events import GaugeEvent
-from sinkchat.decode.torch_step import DecodeStep, Projection, compiler_available, unsupported_reason
+from sinkchat.decode import select
+from sinkchat.model.spec import ModelSpec
+from sinkchat.decode.torch_step import TorchStep, Projection, compiler_available, unsupported_reason
+
+
+
+def engine(model, *args, decode: str = "eager", build_cmd=None, build_key: str = "", **kw) -> Engine:
+    """An Engine with the decode step the bootstrap would inject for `--decoder decode`."""
+    return Engine(model, *args, step=select(model, decode, build_cmd=build_cmd, build_key=build_key), **kw)
 
 
 def q4_model(kind: str = "llama", **kw):
@@ -23,7 +31,7 @@ def q4_model(kind: str = "llama", **kw):
 
 
 def _engines(model, kv_dtype: str = "float32", cfg: CacheConfig = CacheConfig("sink", 4, 40, 5), **kw):
-    return [Engine(model, WordTokenizer(), cfg, SamplingConfig(temperature=0), decode=d, kv_dtype=kv_dtype, **kw)
+    return [engine(model, WordTokenizer(), cfg, SamplingConfig(temperature=0), decode=d, kv_dtype=kv_dtype, **kw)
             for d in ("hf", "eager")]
 
 
@@ -31,7 +39,7 @@ def _engines(model, kv_dtype: str = "float32", cfg: CacheConfig = CacheConfig("s
 def test_fast_step_matches_the_transformers_forward_across_evictions(kind):
     model = q4_model(kind)
     ref, fast = _engines(model)
-    assert ref.fast is None and fast.fast is not None
+    assert ref.step is None and fast.step is not None
     ids = [(7 * i + 3) % 120 + 1 for i in range(90)]  # 90 tokens through a 40-slot cache: many evictions
     a, b = _stream(ref, ids), _stream(fast, ids)
     assert fast.ledger.evicted > 40 and fast.cache.length == ref.cache.length
@@ -48,7 +56,7 @@ def test_fast_step_matches_the_transformers_forward_across_evictions(kind):
 def test_bf16_cache_stays_close_to_the_reference_and_greedy_text_agrees():
     model = q4_model(vocab_size=256, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=256)
-    ref32 = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 48, 8), SamplingConfig(temperature=0),
+    ref32 = engine(model, WordTokenizer(), CacheConfig("sink", 4, 48, 8), SamplingConfig(temperature=0),
                    decode="hf", kv_dtype="float32")
     ref16, fast16 = _engines(model, "bfloat16", CacheConfig("sink", 4, 48, 8))
     ids = [(11 * i + 5) % 250 + 1 for i in range(80)]
@@ -97,12 +105,12 @@ def test_stacked_fused_projection_matches_separate_kernels_and_keeps_one_copy_of
 
 def test_models_the_fast_step_cannot_run_keep_the_transformers_forward():
     assert unsupported_reason(tiny_model()) == "linears not all q4"
-    assert "phi3" in unsupported_reason(tiny_model("phi3"))
+    assert "phi3" in ModelSpec.from_model(tiny_model("phi3")).fast_step_refusal(native=False)
     bf16 = q4_model().to(torch.bfloat16)
     assert unsupported_reason(bf16) == "not fp32 on the CPU"
-    eng = Engine(tiny_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="eager")
-    assert eng.fast is None and eng.kv_store == torch.float32  # auto kv dtype: the model's own without the step
-    assert Engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="hf").fast is None
+    eng = engine(tiny_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="eager")
+    assert eng.step is None and eng.kv_store == torch.float32  # auto kv dtype: the model's own without the step
+    assert engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="hf").step is None
 
 
 def test_interrupted_fast_step_rolls_the_cache_back(monkeypatch):
@@ -113,7 +121,7 @@ def test_interrupted_fast_step_rolls_the_cache_back(monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a: boom())
+    monkeypatch.setattr(TorchStep, "__call__", lambda self, *a: boom())
     with pytest.raises(KeyboardInterrupt):
         list(eng.feed_ids([5]))
     assert eng.cache.length == before == len(eng.ledger.ids)
@@ -123,13 +131,13 @@ def test_interrupted_fast_step_rolls_the_cache_back(monkeypatch):
 def test_compiled_step_matches_the_eager_step():
     """inductor's build (~10 s for this model) against the eager function it was built from, at two cache sizes."""
     model = q4_model()
-    eager = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0),
+    eager = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0),
                    decode="eager", kv_dtype="float32")
-    comp = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0),
+    comp = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0),
                   decode="compiled", kv_dtype="float32")
     ids = [(5 * i + 1) % 120 + 1 for i in range(70)]
     a, b = _stream(eager, ids), _stream(comp, ids)
-    assert comp.fast.status == "compiled", comp.fast.failed
+    assert comp.step.status == "compiled", comp.step.failed
     torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
     for eng in (eager, comp):
         eng.reconfigure(capacity=64)
@@ -143,8 +151,8 @@ def test_background_build_swaps_in_between_tokens_without_changing_results():
     import time
 
     model = q4_model(seed=3)
-    eager = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="eager", kv_dtype="float32")
-    auto = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32")
+    eager = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="eager", kv_dtype="float32")
+    auto = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32")
     assert auto.decoder_status.startswith(("compiling", "compiled"))
     ids = [(3 * i + 2) % 120 + 1 for i in range(400)]
     list(eager.feed_ids(ids[:12]))
@@ -153,13 +161,13 @@ def test_background_build_swaps_in_between_tokens_without_changing_results():
     for t in ids[12:]:
         for eng in (eager, auto):
             list(eng.feed_ids([t]))
-        seen.add(auto.fast.status)
+        seen.add(auto.step.status)
         torch.testing.assert_close(auto.last_logits, eager.last_logits, rtol=0, atol=2e-3)
-        if auto.fast.status == "compiled" and len(seen) > 1:
+        if auto.step.status == "compiled" and len(seen) > 1:
             break
-        while auto.fast.status == "compiling" and time.monotonic() < deadline and len(eager.ledger.ids) > 300:
+        while auto.step.status == "compiling" and time.monotonic() < deadline and len(eager.ledger.ids) > 300:
             time.sleep(0.5)  # out of tokens before the build finished: wait for it
-    assert auto.fast.status == "compiled", auto.fast.failed
+    assert auto.step.status == "compiled", auto.step.failed
     assert auto.decoder_status == "compiled, kv float32"
 
 
@@ -167,7 +175,7 @@ def _wait_built(eng: Engine, seconds: float = 300) -> None:
     import time
 
     deadline = time.monotonic() + seconds
-    while eng.fast.status == "compiling" and time.monotonic() < deadline:
+    while eng.step.status == "compiling" and time.monotonic() < deadline:
         time.sleep(0.2)
 
 
@@ -175,15 +183,15 @@ def _wait_built(eng: Engine, seconds: float = 300) -> None:
 def test_build_process_then_load_here_and_a_failed_build_keeps_decoding_eagerly():
     import sys
 
-    ok = Engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+    ok = engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
                 build_cmd=[sys.executable, "-c", "import sys; sys.exit(0 if sys.argv[1] == 'float32' else 5)"])
-    bad = Engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+    bad = engine(q4_model(), WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
                  build_cmd=[sys.executable, "-c", "import sys; print('no compiler here', file=sys.stderr); sys.exit(3)"])
     for eng in (ok, bad):
         _wait_built(eng)
-    assert ok.fast.status == "compiled"
-    assert bad.fast.status == "eager (compile failed)"
-    assert "exited 3: no compiler here" in bad.fast.failed
+    assert ok.step.status == "compiled"
+    assert bad.step.status == "eager (compile failed)"
+    assert "exited 3: no compiler here" in bad.step.failed
     list(bad.feed_ids(list(range(1, 50))))  # still decodes (eagerly), evictions included
     assert bad.cache.length == len(bad.ledger.ids) <= 40
 
@@ -198,12 +206,12 @@ def test_a_finished_build_is_recorded_so_the_next_session_skips_the_build_proces
     model = q4_model()
 
     def session() -> Engine:
-        eng = Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
+        eng = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), decode="auto", kv_dtype="float32",
                      build_cmd=cmd, build_key="weights-abc")
         _wait_built(eng)
         return eng
 
-    assert session().fast.status == "compiled"
+    assert session().step.status == "compiled"
     assert runs.read_text() == "x" and len(list((tmp_path / "inductor").glob("sinkchat-step-*.built"))) == 1
-    assert session().fast.status == "compiled"
+    assert session().step.status == "compiled"
     assert runs.read_text() == "x"  # the second session loaded the build without running the build process

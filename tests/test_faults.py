@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_model
+from fakes import tiny_model
 
 MODES = {"chat": "sinkchat.apps.chat.repl", "ppl": "sinkchat.apps.evals.ppl", "agent": "sinkchat.apps.agent.agent",
          "summarize": "sinkchat.apps.summarize.command", "soak": "sinkchat.apps.soak.command"}

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from conftest import tiny_model
+from fakes import CharTokenizer, tiny_model
 from sinkchat.core.cache_policy import Ledger
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
@@ -97,8 +97,6 @@ def test_sigint_inside_the_model_call_rolls_back(word_tok):
 
 
 def _chat_engine(capacity: int = 256) -> Engine:
-    from test_repl import CharTokenizer
-
     model = tiny_model("llama", layers=2, max_pos=512)
     model.config.eos_token_id = 96
     return Engine(model, CharTokenizer(), CacheConfig(policy="sink", n_sink=4, capacity=capacity, evict_chunk=8),

@@ -19,9 +19,12 @@ import time
 
 import pytest
 
+from sinkchat.apps.summarize.batching import Batcher
 from sinkchat.apps.summarize.reader import (
-    Batcher, End, LineSplitter, Line, Notice, Reader, clean_line, follow_chunks, stream_chunks,
+    End, LineSplitter, Line, Notice, Reader, clean_line, follow_chunks, stream_chunks,
 )
+
+from fakes import CharTokenizer as CharTok, tiny_model
 
 WAIT = 240.0  # generous per-step timeout for subprocess output on a loaded 2-core box (never asserted on)
 
@@ -167,7 +170,7 @@ def test_follow_survives_append_truncation_and_rotation(tmp_path):
 
 
 def test_render_block_formats():
-    from sinkchat.apps.summarize.reader import render_block
+    from sinkchat.apps.summarize.output import render_block
 
     b = {"time": "T", "first_line": 3, "last_line": 9, "lines": 7, "summarized": 5, "filtered": 1, "deduped": 0,
          "skipped": 1, "tokens_fed": 10, "tokens_evicted": 2, "final": True, "summary": "it broke"}
@@ -177,29 +180,7 @@ def test_render_block_formats():
 
 
 # ----------------------------------------------------------------------------------------------------- tiny model
-class CharTok:
-    """Characters as token ids (mod 128), with a ChatML-like template (prefix-stable, like the bundled model's)."""
-
-    chat_template = "chatml"
-    eos_token_id = eos_token = unk_token_id = None
-
-    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False):
-        out = "".join(f"<{m['role']}>{m['content']}</>\n" for m in msgs)
-        return out + ("<assistant>" if add_generation_prompt else "")
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) % 128 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-    def convert_tokens_to_ids(self, tok):
-        return None
-
-
 def test_summarizer_feeds_once_keeps_memory_flat_and_accounts_lines():
-    from conftest import tiny_model
-
     from sinkchat.config import CacheConfig, SamplingConfig
     from sinkchat.core.engine import Engine
     from sinkchat.apps.summarize.summarizer import Output, Status, Summarizer
@@ -295,7 +276,6 @@ def run_inprocess(monkeypatch):
     """Runs `sinkchat summarize` in this process (click's runner) on a tiny random model: the whole command, minus
     a second interpreter and a model load."""
     from click.testing import CliRunner
-    from conftest import tiny_model
 
     import sinkchat.apps.summarize.command as pipe
     from sinkchat.core.engine import Engine
@@ -456,3 +436,171 @@ def test_real_model_summarizes_a_debian_changelog_through_a_pipe():
     assert len({b["kv_bytes"] for b in blocks}) == 1 and blocks[0]["kv_bytes"] > 0
     assert all(b["cache_len"] <= cap and b["capacity"] == cap for b in blocks)
     assert not any("Traceback" in l for l in errs.all)
+
+
+# ----------------------------------------------------------------------------------------------------- queue figure
+def test_line_queue_counts_lines_not_the_end_marker_or_notices():
+    from sinkchat.apps.summarize.reader import LineQueue
+
+    q = LineQueue(maxsize=10)
+    r = Reader(iter(()), q, max_line_chars=50)
+    for i in (1, 2, 3):
+        q.put(Line(i, f"l{i}"))
+    r.notice("file truncated")  # past the bound, like the reader's own notices
+    q.put(End(3))
+    assert q.qsize() == 5 and q.lines == 3  # qsize() counts the marker and the notice too: not a line count
+    assert isinstance(q.get(), Line) and q.lines == 2
+    while not q.empty():
+        q.get_nowait()
+    assert q.lines == 0
+
+
+def test_status_queue_figure_plus_lines_read_never_exceeds_the_input(run_inprocess, monkeypatch):
+    """The status line's "queue N" is lines waiting, so lines read + queued is at most the input's line count; it
+    was one higher once the reader had queued its End marker (q.qsize() counted it)."""
+    import sinkchat.apps.summarize.command as pipe
+    import sinkchat.apps.summarize.summarizer as summarizer
+
+    monkeypatch.setattr(summarizer, "PLAIN_EVERY", 0.0)  # a status line at every tick (stderr is not a terminal)
+    loaded = pipe.open_engine
+
+    def slow_open(*args, **kw):
+        time.sleep(0.5)  # the reader thread queues every line and the End marker meanwhile
+        return loaded(*args, **kw)
+
+    monkeypatch.setattr(pipe, "open_engine", slow_open)
+    n = 30
+    res, blocks = run_inprocess(b"".join(b"event %d\n" % i for i in range(n)), "--every", "10", "--chunk-lines", "3",
+                                "--cache", "64", "--max-tokens", "2")
+    assert res.exit_code == 0 and len(blocks) == 3, res.output
+    figs = [(int(a), int(b)) for a, b in re.findall(r"^lines (\d+):.*? queue (\d+) \|", res.stderr, re.M)]
+    assert any(read < n for read, _ in figs), figs  # shown while lines were still waiting
+    assert all(read + queued <= n for read, queued in figs), figs
+    assert any(read < n and read + queued == n for read, queued in figs), figs
+
+
+# ----------------------------------------------------------------------------------------------------- stopping
+def test_batcher_skip_and_drop_chunk_keep_every_line_accounted():
+    b = Batcher(lambda s: 1, chunk_lines=100, chunk_tokens=10**6)
+    for i, t in enumerate(["a", "b", "b", "b", "c"], 1):
+        b.add(Line(i, t, truncated=i == 5))
+    assert b.chunk_summarized == 3 and b.chunk == ["a", "b", "(the line above repeated 2 more times)", "c"]
+    assert b.drop_chunk() == 3  # stopped: the pending chunk never reaches the model
+    p = b.period
+    assert (p.summarized, p.deduped, p.skipped, p.truncated) == (0, 2, 3, 0) and b.chunk == [] and p.consistent()
+    b.skip(Line(8, "x", skipped_before=2))  # queued, never fed; lines 6-7 were dropped by the reader
+    b.skip_to(11)  # the reader numbered lines up to 11 but never queued 9-11
+    b.skip(End(11))  # nothing new
+    assert (p.first_line, p.last_line, p.skipped, p.lines) == (1, 11, 9, 11) and p.consistent()
+    b2 = Batcher(lambda s: 1, chunk_lines=2, chunk_tokens=10**6)
+    b2.add(Line(1, "a"))
+    b2.add(Line(2, "b"))
+    n = b2.chunk_summarized
+    assert b2.take_chunk() == "a\nb" and b2.chunk_summarized == 0
+    b2.unfeed(n, 0)  # that chunk's feed was taken back
+    assert (b2.period.summarized, b2.period.skipped) == (0, 2)
+
+
+def _stopping_summarizer(n_lines: int, halt_in_feed: int):
+    """A Summarizer on a tiny model whose `halt_in_feed`-th chunk feed is interrupted after its first prefill
+    chunk (as a signal handler would, mid-message); the queue holds `n_lines` lines, no End (a live pipe)."""
+    from sinkchat.config import CacheConfig, SamplingConfig
+    from sinkchat.core.engine import Engine
+    from sinkchat.apps.summarize.summarizer import Output, Status, Summarizer
+
+    eng = Engine(tiny_model(max_pos=4096), CharTok(), CacheConfig(capacity=4096, n_sink=4),
+                 SamplingConfig(temperature=0, max_tokens=3), prefill_chunk=8)
+    out = io.StringIO()
+    b = Batcher(lambda s: len(s), chunk_lines=5, chunk_tokens=10**6, dedupe=False)
+    s = Summarizer(eng, b, Output("jsonl", out), Status(io.StringIO(), quiet=True), prompt="sum {first_line}-{last_line}",
+                   every=0, interval=0, max_tokens=3)
+    feeds = [0]
+    feed_ids = eng.feed_ids
+
+    def interrupted_feed(ids, all_logits=False):
+        feeds[0] += 1
+        for ev in feed_ids(ids, all_logits):
+            if feeds[0] == halt_in_feed:
+                s.halt.set()
+            yield ev
+
+    eng.feed_ids = interrupted_feed
+    q: queue.Queue = queue.Queue()
+    for i in range(1, n_lines + 1):
+        q.put(Line(i, f"event number {i}"))
+    return s, eng, q, out
+
+
+def test_summarizer_stop_mid_feed_takes_the_chunk_back_and_skips_the_backlog():
+    from sinkchat.apps.summarize.summarizer import Interrupted
+
+    n = 200
+    s, eng, q, out = _stopping_summarizer(n, halt_in_feed=3)
+    with pytest.raises(Interrupted):
+        s.run(q)  # two chunks fed, the third stopped after its first prefill chunk: the backlog is not fed
+    assert eng.message_taken_back and q.qsize() > 150
+    seen = eng.ledger.seen
+    s.finish_stopped(q, lines_read=n + 7)  # the reader had numbered 7 more lines it never queued
+    blocks = [json.loads(l) for l in out.getvalue().splitlines()]
+    assert len(blocks) == 1 and blocks[0]["final"]
+    b = blocks[0]
+    assert (b["first_line"], b["last_line"], b["summarized"], b["skipped"]) == (1, n + 7, 10, n + 7 - 10)
+    _check_accounting(blocks, n + 7)
+    after = eng.tokenizer.decode(eng.ledger.ids[seen:])  # the capacity is never reached: nothing was evicted
+    assert f"sum 1-{n + 7}" in after and "event" not in after  # the question about what the cache holds; no line
+
+
+def test_summarizer_stop_between_summaries_emits_a_skipped_only_final_block():
+    from sinkchat.apps.summarize.summarizer import Interrupted
+
+    s, eng, q, out = _stopping_summarizer(12, halt_in_feed=10**9)
+    s.every = 10
+    q.put(End(12))
+    s.halt.set()  # the stop came before the loop took anything
+    with pytest.raises(Interrupted):
+        s.run(q)
+    s.finish_stopped(q, lines_read=12)
+    blocks = [json.loads(l) for l in out.getvalue().splitlines()]
+    assert [(b["lines"], b["skipped"], b["summarized"], b["summary"], b["tokens_fed"]) for b in blocks] == [
+        (12, 12, 0, "", 0)]  # nothing was fed, so the model is not asked
+    assert eng.ledger.seen == 0
+
+
+def _write_quietly(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+def test_cli_stop_with_a_large_backlog_skips_it_and_exits_within_10s(tiny_dir, sig, code):
+    """A stop must not feed the queued backlog first: with ~1 MB of binary lines queued it used to feed for minutes
+    (tens of seconds on this tiny model) while a process manager sends SIGKILL after 10-90 s. Now: the final
+    summary at once, the backlog counted as skipped in it, exit 143 / 130 within 10 s."""
+    import random
+
+    data = random.Random(0).randbytes(1_000_000)  # ~3,900 lines of binary garbage, ~200 tokens each
+    p = _cli("--every", "20", "--cache", "64", "--max-tokens", "2", model=tiny_dir)
+    outs, errs = Lines(p.stdout), Lines(p.stderr)
+    writer = threading.Thread(target=_write_quietly, args=(p.stdin, data), daemon=True)
+    writer.start()
+    try:
+        blocks = [json.loads(outs.next())]  # lines 1-20: the model is loaded and busy with the backlog
+        writer.join(WAIT)  # the pipe took it all: the reader has queued (nearly) the whole backlog
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        rc = p.wait(timeout=10)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        _write_quietly(p.stdin, b"")
+    blocks += [json.loads(line) for line in iter(outs.next, None)]
+    assert rc == code and took < 10, (rc, took)
+    assert not any("Traceback" in l for l in errs.all), errs.all
+    final = blocks[-1]
+    assert final["final"] and final["last_line"] > 1000, final
+    _check_accounting(blocks, final["last_line"])  # every line read is in a block, the backlog as skipped
+    assert final["skipped"] > final["lines"] // 2, final

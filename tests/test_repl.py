@@ -17,42 +17,9 @@ from sinkchat.apps.chat.commands import COMMANDS, SlashCompleter
 from sinkchat.apps.render import Renderer, toolbar_text
 from sinkchat.apps.chat.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
 
-from conftest import tiny_model
+from fakes import CharTokenizer, tiny_model
 
 torch.set_num_threads(1)  # tiny models: thread hand-offs cost more than the math on a busy 2-core box
-
-
-class CharTokenizer:
-    """One token per printable ASCII char (ids 0-94), 95 = newline, 96 = <eos>; a ChatML-like template."""
-
-    eos_token_id = 96
-    eos_token = "<eos>"
-    unk_token_id = None
-    chat_template = "fake"
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        out = []
-        for ch in text.replace("<eos>", "\x00"):
-            o = ord(ch)
-            out.append(96 if ch == "\x00" else 95 if ch == "\n" else o - 32 if 32 <= o < 127 else ord("?") - 32)
-        return out
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        parts = []
-        for i in ids:
-            i = int(i)
-            if i == 96:
-                parts.append("" if skip_special_tokens else "<eos>")
-            else:
-                parts.append("\n" if i == 95 else chr(32 + i) if i < 95 else "~")
-        return "".join(parts)
-
-    def convert_tokens_to_ids(self, tok: str) -> None:
-        return None
-
-    def apply_chat_template(self, msgs, tokenize=False, add_generation_prompt=False) -> str:
-        text = "".join(f"<{m['role']}>{m['content']}<eos>\n" for m in msgs)
-        return text + ("<assistant>" if add_generation_prompt else "")
 
 
 def fake_engine(capacity: int = 64, max_tokens: int = 6, policy: str = "sink") -> Engine:
@@ -71,7 +38,7 @@ def make_loop(engine: Any, tty: bool = False) -> tuple[ChatLoop, io.StringIO, io
 
 def consistent(engine: Engine) -> bool:
     led = engine.ledger
-    return engine.cache.length == len(led.ids) == led.seen - led.evicted
+    return engine.cache.length == len(led.ids) == led.seen - led.evicted - getattr(led, "cleared", 0)
 
 
 # ----------------------------------------------------------------------------------------------- fast fake engine
@@ -405,3 +372,81 @@ def test_save_into_a_missing_folder_is_an_error_not_a_new_tree(tmp_path):
     assert err.getvalue().count("No such file or directory") + err.getvalue().count("does not exist") == 2
     loop.run(lines_reader(["/save named1"]))  # a plain name goes to the snapshots folder, made on demand
     assert "saved snapshot" in err.getvalue()
+
+
+# ----------------------------------------------------------------------------------------------- eviction figures
+def _story(capacity: int = 48):
+    """A loop whose cache has evicted a few times."""
+    eng = fake_engine(capacity=capacity, max_tokens=12)
+    loop, out, err = make_loop(eng)
+    loop.run(lines_reader(["tell me a story about the sea", "and then?"]))
+    assert loop.metrics.eviction_count > 0
+    return eng, loop, err
+
+
+def test_clear_is_not_counted_as_evicted():
+    from sinkchat.core.metrics import status_line
+
+    eng = fake_engine(capacity=256)
+    loop, _, err = make_loop(eng)
+    loop.run(lines_reader(["hello", "/clear"]))
+    s = loop.stats()
+    assert s.evicted == 0 and s.evictions == 0 and "evicted 0 (0x)" in toolbar_text(s)
+    eng, loop, err = _story()
+    before = loop.stats()
+    assert before.evicted == sum(e.count for e in loop.metrics.evictions) > 0
+    loop.run(lines_reader(["/clear", "/stats"]))
+    s = loop.stats()
+    assert eng.cache.length == 0 and (s.evicted, s.evictions) == (before.evicted, before.evictions)
+    assert f"evicted {before.evicted} ({before.evictions}x)" in toolbar_text(s)
+    assert f"seen {s.seen} evicted {before.evicted} " in status_line(s)
+    assert f"{before.evicted} in {before.evictions} evictions" in err.getvalue()  # /stats
+
+
+def test_snapshot_load_shows_the_snapshots_figures_then_counts_on(tmp_path):
+    from sinkchat.store.snapshot import save_snapshot
+
+    snap = tmp_path / "s.safetensors"
+    _, a, _ = _story()
+    a.run(lines_reader([f"/save {snap}"]))
+    saved = a.stats()
+    b = fake_engine(capacity=48, max_tokens=12)
+    loop, _, err = make_loop(b)
+    loop.run(lines_reader(["some other talk that fills the cache and evicts a bit first", f"/load {snap}"]))
+    s = loop.stats()
+    assert (s.seen, s.evicted, s.evictions) == (saved.seen, saved.evicted, saved.evictions)
+    assert f"{saved.evicted} tokens evicted in {saved.evictions} evictions before it" in err.getvalue()
+    loop.run(lines_reader(["/evictions"]))
+    assert f"no evictions since this stream was loaded ({saved.evictions} before" in err.getvalue()
+    loop.run(lines_reader(["more please, and make it long"]))
+    new, s = list(loop.metrics.evictions), loop.stats()
+    assert new and s.evictions == saved.evictions + len(new)
+    assert s.evicted == saved.evicted + sum(e.count for e in new)
+    # a snapshot without the figures (older file, another client): they count from the load on, never mixed
+    save_snapshot(b, tmp_path / "bare.safetensors")
+    loop.run(lines_reader([f"/load {tmp_path / 'bare.safetensors'}"]))
+    s = loop.stats()
+    assert (s.evicted, s.evictions) == (0, 0) and "evictions count from here" in err.getvalue()
+
+
+def test_resume_restores_the_eviction_figures(tmp_path):
+    from sinkchat.apps.chat import session
+    from sinkchat.store.resume import AutoSnapshot
+    from sinkchat.store.sessionlog import SessionLog
+
+    db = tmp_path / "log.db"
+    eng = fake_engine(capacity=48, max_tokens=12)
+    slog = SessionLog.open("chat", None, {}, path=db)
+    loop = ChatLoop(eng, Renderer(io.StringIO(), io.StringIO(), tty=False, live=False), slog=slog,
+                    auto_snapshot=AutoSnapshot(1))
+    loop.run(lines_reader(["tell me a story about the sea", "and then?"]))
+    saved = loop.stats()
+    assert saved.evictions > 0
+    slog.close()
+    err = io.StringIO()
+    loop2 = ChatLoop(fake_engine(capacity=48, max_tokens=12), Renderer(io.StringIO(), err, tty=False, live=False),
+                     slog=SessionLog.resume(slog.id, path=db))
+    session.do_resume(loop2, slog.id)
+    assert "restored from its automatic snapshot" in err.getvalue()
+    s = loop2.stats()
+    assert (s.seen, s.evicted, s.evictions) == (saved.seen, saved.evicted, saved.evictions)

@@ -10,12 +10,14 @@ import struct
 import pytest
 import torch
 
-from conftest import WordTokenizer, tiny_model
+from fakes import WordTokenizer, tiny_model
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
-from sinkchat.store.snapshot import (AutoSnapshot, SnapshotError, load_snapshot, resume_session, save_snapshot,
-                               snapshot_info, snapshot_path)
-from sinkchat.store.transcript import SessionLog, auto_snapshot_path, turns
+from sinkchat.store.resume import AutoSnapshot, resume_session
+from sinkchat.store.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_info, snapshot_path
+from sinkchat.store.logdb import auto_snapshot_path
+from sinkchat.store.sessionlog import SessionLog
+from sinkchat.store.transcript import turns
 
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=8, repetition_penalty=1.0)
 
@@ -301,11 +303,11 @@ CRASHER = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from transformers import AutoTokenizer
-from conftest import tiny_model
+from fakes import tiny_model
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
-from sinkchat.store.snapshot import AutoSnapshot
-from sinkchat.store.transcript import SessionLog
+from sinkchat.store.resume import AutoSnapshot
+from sinkchat.store.sessionlog import SessionLog
 tok = AutoTokenizer.from_pretrained(sys.argv[2])
 m = tiny_model("llama", layers=2, seed=2, vocab_size=len(tok))
 eng = Engine(m, tok, CacheConfig(capacity=96, n_sink=4, evict_chunk=8),

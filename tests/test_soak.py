@@ -160,7 +160,7 @@ def test_runner_survives_faults_and_nan_logits(tmp_path, word_tok):
     import torch
 
     from sinkchat.apps.soak.command import Soak
-    from sinkchat.apps.soak.report import Recorder
+    from sinkchat.apps.soak.records import Recorder
     from sinkchat.apps.soak.scenarios import StreamScenario
 
     text = tmp_path / "ids.txt"
@@ -272,7 +272,7 @@ def test_display_plain_line_and_live_panel(capsys):
     from collections import deque
     from types import SimpleNamespace
 
-    from sinkchat.apps.soak.command import Display, spark
+    from sinkchat.apps.soak.display import Display, spark
 
     s = spark([1.0, 2.0, None, 3.0, 4.0])
     assert len(s) == 4 and s[0] == "▁" and s[-1] == "█" and spark([]) == ""

@@ -152,7 +152,7 @@ def test_shell_timeout_cap_and_cwd(env):
 
 
 def test_calculator_is_safe():
-    box = build_default_tools(Workspace(Path(os.environ["SINKCHAT_HOME"]) / "calc-ws"))
+    box = build_default_tools(Workspace(Path(os.environ["SINKCHAT_HOME"]) / "calc-ws", create=True))
     ok = {"2*(3+4)": "14", "2^10": "1024", "sqrt(16)": "4", "7/2": "3.5", "-3 % 5": "2", "round(pi, 2)": "3.14"}
     for expr, want in ok.items():
         r = box.call("calculator", {"expression": expr})
@@ -164,7 +164,7 @@ def test_calculator_is_safe():
 
 
 def test_clock_is_iso():
-    r = build_default_tools(Workspace(Path(os.environ["SINKCHAT_HOME"]) / "clock-ws")).call("clock", {})
+    r = build_default_tools(Workspace(Path(os.environ["SINKCHAT_HOME"]) / "clock-ws", create=True)).call("clock", {})
     when = dt.datetime.fromisoformat(r.text.split(" ")[0])
     assert abs((when - dt.datetime.now().astimezone()).total_seconds()) < 3600
 
@@ -227,7 +227,7 @@ def test_load_tools_module(tmp_path):
                  "def _hidden():\n    pass\n")
     fns = load_tools_module(p)
     assert [f.__name__ for f in fns] == ["shout"]
-    box = build_default_tools(tmp_path / "ws", extra=fns)
+    box = build_default_tools(Workspace(tmp_path / "ws", create=True), extra=fns)
     assert box.call("shout", {"text": "hi"}).text == "HI"
     bad = tmp_path / "bad.py"
     bad.write_text("import does_not_exist_xyz\n")
@@ -238,9 +238,129 @@ def test_load_tools_module(tmp_path):
 
 
 def test_workspace_resolve_rejects_nul_and_types(tmp_path):
-    ws = Workspace(tmp_path / "w")
+    ws = Workspace(tmp_path / "w", create=True)
     with pytest.raises(ToolError, match="NUL"):
         ws.resolve("a\x00b")
     with pytest.raises(ToolError, match="must be a string"):
         ws.resolve(5)  # type: ignore[arg-type]
     assert ws.resolve(".", kind="dir") == ws.root
+
+
+# ------------------------------------------------------------------------------------------------ stopping timed-out calls
+def _gone(pid: int, wait: float = 3.0) -> bool:
+    """True once `pid` no longer runs (exited, or a zombie nobody has reaped yet)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_timed_out_python_tool_is_stopped_with_its_children(tmp_path):
+    """A Python tool past its timeout must stop working (and the process it started must die), not keep running in
+    an abandoned thread."""
+    import subprocess
+    import threading
+    import time
+
+    beat, helper = tmp_path / "beat", tmp_path / "helper.pid"
+
+    @tool(timeout=1.0)
+    def busy() -> str:
+        """Work forever, with a helper process."""
+        p = subprocess.Popen(["sleep", "60"])
+        helper.write_text(str(p.pid))
+        while True:
+            with open(beat, "a") as f:
+                f.write("x")
+            time.sleep(0.02)
+
+    r = Toolbox([tool_from_function(busy)]).call("busy", {})
+    assert not r.ok and "timed out after 1 s" in r.text
+    size = beat.stat().st_size
+    time.sleep(0.3)
+    assert beat.stat().st_size == size, "the tool kept running after its timeout"
+    assert _gone(int(helper.read_text())), "the tool's child process outlived the call"
+    assert not [t for t in threading.enumerate() if t.name.startswith("tool-")]
+
+
+def test_shell_call_leaves_nothing_running(env):
+    ws, box, _ = env
+    # a background job the command started does not outlive the call
+    r = box.call("shell", {"command": "sleep 60 > /dev/null 2>&1 & echo $! > bg.pid"})
+    assert r.ok, r.text
+    assert _gone(int((ws.root / "bg.pid").read_text()))
+    # the call's own limit cut below the command's timeout: the command is killed, not abandoned
+    box.tools["shell"].timeout = 0.5
+    r = box.call("shell", {"command": "echo $$ > sh.pid; exec sleep 60", "timeout": 30})
+    assert not r.ok and "timed out after 0.5 s" in r.text
+    assert _gone(int((ws.root / "sh.pid").read_text()))
+
+
+def test_in_process_tool_cannot_be_stopped_so_it_is_refused_until_it_ends():
+    """`isolate=False` tools run in a thread (they may keep state in memory): a timed-out one cannot be stopped, so
+    the model is told so and further calls are refused while it runs: at most one stuck thread per tool."""
+    import threading
+    import time
+
+    release, state = threading.Event(), []
+
+    @tool(timeout=0.2, isolate=False)
+    def stuck() -> str:
+        """Block until released."""
+        release.wait(10)
+        state.append("ran")
+        return "late"
+
+    box = Toolbox([tool_from_function(stuck)])
+    r = box.call("stuck", {})
+    assert not r.ok and "timed out after 0.2 s" in r.text and "cannot be stopped" in r.text
+    r = box.call("stuck", {})
+    assert not r.ok and "still running" in r.text and r.seconds < 0.1
+    release.set()
+    deadline = time.monotonic() + 5
+    while [t for t in threading.enumerate() if t.name == "tool-stuck"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = box.call("stuck", {})
+    assert r.ok and r.text == "late" and state == ["ran", "ran"]  # in-process: its state is the caller's
+
+
+def test_isolated_tool_errors_and_results_come_back(tmp_path):
+    @tool(timeout=5)
+    def echo(text: str, fail: str = "") -> str:
+        """Echo, or fail."""
+        if fail == "tool":
+            raise ToolError("bad input")
+        if fail == "exit":
+            import os
+
+            os._exit(3)
+        return text * 2
+
+    box = Toolbox([tool_from_function(echo)])
+    assert box.call("echo", {"text": "ab\ud800"}).text == "ab\ud800ab\ud800"
+    assert box.call("echo", {"text": "x", "fail": "tool"}).text == "error: bad input"
+    r = box.call("echo", {"text": "x", "fail": "exit"})
+    assert not r.ok and "without a result" in r.text and "3" in r.text
+
+
+def test_workspace_is_never_created_by_accident(tmp_path):
+    from sinkchat.apps.agent.tools.workspace import WorkspaceError
+
+    with pytest.raises(WorkspaceError, match="does not exist"):
+        Workspace(tmp_path / "typo" / "ws")
+    with pytest.raises(WorkspaceError, match="does not exist"):
+        build_default_tools(tmp_path / "typo" / "ws")
+    assert not (tmp_path / "typo").exists()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(WorkspaceError, match="not a folder"):
+        Workspace(tmp_path / "file", create=True)
+    assert Workspace(tmp_path / "made" / "ws", create=True).root == (tmp_path / "made" / "ws").resolve()

@@ -1,4 +1,4 @@
-"""`sinkchat logs`: list, show, export and delete sessions from the SQLite log (`sinkchat.store.transcript`)."""
+"""`sinkchat logs`: list, show, export and delete sessions of the SQLite log (read by `sinkchat.store.transcript`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any, Iterator
 
 import click
 
-from sinkchat.store.transcript import (LogError, SessionInfo, db_path, delete_session, export, latest_session,
-                                 list_sessions)
+from sinkchat.store.logdb import LogError, db_path
+from sinkchat.store.transcript import SessionInfo, delete_session, export, latest_session, list_sessions
 
 
 # ------------------------------------------------------------------------------------------------ formatting
@@ -25,36 +25,52 @@ def format_sessions(sessions: list[SessionInfo]) -> str:
     head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>7}  STATUS"
     lines = [head]
     for s in sessions:
-        status = "ended" if s.ended else "open/crashed"
+        status = s.status or ("ended" if s.ended else "open/crashed")
         lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_model_name(s.model)[:28]:28}  {s.turns:>5}  "
                      f"{s.tokens:>7}  {status}")
     return "\n".join(lines)
 
 
 def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
+    """The session as the user lived it: turns in order, each followed by what happened before the next one (tool
+    calls, slash commands, the agent's error feedback, in the order they were written)."""
     s = data["session"]
     title = f"session {s['id']} · {s['mode']} · {s['model'] or '-'} · started {_when(s['started'])}"
     out: list[str] = [f"# {title}" if markdown else title]
     if s.get("system"):
         out.append(f"**system**: {s['system']}" if markdown else f"[system] {s['system']}")
-    tools: dict[int, list[dict[str, Any]]] = {}
+    after: dict[int, list[tuple[float, str]]] = {}
     for tc in data["tool_calls"]:
-        tools.setdefault(tc["turn_seq"], []).append(tc)
+        after.setdefault(tc["turn_seq"], []).append((tc["created"], _tool_line(tc, markdown)))
+    for ev in data.get("events", []):
+        after.setdefault(ev["turn_seq"], []).append((ev["created"], _event_line(ev, markdown)))
+    out += [line for _, line in sorted(after.get(0, []), key=lambda x: x[0])]
     for t in data["turns"]:
         stat = f"{t['tokens']} tokens, {t['seconds']:.1f} s" + (f", {t['reason']}" if t.get("reason") else "")
         if markdown:
             out.append(f"\n## {t['role']} ({stat})\n\n{t['text']}")
         else:
             out.append(f"\n[{t['role']}] ({stat})\n{t['text']}")
-        for tc in tools.get(t["seq"], []):
-            mark = "ok" if tc["ok"] else "failed"
-            out.append(f"\n> tool `{tc['name']}` {tc['args']} -> {mark}: {tc['result']}" if markdown else
-                       f"  <tool {tc['name']} {tc['args']} -> {mark}: {tc['result']}>")
+        out += [line for _, line in sorted(after.get(t["seq"], []), key=lambda x: x[0])]
     if data["evictions"]:
         n = sum(e["count"] for e in data["evictions"])
         out.append(f"\n_{len(data['evictions'])} evictions, {n} tokens_" if markdown else
                    f"\n({len(data['evictions'])} evictions, {n} tokens evicted)")
     return "\n".join(out)
+
+
+def _tool_line(tc: dict[str, Any], markdown: bool) -> str:
+    mark = "ok" if tc["ok"] else "failed"
+    return (f"\n> tool `{tc['name']}` {tc['args']} -> {mark}: {tc['result']}" if markdown else
+            f"  <tool {tc['name']} {tc['args']} -> {mark}: {tc['result']}>")
+
+
+def _event_line(ev: dict[str, Any], markdown: bool) -> str:
+    """A slash command with its outcome, or the error text the agent fed back to the model."""
+    detail = f" -> {ev['detail']}" if ev.get("detail") else ""
+    if markdown:
+        return f"\n> *{ev['kind']}*: `{ev['text']}`{detail}"
+    return f"\n[{ev['kind']}] {ev['text']}{detail}"
 
 
 def _model_name(model: str | None) -> str:
@@ -72,7 +88,10 @@ def _model_name(model: str | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.pass_context
 def logs_command(ctx: click.Context, mode: str | None, limit: int, as_json: bool) -> None:
-    """List logged sessions (newest first); `logs show ID` prints one, `logs rm ID` deletes one."""
+    """List logged sessions (newest first); `logs show ID` prints one, `logs rm ID` deletes one.
+
+    STATUS: ended; running (the process that writes it still runs); crashed (never closed, and its process is
+    gone); other host (written on another machine); open/crashed (logged by an older sinkchat: cannot tell)."""
     if ctx.invoked_subcommand is not None:
         return
     with _cli_errors():

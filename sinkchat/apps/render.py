@@ -2,12 +2,16 @@
 
 Two modes behind one `Renderer`: on a terminal, rich output with colours and a transient live status line under the
 streaming reply; off a terminal, plain reply text on stdout and everything else (events, stats, messages) on stderr,
-so `sinkchat chat < questions.txt > answers.txt` gives clean answers. The toolbar text is a pure function of `Stats`
-(pgcli style), so tests can check it without a terminal.
+so `sinkchat chat < questions.txt > answers.txt` gives clean answers. A script that must split answers with several
+lines asks for `fmt="jsonl"` (one JSON object per answer, nothing else on stdout) or a `separator` line after each
+answer. Evictions during a reply are shown after it (the loop defers them), never between its lines. The toolbar text
+is a pure function of `Stats` (pgcli style), so tests can check it without a terminal.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Any, Callable, TextIO
 
 from rich.console import Console, Group
@@ -16,9 +20,16 @@ from rich.table import Table
 from rich.text import Text
 
 from sinkchat.core.events import DoneEvent, EvictionEvent
-from sinkchat.core.metrics import Stats, eviction_line, gauge_bar, human_bytes, status_line
+from sinkchat.core.metrics import Metrics, Stats, eviction_line, gauge_bar, human_bytes, read_stats, status_line
 
 Fragments = list[tuple[str, str]]
+
+
+def live_stats(engine: Any, metrics: Metrics, model_nbytes: int | None = None) -> Stats:
+    """The Stats a client shows. Both eviction figures, tokens and count, come from one source, the client's
+    `Metrics` fold of EvictionEvents: a /clear drops tokens without evicting them, and after a snapshot load the
+    Metrics are seeded with the snapshot's own figures, so the tokens never mix one count with another's events."""
+    return replace(read_stats(engine, metrics, model_nbytes), evicted=metrics.evicted)
 
 
 # ------------------------------------------------------------------------------------------------- pure text pieces
@@ -86,10 +97,16 @@ def stats_table(s: Stats) -> Table:
 
 # ------------------------------------------------------------------------------------------------- the renderer
 class Renderer:
-    """Output for the chat loop. `tty=False` means: no colours, no live display, replies alone on `out`."""
+    """Output for the chat loop. `tty=False` means: no colours, no live display, replies alone on `out`.
+    `fmt="jsonl"` (implies no tty): replies are not streamed; each answer is one JSON line on `out` (`answer`).
+    `separator`: in text mode, a line printed after every answer, so multi-line answers can be told apart."""
 
     def __init__(self, out: TextIO, err: TextIO, tty: bool, live: bool | None = None,
-                 stats: Callable[[], Stats] | None = None) -> None:
+                 stats: Callable[[], Stats] | None = None, fmt: str = "text", separator: str | None = None) -> None:
+        if fmt not in ("text", "jsonl"):
+            raise ValueError(f"unknown output format {fmt!r}")
+        tty = tty and fmt == "text"
+        self.fmt, self.separator = fmt, separator
         self.tty = tty
         self.out_file, self.err_file = out, err
         self.out = Console(file=out, force_terminal=tty, no_color=not tty, highlight=False, markup=False,
@@ -131,7 +148,7 @@ class Renderer:
             self._live.start()
 
     def token(self, text: str) -> None:
-        if not text:
+        if not text or self.fmt == "jsonl":
             return
         if self._live is None:
             self._write(text)
@@ -179,6 +196,16 @@ class Renderer:
             self.msg.print(Text("^C reply stopped (the partial reply stays in the cache)", style="yellow"))
         elif done is not None and done.reason == "length":
             self.msg.print(Text(f"[reply cut at max_tokens={done.tokens}; /set max_tokens N to change]", style="dim"))
+
+    def answer(self, record: dict[str, Any]) -> None:
+        """The end of one answer: its JSON line (jsonl), or the separator line (text, if one was asked for)."""
+        if self.fmt == "jsonl":
+            self.out_file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        elif self.separator is not None:
+            self._write(self.separator + "\n")
+        else:
+            return
+        self.out_file.flush()
 
     def _write(self, text: str) -> None:
         if self.tty:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sinkchat.errors import UserError
 
-class ContextFull(RuntimeError):
+
+class ContextFull(UserError, RuntimeError):
     """The `dense` policy cannot take more tokens: the model's context is full."""
 
 
@@ -56,14 +58,18 @@ def plan_eviction(
 class Ledger:
     """Token ids and absolute stream indices of the tokens in the cache, slot by slot.
 
-    `seen` counts every token ever fed; `evicted` every token dropped. Invariant: len(ids) == len(abs_index)
-    == seen - evicted (after `clear`, both counters keep running so totals stay truthful).
+    `seen` counts every token ever fed; `evicted` every token a policy dropped; `cleared` every token a `clear`
+    (/clear, /load) dropped, which is not an eviction. `start` is the stream index of the first token fed since the
+    last clear: the stream's start as the model sees it. Invariant: len(ids) == len(abs_index)
+    == seen - evicted - cleared (the counters keep running across clears so totals stay truthful).
     """
 
     ids: list[int] = field(default_factory=list)
     abs_index: list[int] = field(default_factory=list)
     seen: int = 0
     evicted: int = 0
+    cleared: int = 0
+    start: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -95,20 +101,27 @@ class Ledger:
         self.seen -= removed
 
     def clear(self) -> None:
-        self.evicted += len(self.ids)
+        """Drop everything (counted as cleared, not evicted); the next token fed starts a new stream."""
+        self.cleared += len(self.ids)
         self.ids.clear()
         self.abs_index.clear()
+        self.start = self.seen
 
     def holds_stream_start(self) -> bool:
-        """True while the stream's very first token is still in slot 0 (what `window` loses at its first eviction)."""
-        return bool(self.abs_index) and self.abs_index[0] == 0
+        """True while the first token of the current stream (since the last clear) is still in slot 0: what
+        `window` loses at its first eviction and `sink` keeps."""
+        return bool(self.abs_index) and self.abs_index[0] == self.start
 
     def state(self) -> dict[str, object]:
-        return {"ids": list(self.ids), "abs_index": list(self.abs_index), "seen": self.seen, "evicted": self.evicted}
+        return {"ids": list(self.ids), "abs_index": list(self.abs_index), "seen": self.seen, "evicted": self.evicted,
+                "cleared": self.cleared, "start": self.start}
 
     @classmethod
     def from_state(cls, st: dict[str, object]) -> "Ledger":
-        led = cls(list(st["ids"]), list(st["abs_index"]), int(st["seen"]), int(st["evicted"]))  # type: ignore[arg-type]
+        """Inverse of `state`; snapshots from before `cleared` / `start` existed read as 0 / the first index."""
+        ids, idx = list(st["ids"]), list(st["abs_index"])  # type: ignore[call-overload]
+        start = int(st.get("start", idx[0] if idx else 0))  # type: ignore[arg-type]
+        led = cls(ids, idx, int(st["seen"]), int(st["evicted"]), int(st.get("cleared", 0)), start)  # type: ignore[arg-type]
         if len(led.ids) != len(led.abs_index):
             raise ValueError("ledger ids and indices differ in length")
         return led

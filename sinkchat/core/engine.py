@@ -11,20 +11,24 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
 from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.decode.native_step import decode_step
 from sinkchat.core.gauge import SinkGauge
 from sinkchat.core.interrupts import deferred_sigint
-from sinkchat.core.kv_cache import SinkKVCache, rope_from_model
-from sinkchat.core.sampling import make_generator, sample
+from sinkchat.core.kv_cache import SinkKVCache
+from sinkchat.core.sampling import LogitsProcessor, Sampler
+from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
 from sinkchat.core.turns import Conversation
+from sinkchat.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from sinkchat.model.loader import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,10 @@ class IncrementalDecoder:
 
 
 class Engine:
+    """The one model + one sink cache + its ledger. Injected: the model's `ModelSpec` (built from the model when not
+    given), the single-token `step` (None: transformers' forward decodes every token) and the `sampler`; the
+    bootstrap (`sinkchat.bootstrap.open_engine`) builds all three from the settings."""
+
     def __init__(
         self,
         model: Any,
@@ -58,35 +66,34 @@ class Engine:
         cache: CacheConfig = CacheConfig(),
         sampling: SamplingConfig = SamplingConfig(),
         *,
+        spec: ModelSpec | None = None,
+        step: DecodeStep | None = None,
+        sampler: Sampler | None = None,
+        loaded: Loaded | None = None,
         system: str | None = None,
         gauge_every: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
         rerotate: bool = True,
         kv_dtype: str = "auto",
-        decode: str = "eager",
-        build_cmd: list[str] | None = None,
-        build_key: str = "",
     ) -> None:
-        """`kv_dtype`: what the cache stores (auto, float32, bfloat16; a snapshot's is converted to it).
-        `decode`: how single tokens are decoded (auto, native: `cstep.NativeStep` where the weights are packed for
-        the native kernels; compiled, eager: `fastdecode.DecodeStep`; "hf" always calls the transformers model;
-        `cstep.decode_step` picks). `build_cmd`: how "auto" builds the compiled step in another process
-        (`build_step`); `build_key`: the weights' fingerprint, which lets later sessions skip that process once a
-        build exists."""
+        """`sampling` is used only without a `sampler`. `kv_dtype`: what the cache stores (auto, float32, bfloat16;
+        a snapshot's is converted to it). `loaded`: what the loader reports about the weights (source, quant,
+        fingerprint), for logs and snapshots; None for a model built in a test."""
         self.model, self.tokenizer = model, tokenizer
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+        self.spec = (spec or ModelSpec.from_model(model)).check()
+        self.loaded = loaded
+        self.max_positions = self.spec.context_limit
         self.cache_cfg = cache.resolved(self.max_positions)
-        self.sampling = sampling
-        self.generator = make_generator(sampling.seed)
-        self.rope = rope_from_model(model)
+        self.sampler = sampler or Sampler(sampling)
+        self.rope = self.spec.rope()
         self.rerotate = rerotate
-        self.n_layers = model.config.num_hidden_layers
-        self.fast = None if decode == "hf" else decode_step(model, decode, build_cmd, build_key)
-        self.kv_store = resolve_kv_dtype(kv_dtype, self.fast is not None, model)  # what the buffers hold
+        self.n_layers = self.spec.n_layers
+        self.step = step
+        self.kv_store = resolve_kv_dtype(kv_dtype, step is not None, model)  # what the buffers hold
         self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
         self.conv = Conversation(tokenizer, system)
-        self.gauge = SinkGauge(model, self.rope)
+        self.gauge = SinkGauge(model, self.spec)
         self.gauge_every = gauge_every
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -94,6 +101,23 @@ class Engine:
         self.last_reply_ids: list[int] = []
         self.message_taken_back = False  # the last add_message was interrupted and undone
         self.stop_ids = _stop_ids(tokenizer, model)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.sampler.cfg
+
+    @sampling.setter
+    def sampling(self, cfg: SamplingConfig) -> None:
+        self.sampler.cfg = cfg
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The sampler's RNG (a snapshot saves and restores its state)."""
+        return self.sampler.generator
+
+    @generator.setter
+    def generator(self, gen: torch.Generator | None) -> None:
+        self.sampler.generator = gen
 
     # ----------------------------------------------------------------------------------------------- core steps
     def _forward(self, ids: list[int], all_logits: bool = False, record: list[int] | None = None) -> torch.Tensor:
@@ -117,15 +141,13 @@ class Engine:
 
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         """One model call: the fast step for a single token when the model allows it, else transformers."""
-        if self.fast is not None and len(ids) == 1:
-            keys, values = self.cache.buffers(self.fast.n_kv, self.fast.head_dim, self.device, self.kv_store)
+        if self.step is not None and len(ids) == 1:
+            keys, values = self.cache.buffers(self.step.n_kv, self.step.head_dim, self.device, self.kv_store)
             self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
-            logits, queries, shares = self.fast(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
-            if self.gauge.armed:
-                self.gauge.queries = list(queries[:, None])
-                self.gauge.shares = (self.gauge_n, shares)
+            logits, queries, shares = self.step(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
+            self.gauge.record(queries, self.gauge_n, shares)
             return logits
-        self.gauge.shares = None  # shares of an earlier fast step must not stand for this forward's attention
+        self.gauge.discard_shares()  # shares of an earlier fast step must not stand for this forward's attention
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
         out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
@@ -221,10 +243,13 @@ class Engine:
             raise
 
     def generate(
-        self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None
+        self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> Iterator[Event]:
         """Sample tokens until EOS, a stop string or max_tokens. Each yielded token is already in the cache, so
-        closing the generator (Ctrl-C) leaves the cache consistent; `last_reply_ids` holds what was produced."""
+        closing the generator (Ctrl-C) leaves the cache consistent; `last_reply_ids` holds what was produced.
+        `sampling` overrides the settings for this reply; `logits_processors` run before sampling (mlx-lm style:
+        each maps (recent ids, logits [V]) to logits, e.g. a grammar mask)."""
         cfg = sampling or self.sampling
         limit = max_tokens or cfg.max_tokens
         if self.last_logits is None:
@@ -235,7 +260,7 @@ class Engine:
         for i in range(limit):
             t0 = time.perf_counter()
             recent = self.ledger.ids[-64:]
-            tok = sample(self.last_logits, cfg, recent, self.generator)
+            tok = self.sampler(self.last_logits, recent, cfg, logits_processors)
             gauge_now = self.gauge_every > 0 and i % self.gauge_every == 0
             self.gauge.armed = gauge_now
             try:
@@ -312,23 +337,21 @@ class Engine:
     @property
     def decoder_status(self) -> str:
         """For status lines: "compiled, kv bfloat16", "compiling, kv bfloat16" (eager meanwhile), "hf, kv float32"."""
-        how = self.fast.status if self.fast is not None else "hf"
+        how = self.step.status if self.step is not None else "hf"
         return f"{how}, kv {str(self.kv_store).removeprefix('torch.')}"
 
     def prepare_decoder(self) -> None:
         """Build the compiled decode step now if the mode asks for one (bench calls this before timing)."""
-        if self.fast is not None:
-            self.fast.prepare(self.kv_store)
+        if self.step is not None:
+            self.step.prepare(self.kv_store)
 
     def new_cache(self, capacity: int) -> SinkKVCache:
-        if self.fast is not None:
-            self.fast.warm_up(self.kv_store)
+        if self.step is not None:
+            self.step.warm_up(self.kv_store)
         return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_store)
 
     def set_sampling(self, **changes: Any) -> None:
-        self.sampling = replace(self.sampling, **changes)
-        if "seed" in changes:
-            self.generator = make_generator(self.sampling.seed)
+        self.sampler.reconfigure(**changes)
 
 
 def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:

@@ -15,30 +15,30 @@ from typing import Any
 
 import torch
 
-from sinkchat.config import attention_shape
 from sinkchat.core.events import GaugeEvent
-from sinkchat.core.kv_cache import Rope, SinkKVCache
+from sinkchat.core.kv_cache import SinkKVCache
+from sinkchat.model.spec import ModelSpec
 
 
 class SinkGauge:
-    def __init__(self, model: Any, rope: Rope) -> None:
-        cfg = model.config
-        self.rope = rope
-        self.n_heads, self.n_kv, _ = attention_shape(cfg)
-        self.head_dim = rope.head_dim
+    """Measures on sampled steps; `armed` says whether this step is one. A fast decode step hands its own shares to
+    `record`; a transformers forward leaves its queries in the hooks and `measure` recomputes the softmax."""
+
+    def __init__(self, model: Any, spec: ModelSpec) -> None:
+        self.rope = spec.rope()
+        self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
+        self.scales = [layer.scaling for layer in spec.layers]
         base = getattr(model, "model", model)
         self.attn = [layer.self_attn for layer in base.layers]
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
         self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
         self.armed = False
         self._handles = []
+        # q_norm (Qwen3/Gemma3) follows q_proj; Phi-3 fuses q, k, v into qkv_proj (q first)
+        fused = "self_attn.qkv_proj" in spec.linears
+        name = "q_norm" if spec.norm.qk_norm else "qkv_proj" if fused else "q_proj"
         for i, attn in enumerate(self.attn):
-            # q_norm (Qwen3/Gemma3) follows q_proj; Phi-3 fuses q, k, v into qkv_proj (q first)
-            target = getattr(attn, "q_norm", None) or getattr(attn, "q_proj", None) or getattr(attn, "qkv_proj", None)
-            if target is None:
-                raise ValueError(f"cannot find the query projection of {type(attn).__name__}")
-            fused = target is getattr(attn, "qkv_proj", None)
-            self._handles.append(target.register_forward_hook(self._make_hook(i, fused)))
+            self._handles.append(getattr(attn, name).register_forward_hook(self._make_hook(i, fused)))
 
     def _make_hook(self, i: int, fused: bool) -> Any:
         width = self.n_heads * self.head_dim
@@ -49,6 +49,16 @@ class SinkGauge:
                 self.queries[i] = q[..., :width] if fused else q
 
         return hook
+
+    def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
+        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots."""
+        if self.armed:
+            self.queries = list(queries[:, None])
+            self.shares = (n, shares)
+
+    def discard_shares(self) -> None:
+        """Before a transformers forward: an earlier step's shares must not stand for this forward's attention."""
+        self.shares = None
 
     def remove(self) -> None:
         for h in self._handles:
@@ -72,7 +82,7 @@ class SinkGauge:
             q = self.rope.rotate(q, L - 1).float()  # the token sat at in-cache position L-1
             keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
             qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
-            scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+            scale = self.scales[i]
             probs = torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, dim=-1)  # [B, H_kv, G, L]
             per_layer.append(float(probs[..., :n].sum(-1).mean()))
             recent.append(float(probs[..., L - n :].sum(-1).mean()))

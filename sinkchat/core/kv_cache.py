@@ -13,105 +13,15 @@ most capacity / evict_chunk times before it leaves the cache, and sinks (slots <
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sinkchat.kernels import native
 from sinkchat.core.cache_policy import Eviction
-from sinkchat.config import attention_shape
+from sinkchat.model.rope import Rope
 
 log = logging.getLogger(__name__)
-
-# rope_type values whose inverse frequencies do not depend on the position (for positions below the trained
-# context, which in-cache positions never exceed), so a shift by -n is the exact inverse of a shift by +n.
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional"}
-
-
-class UnsupportedModel(ValueError):
-    """The model's position encoding cannot be re-rotated by this cache."""
-
-
-@dataclass
-class Rope:
-    """What re-rotation needs: fp32 inverse frequencies [rot_dim/2]; rot_dim < head_dim means partial rotary."""
-
-    inv_freq: torch.Tensor  # [rot_dim // 2], fp32
-    head_dim: int
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def rot_dim(self) -> int:
-        return 2 * self.inv_freq.numel()
-
-    def cos_sin(self, shift: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the angle shift*inv_freq, computed in fp64 so large shifts stay exact to fp32 precision.
-        Memoised: an eviction asks once per layer for the same shift."""
-        key = (shift, str(device))
-        hit = self._memo.get(key)
-        if hit is None:
-            ang = float(shift) * self.inv_freq.to(torch.float64)  # [R/2]
-            ang = torch.cat([ang, ang])  # [R], rotate_half layout
-            if len(self._memo) > 64:
-                self._memo.clear()
-            hit = self._memo[key] = (ang.cos().to(device=device, dtype=torch.float32).contiguous(),
-                                     ang.sin().to(device=device, dtype=torch.float32).contiguous())
-        return hit
-
-    def rotate_into(self, k: torch.Tensor, shift: int, out: torch.Tensor) -> torch.Tensor:
-        """`out` = `k` rotated by `shift`, for fp32 k [B, H, T, D], without the temporaries of `rotate`: an eviction
-        re-rotates the whole cache (90 MB at cache 2048), so each pass over it is a visible pause. `out` must not
-        overlap `k`. The angle is the same for every position, so cos/sin are one [R/2] vector each."""
-        cos, sin = self.cos_sin(shift, k.device)
-        half, r = self.rot_dim // 2, self.rot_dim
-        c, s = cos[:half], sin[:half]  # the two halves of the rotate_half layout carry the same angles
-        k1, k2 = k[..., :half], k[..., half:r]
-        o1, o2 = out[..., :half], out[..., half:r]
-        torch.mul(k1, c, out=o1)
-        o1.addcmul_(k2, s, value=-1.0)  # x1 cos - x2 sin
-        torch.mul(k2, c, out=o2)
-        o2.addcmul_(k1, s)  # x2 cos + x1 sin
-        if r < k.shape[-1]:
-            out[..., r:].copy_(k[..., r:])
-        return out
-
-    def rotate(self, k: torch.Tensor, shift: int) -> torch.Tensor:
-        """Rotate keys k [B, H, T, D] from position p to p + shift (shift may be negative); math in fp32."""
-        k32 = k.float()  # a copy unless k is fp32 already; rotate_into must not write over its input
-        return self.rotate_into(k32, shift, torch.empty_like(k32)).to(k.dtype)
-
-
-def rope_from_model(model: torch.nn.Module) -> Rope:
-    """Find the model's rotary embedding and check that its family can be re-rotated; raise UnsupportedModel if not."""
-    cfg = model.config
-    name = getattr(cfg, "model_type", "?")
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
-        raise UnsupportedModel(
-            f"model type '{name}' mixes attention kinds ({sorted(set(layer_types))}); "
-            "sinkchat's cache supports models whose every layer uses full attention"
-        )
-    rope_params = getattr(cfg, "rope_parameters", None) or {}
-    if isinstance(rope_params, dict) and "rope_type" not in rope_params and rope_params:
-        rope_params = next(iter(rope_params.values())) if isinstance(next(iter(rope_params.values())), dict) else {}
-    rope_type = (rope_params or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModel(f"model type '{name}' uses RoPE type '{rope_type}', which sinkchat cannot re-rotate")
-    emb = None
-    base = getattr(model, "model", model)
-    emb = getattr(base, "rotary_emb", None)
-    if emb is None or not hasattr(emb, "inv_freq"):
-        raise UnsupportedModel(
-            f"model type '{name}' has no rotary position embedding (RoPE) that sinkchat can find; "
-            "only RoPE models (Llama, Qwen2, Mistral, Gemma, Phi-3, ...) are supported"
-        )
-    head_dim = attention_shape(cfg)[2]
-    inv = emb.original_inv_freq if hasattr(emb, "original_inv_freq") else emb.inv_freq
-    inv = inv.detach().to("cpu", torch.float32).clone()
-    if 2 * inv.numel() > head_dim:
-        raise UnsupportedModel(f"model type '{name}': rotary dim {2 * inv.numel()} exceeds head dim {head_dim}")
-    return Rope(inv_freq=inv, head_dim=head_dim)
 
 
 class Scratch:

@@ -1,10 +1,18 @@
-"""Next-token sampling: repetition penalty, temperature, top-k, top-p; greedy at temperature 0."""
+"""Next-token sampling: repetition penalty, temperature, top-k, top-p; greedy at temperature 0.
+
+`Sampler` is what the Engine is given (mlx-lm's shape: a sampler plus logits processors injected, not decided
+inside the generation loop): it holds the settings and the RNG, and runs any logits processors before `sample`."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 
 from sinkchat.config import SamplingConfig
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]  # (recent ids, logits [V]) -> logits [V]
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
@@ -48,3 +56,25 @@ def sample(
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Sampler:
+    """Settings + RNG + processors; `__call__` picks one token id from logits [V]."""
+
+    def __init__(self, cfg: SamplingConfig = SamplingConfig(), processors: Sequence[LogitsProcessor] = ()) -> None:
+        self.cfg = cfg
+        self.generator = make_generator(cfg.seed)
+        self.processors = list(processors)
+
+    def __call__(self, logits: torch.Tensor, recent_ids: list[int], cfg: SamplingConfig | None = None,
+                 processors: Sequence[LogitsProcessor] = ()) -> int:
+        """`cfg` overrides the settings for this call; `processors` run after the sampler's own."""
+        for proc in (*self.processors, *processors):
+            logits = proc(recent_ids, logits)
+        return sample(logits, cfg or self.cfg, recent_ids, self.generator)
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change settings; a new seed restarts the RNG from it."""
+        self.cfg = replace(self.cfg, **changes)
+        if "seed" in changes:
+            self.generator = make_generator(self.cfg.seed)

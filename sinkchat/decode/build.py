@@ -1,7 +1,7 @@
 """`python -m sinkchat.decode.build MODEL_CONFIG_JSON KV_DTYPE`: build the compiled decode step into inductor's
 on-disk cache, in a process of its own, and exit 0 when the build works.
 
-The chat process starts this in the background (see `fastdecode.DecodeStep`) and then compiles the same step
+The chat process starts this in the background (see `fastdecode.TorchStep`) and then compiles the same step
 itself, which finds everything in the cache. The model is loaded exactly as the chat loaded it (same settings,
 same loader), so the graph, its input shapes and dtypes, and so the cache key, are the same.
 """
@@ -22,13 +22,13 @@ def main(argv: list[str]) -> int:
 
     os.nice(10)  # the chat keeps the CPU
     _die_with_parent()
-    from sinkchat.decode.torch_step import DecodeStep
+    from sinkchat.decode.torch_step import TorchStep
     from sinkchat.model.loader import load
 
     cfg = ModelConfig(**json.loads(argv[0]))
     kv = {"float32": torch.float32, "bfloat16": torch.bfloat16}[argv[1]]
     loaded = load(cfg)
-    step = DecodeStep.for_model(loaded.model, "compiled")
+    step = TorchStep.for_model(loaded.model, loaded.spec, "compiled")
     if step is None:
         print("this model has no fast decode step", file=sys.stderr)
         return 1

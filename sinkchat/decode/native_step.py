@@ -21,38 +21,28 @@ import torch
 
 from sinkchat.model import int4
 from sinkchat.kernels import native
-from sinkchat.config import attention_shape
-from sinkchat.decode.torch_step import DecodeStep, unsupported_reason
+from sinkchat.decode.torch_step import unsupported_reason
+from sinkchat.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-_LINEARS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
-            ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+# the order `sc_step` reads each layer's (weights, scales, bias) triples in (csrc/step.c)
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+            "mlp.up_proj", "mlp.down_proj")
 
 
-class _Model(ctypes.Structure):  # csrc/step.c: Model
-    _fields_ = [(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv", "head_dim", "inter", "vocab",
-                                             "kv_bf16")]
-    _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
-    _fields_ += [(n, ctypes.c_void_p) for n in ("inv_freq", "norm_in", "norm_post", "norm_final", "lin", "table",
-                                                 "table_scale")]
-
-
-def why_not(model: Any) -> str | None:
-    """Why `NativeStep` cannot run this model (None: it can)."""
-    reason = native.why_unavailable() or unsupported_reason(model, "native")
+def why_not(model: Any, spec: ModelSpec) -> str | None:
+    """Why `NativeStep` cannot run this model (None: it can): the kernels, the spec's shape, the packed weights."""
+    reason = native.why_unavailable() or spec.fast_step_refusal(native=True) or unsupported_reason(model, "native")
     if reason:
         return reason
     if getattr(model.model.norm, "weight", None) is None:
         return "final norm without weight"
-    head_dim = attention_shape(model.config)[2]
-    if head_dim % 16:
-        return f"head dim {head_dim} (the C attention takes multiples of 16)"
     return None
 
 
 class NativeStep:
-    """The Engine's single-token path on the native kernels: `__call__` as `fastdecode.DecodeStep`'s (logits,
+    """The Engine's single-token path on the native kernels: `__call__` as `torch_step.TorchStep`'s (logits,
     pre-RoPE queries, gauge shares). Nothing to build beyond the kernels' library, so `prepare` / `warm_up` do
     nothing and the status is always "native"."""
 
@@ -60,56 +50,52 @@ class NativeStep:
     status = "native"
     failed = None
 
-    def __init__(self, model: Any) -> None:
-        cfg, base = model.config, model.model
+    def __init__(self, model: Any, spec: ModelSpec) -> None:
+        base = model.model
         layers = base.layers
-        self.n_layers = len(layers)
-        self.n_heads, self.n_kv, self.head_dim = attention_shape(cfg)
+        self.n_layers = spec.n_layers
+        self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
         self.embed = model.get_input_embeddings()
         head = model.get_output_embeddings()
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
         self.head = None if table is not None else head  # e.g. an untied fp32 lm_head: applied here in torch
-        self.vocab = table.num_embeddings if table is not None else cfg.vocab_size
+        self.vocab = table.num_embeddings if table is not None else spec.vocab
         # keep every tensor the struct points into alive for the step's lifetime
         self._keep: list[torch.Tensor] = [
-            base.rotary_emb.inv_freq.detach().float().contiguous(),
+            spec.inv_freq(0).contiguous(),
             torch.stack([layer.input_layernorm.weight.detach().float() for layer in layers]).contiguous(),
             torch.stack([layer.post_attention_layernorm.weight.detach().float() for layer in layers]).contiguous(),
             base.norm.weight.detach().float().contiguous(),
         ]
         ptrs = []
         for layer in layers:
-            for part, name in _LINEARS:
-                lin = getattr(getattr(layer, part), name)
+            for name in _LINEARS:
+                lin = layer.get_submodule(name)
                 bias = None if lin.bias is None else lin.bias.detach().float().contiguous()  # C reads fp32
                 self._keep += [lin.qw, lin.sw] + ([] if bias is None else [bias])  # what the pointers point into
                 ptrs += [lin.qw.data_ptr(), lin.sw.data_ptr(), None if bias is None else bias.data_ptr()]
         if table is not None:
             self._keep += [table.hw, table.scale]
         self._lin = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        attn0 = layers[0].self_attn
-        self._m = _Model(
-            n_layers=self.n_layers, dim=cfg.hidden_size, n_heads=self.n_heads, n_kv=self.n_kv,
-            head_dim=self.head_dim, inter=cfg.intermediate_size,
+        self._m = native.StepModel(
+            n_layers=self.n_layers, dim=spec.dim, n_heads=self.n_heads, n_kv=self.n_kv,
+            head_dim=self.head_dim, inter=spec.inter,
             vocab=table.hw.shape[0] * native.RG if table is not None else 0, kv_bf16=0,
-            eps=float(layers[0].input_layernorm.variance_epsilon),
-            scaling=float(getattr(attn0, "scaling", self.head_dim**-0.5)),
-            rope_scale=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
+            eps=spec.norm.eps, scaling=spec.layers[0].scaling, rope_scale=spec.layers[0].rope.attention_scaling,
             inv_freq=self._keep[0].data_ptr(), norm_in=self._keep[1].data_ptr(), norm_post=self._keep[2].data_ptr(),
             norm_final=self._keep[3].data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
             table=None if table is None else table.hw.data_ptr(),
             table_scale=None if table is None else table.scale.data_ptr())
-        self._out = self._m.vocab if table is not None else cfg.hidden_size
+        self._out = self._m.vocab if table is not None else spec.dim
         self._kv: tuple[Any, ...] = ()
-        self._lib = native.library()
 
     @classmethod
-    def for_model(cls, model: Any) -> "NativeStep | None":
-        reason = why_not(model)
+    def for_model(cls, model: Any, spec: ModelSpec) -> "NativeStep | None":
+        reason = why_not(model, spec)
         if reason is not None:
             log.info("native decode step off: %s", reason)
             return None
-        return cls(model)
+        return cls(model, spec)
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,8 +117,8 @@ class NativeStep:
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
         gauge = torch.empty(self.n_layers, 2)
-        if self._lib.sc_step(ctypes.byref(self._m), x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
-                             out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
+        if native.sc_step(self._m, x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
+                          out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
             raise MemoryError("the native decode step ran out of memory")
         if self.head is not None:
             with torch.no_grad():
@@ -158,14 +144,3 @@ class NativeStep:
     def warm_up(self, kv_dtype: torch.dtype) -> None:
         """Nothing to build."""
 
-
-def decode_step(model: Any, mode: str, build_cmd: list[str] | None = None, build_key: str = "") -> Any:
-    """The single-token path for `--decoder mode`: "native" / "auto" take the native C step (`NativeStep`) where the
-    weights were packed for it, "auto" else the torch step compiled in the background; "native" without native
-    weights falls back to the eager torch step. None: the transformers forward."""
-    if mode in ("auto", "native"):
-        step = NativeStep.for_model(model)
-        if step is not None:
-            return step
-        mode = "eager" if mode == "native" else mode
-    return DecodeStep.for_model(model, mode, build_cmd, build_key)

@@ -11,8 +11,8 @@ tests check that this step's logits and cache writes match it.
 Where the CPU has AVX-512 VNNI, `cstep.NativeStep` (the same math in C over sinkchat's own kernels) is faster
 still and needs no build; this torch step is the path for other CPUs, and for `--decoder compiled|eager`.
 
-Only what can be checked is taken: Llama / Qwen2 shaped decoders whose linears are all `Int4Linear` (`--quant q4`),
-fp32 compute, SiLU MLP, plain RoPE. Anything else returns None from `DecodeStep.for_model` and the Engine keeps the
+Only what can be checked is taken: Llama / Qwen2 shaped decoders (`ModelSpec.fast_step_refusal`) whose linears are
+all `Int4Linear` (`--quant q4`), fp32 compute. Anything else returns None from `TorchStep.for_model` and the Engine keeps the
 transformers forward.
 """
 
@@ -35,12 +35,9 @@ from torch import nn
 
 from sinkchat.model import heap
 from sinkchat.model import int4
-from sinkchat.config import attention_shape
+from sinkchat.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_TYPES = ("llama", "qwen2")
-
 
 PACK_ROWS = 64  # the CPU int4 pack interleaves output rows in blocks of 64: only whole blocks can be stacked
 
@@ -169,13 +166,9 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, half: int) -> t
 
 
 def unsupported_reason(model: Any, kernels: str = "torch") -> str | None:
-    """Why `decode_one` (kernels="torch"), or the native step (kernels="native"), cannot run this model (None: it
-    can): the model shapes both handle, with every decoder linear packed for those kernels."""
-    cfg = model.config
-    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES:
-        return f"model type {getattr(cfg, 'model_type', '?')!r} (fast step: {', '.join(SUPPORTED_TYPES)})"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act}"
+    """Why `decode_one` (kernels="torch"), or the native step (kernels="native"), cannot run this model's weights
+    (None: they can): a decoder stack with every linear packed for those kernels, fp32 on the CPU. Whether the
+    model's shape is one the steps implement is `ModelSpec.fast_step_refusal`."""
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
         return "no decoder stack"
@@ -191,39 +184,35 @@ def unsupported_reason(model: Any, kernels: str = "torch") -> str | None:
             return "linears not all q4"
         if any(lin.kernels != kernels for lin in lins):
             return f"q4 weights packed for the {lins[0].kernels} kernels"
-        if any(hasattr(a, n) for n in ("q_norm", "k_norm", "sinks")) or getattr(a, "sliding_window", None):
-            return "attention variant"
+        if hasattr(a, "sinks"):
+            return "attention variant (learned sinks)"
     return None
 
 
-def weights_of(model: Any) -> Weights:
-    cfg, base = model.config, model.model
-    n_heads, n_kv, head_dim = attention_shape(cfg)
+def weights_of(model: Any, spec: ModelSpec) -> Weights:
+    base = model.model
     attn = [layer.self_attn for layer in base.layers]
     mlp = [layer.mlp for layer in base.layers]
-    attn0 = attn[0]
     return Weights(
         qkv=Projection.of([[a.q_proj, a.k_proj, a.v_proj] for a in attn]), o=Projection.of([[a.o_proj] for a in attn]),
         gate_up=Projection.of([[m.gate_proj, m.up_proj] for m in mlp]), down=Projection.of([[m.down_proj] for m in mlp]),
         norm_in=torch.stack([layer.input_layernorm.weight.detach().float() for layer in base.layers]),
         norm_post=torch.stack([layer.post_attention_layernorm.weight.detach().float() for layer in base.layers]),
-        eps=float(base.layers[0].input_layernorm.variance_epsilon), n_layers=len(base.layers),
+        eps=spec.norm.eps, n_layers=spec.n_layers,
         embed=model.get_input_embeddings(), norm=base.norm, head=model.get_output_embeddings(),
-        inv_freq=base.rotary_emb.inv_freq.detach().float().clone(),
-        rope_scale=float(getattr(base.rotary_emb, "attention_scaling", 1.0)),
-        n_heads=n_heads, n_kv=n_kv,
-        head_dim=head_dim, inter=cfg.intermediate_size, scaling=float(getattr(attn0, "scaling", head_dim**-0.5)),
+        inv_freq=spec.inv_freq(0), rope_scale=spec.layers[0].rope.attention_scaling,
+        n_heads=spec.n_heads, n_kv=spec.n_kv, head_dim=spec.head_dim, inter=spec.inter, scaling=spec.layers[0].scaling,
     )
 
 
-class DecodeStep:
+class TorchStep:
     """The Engine's single-token path: `decode_one` run eagerly at once, and swapped for its compiled form as soon
     as inductor has built it. One build serves every cache size (the slot dimension is compiled as dynamic) for a
     given kv dtype. `mode`: "eager" never compiles; "auto" builds in a background thread (the first build takes
     ~1.5 min of one core; later runs load it from inductor's on-disk cache in seconds); "compiled" builds in the
     foreground on the first token."""
 
-    def __init__(self, model: Any, mode: str = "eager", build_cmd: list[str] | None = None,
+    def __init__(self, model: Any, spec: ModelSpec, mode: str = "eager", build_cmd: list[str] | None = None,
                  build_key: str = "") -> None:
         """`build_cmd`: a command that builds this step into inductor's on-disk cache in another process
         (`sinkchat.decode.build`). With it, "auto" builds there and then only loads the build here: a build in a
@@ -231,7 +220,7 @@ class DecodeStep:
         between its ~600 ops, slowed from ~44 to ~2 tok/s meanwhile (and RSS kept ~90 MB of compiler garbage).
         `build_key` (the loaded weights' fingerprint) names a marker left in inductor's cache dir after a build, so
         later sessions skip the build process and load the cached build at once."""
-        self.w = weights_of(model)
+        self.w = weights_of(model, spec)
         heap.trim()  # stacking freed the per-layer copies; glibc keeps such holes (~30 MB of RSS) unless asked
         self.mode = mode
         self.build_cmd = build_cmd
@@ -253,13 +242,13 @@ class DecodeStep:
         return self.w.head_dim
 
     @classmethod
-    def for_model(cls, model: Any, mode: str, build_cmd: list[str] | None = None,
-                  build_key: str = "") -> "DecodeStep | None":
-        reason = unsupported_reason(model)
+    def for_model(cls, model: Any, spec: ModelSpec, mode: str, build_cmd: list[str] | None = None,
+                  build_key: str = "") -> "TorchStep | None":
+        reason = spec.fast_step_refusal(native=False) or unsupported_reason(model)
         if reason is not None:
             log.info("fast decode step off: %s", reason)
             return None
-        return cls(model, mode, build_cmd, build_key)
+        return cls(model, spec, mode, build_cmd, build_key)
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""sinkchat's own CPU kernels (`csrc/`: matmul.c, step.c): 4-bit and 8-bit weight matmuls on int8 activations with AVX-512 VNNI,
-and the whole one-token decode step built on them.
+"""sinkchat's own CPU kernels (`csrc/`): 4-bit and 8-bit weight matmuls on int8 activations with AVX-512 VNNI, and
+the whole one-token decode step built on them.
 
 Why our own: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to float before its
 multiply-adds, so at one token it is bound by arithmetic, not memory: ~7.5 ms for the bundled model's linears, when a
@@ -10,34 +10,46 @@ shapes: 1.4 ms instead of 7.5 ms per token when the weights are in cache, and 2.
 
 The activation rounding is llama.cpp's (int8, one scale per 32 values, exact block sums for the zero points); its
 cost in perplexity is in the README. The library is compiled once per source and CPU with the system's C compiler
-into sinkchat's cache dir (~0.3 s) and loaded with ctypes: no torch headers, no build step at install time. Where
+into sinkchat's cache dir (~0.5 s) and loaded with ctypes: no torch headers, no build step at install time. Where
 the CPU lacks AVX-512 VNNI or no compiler is found, `available()` is False and torch's kernels run instead.
+
+Two variants, two libraries. "simd" (csrc/matmul.c, attend.c) is the AVX-512 code, built with -march=native like
+before; "ref" (csrc/ref.c) is a plain scalar C reference of every kernel, built with no -march flag, so it compiles
+and runs on any CPU; both link the same layer loop and entry points (step.c, api.c). Why two builds rather than
+one with per-function target attributes and a runtime dispatch: the simd build keeps -march=native for all its code
+(the step's scalar loops included, so the decode step is exactly as fast as before), and the reference cannot pick
+up an AVX-512 instruction by accident (it never sees an AVX-512 flag), which is what lets it stand in on a CPU
+without VNNI. The cost is a second ~0.3 s compile, paid only where the reference is used. It is selected at run time:
+SINKCHAT_KERNELS=ref runs the product on it (slow; for checking), `use("ref")` switches this process, and
+`library("ref")` gives it to tests, which hold the SIMD code to it (bit-exact for the matmuls, the quantizer, the
+rotation and the eviction; to float rounding for attention: tests/test_kernels.py).
+
+Scratch memory is the caller's (ggml's work buffers): each C kernel takes a work buffer of the size its
+`sc_*_work` function gives, and this binding keeps one per thread (`threading.local`: concurrent callers never
+share one), grown to the next power of two when a call needs more and then reused, so no call allocates.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
-import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sinkchat.kernels.abi import QB, RG, NativeABIError, StepModel  # noqa: F401  (StepModel, RG: the binding's API)
+from sinkchat.kernels import abi
+
 log = logging.getLogger(__name__)
 
-CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("matmul.c", "step.c")  # and simd.h
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-CFLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
-RG = 16  # output rows per register (the layouts' row interleave)
-QB = 32  # weights per quant block
-P = ctypes.c_void_p
+VARIANTS = ("simd", "ref")
+_override: str | None = None  # use()
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,22 +63,59 @@ def _cpu() -> tuple[frozenset[str], str]:
     return frozenset(flags), model
 
 
+@functools.lru_cache(maxsize=1)
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def unsupported(variant: str) -> str | None:
+    """Why `variant` cannot be built here at all (no compiler; for "simd", a CPU without the instructions), or None:
+    then the library must build and load, and a failure is a bug (tests fail on it rather than skip)."""
+    if _compiler() is None:
+        return "no C compiler found (CC, gcc or cc)"
+    missing = [f for f in CPU_FLAGS if f not in _cpu()[0]]
+    if variant == "simd" and missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
+
+
+def use(variant: str | None) -> str | None:
+    """Run this process's kernels on `variant` ("simd" or "ref"; None: as SINKCHAT_KERNELS says); returns the
+    previous choice. For tests and checks: packed weights work with either."""
+    global _override
+    if variant not in (None, *VARIANTS):
+        raise ValueError(f"kernel variant {variant!r}: simd, ref or None")
+    prev, _override = _override, variant
+    return prev
+
+
+def variant() -> str:
+    """The variant `library()` gives: use()'s choice, else "ref" under SINKCHAT_KERNELS=ref, else "simd"."""
+    if _override is not None:
+        return _override
+    from sinkchat.config import load_dotenv_once
+
+    load_dotenv_once()
+    return "ref" if os.environ.get("SINKCHAT_KERNELS") == "ref" else "simd"
+
+
 def why_unavailable() -> str | None:
     """Why the native kernels cannot run here (None: they can)."""
     from sinkchat.config import ConfigError, env
 
     choice = env("SINKCHAT_KERNELS")
-    if choice not in ("auto", "torch"):
-        raise ConfigError(f"SINKCHAT_KERNELS must be auto or torch, not {choice!r}")
+    if choice not in ("auto", "torch", "ref"):
+        raise ConfigError(f"SINKCHAT_KERNELS must be auto, torch or ref, not {choice!r}")
     if choice == "torch":
         return "SINKCHAT_KERNELS=torch"
-    flags, _ = _cpu()
-    missing = [f for f in CPU_FLAGS if f not in flags]
-    if missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    if _compiler() is None:
-        return "no C compiler found (CC, gcc or cc)"
-    return None if library() is not None else "the kernels did not compile"
+    v = variant()
+    reason = unsupported(v)
+    if reason:
+        return reason
+    return None if library(v) is not None else f"the {v} kernels did not load: {load_error(v)}"
 
 
 def available() -> bool:
@@ -80,95 +129,90 @@ def resolve(kernels: str) -> str:
     return kernels
 
 
-@functools.lru_cache(maxsize=1)
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return name
-    return None
+def library(which: str | None = None) -> Any | None:
+    """The compiled kernels of variant `which` (default: `variant()`), built on first use into the cache dir and
+    checked against the binding (abi.open_library); None if they cannot be built or loaded (`load_error` says why)."""
+    return _load(which or variant())[0]
 
 
-@functools.lru_cache(maxsize=1)
-def library() -> Any | None:
-    """The compiled kernels (ctypes), built on first use into the cache dir; None if they cannot be built."""
+def load_error(which: str | None = None) -> str | None:
+    """Why `library(which)` is None (the compiler's message, the handshake's mismatch), or None."""
+    return _load(which or variant())[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _load(which: str) -> tuple[Any | None, str | None]:
     from sinkchat.config import cache_dir
 
-    cc = _compiler()
-    if cc is None:
-        return None
-    src = b"".join((CSRC / f).read_bytes() for f in (*SOURCES, "simd.h"))
-    key = hashlib.sha256(src + " ".join(CFLAGS).encode() + repr(sorted(_cpu()[0])).encode() + _cpu()[1].encode())
-    out = cache_dir() / "native" / f"q4-{key.hexdigest()[:16]}.so"
-    if not out.exists() and not _build(cc, out):
-        return None
+    reason = unsupported(which)
+    if reason:
+        return None, reason
+    out = abi.library_path(cache_dir(), which, _cpu())
+    if not out.exists():
+        err = abi.build(_compiler(), which, out)  # type: ignore[arg-type]
+        if err:
+            log.warning("native %s kernels did not compile: %s", which, err.splitlines()[-1])
+            return None, f"compile failed: {err}"
     try:
-        lib = ctypes.CDLL(str(out))
-        i = ctypes.c_int
-        for name, args in (("q4_matmul", [P, i, i, i, P, P, P, P]), ("q8_matmul", [P, i, i, i, P, P, P]),
-                           ("sc_step", [P, P, i, i, P, P, i, P, P, P]),
-                           ("kv_evict", [P, P, i, i, i, i, i, i, P, P, i, i])):
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = i  # 0, or -1 when out of memory
+        return abi.open_library(out, which), None
+    except NativeABIError as e:
+        log.warning("native %s kernels refused: %s", which, e)
+        return None, f"refused: {e}"
     except (OSError, AttributeError) as e:  # a foreign or broken file, a noexec cache dir
-        log.warning("native kernels not loaded from %s (%s)", out, e)
-        return None
+        log.warning("native %s kernels not loaded from %s (%s)", which, out, e)
+        return None, f"not loaded from {out}: {e}"
+
+
+def _lib() -> Any:
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {load_error()}")
     return lib
 
 
-def _build(cc: str, out: Path) -> bool:
-    """Compile the kernels into `out`, atomically: a concurrent session sees no file or the whole library."""
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-        os.close(fd)
-        res = subprocess.run([cc, *CFLAGS, "-o", tmp, *[str(CSRC / f) for f in SOURCES], "-lm"],
-                             capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            log.warning("native kernels did not compile: %s", (res.stderr.strip().splitlines() or ["?"])[-1])
-            return False
-        os.replace(tmp, out)
-        tmp = None
-        return True
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("native kernels not built (%s)", e)
-        return False
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+# ---- caller-owned scratch ----------------------------------------------------------------------------------------
+class _Work(threading.local):
+    buf: torch.Tensor | None = None
 
 
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int [N, K] in 0..15, scale / zero [N, K/32] in torch's convention (w = (q - 8)·scale + zero) -> the
-    kernel's layout: qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s, row r, byte t: q[r, 8s+t] low nibble,
-    q[r, 8s+4+t] high nibble) and sw fp16 [N/16, K/32, 2, 16] (d = scale, m = zero - 8·scale: w = d·q + m).
-
-    fp16, as ggml's Q4_1 stores d and m, so a Q4_1 GGUF is held exactly. Not bf16 (torch's kernel's choice): m is a
-    block's minimum, ~8 steps from zero, and bf16's 8-bit mantissa shifted every weight of a block by up to 1.5%
-    of a step, the same way (+0.8% perplexity on the bundled model, measured)."""
-    n, k = q.shape
-    qq = q.to(torch.uint8).reshape(n // RG, RG, k // QB, 4, 2, 4)  # [g, r, b, s, half, t]: k = 32b + 8s + 4half + t
-    qw = (qq[..., 0, :] | (qq[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, s, r, t]
-    d, m = scale.to(torch.float16), (zero.double() - 8 * scale.double()).to(torch.float16)
-    sw = torch.stack([d, m], -1).reshape(n // RG, RG, k // QB, 2).permute(0, 2, 3, 1).contiguous()  # [g, b, 2, r]
-    return qw, sw
+_WORK = _Work()
+_MIN_WORK = 1 << 16
 
 
-def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4], padded to a multiple of 16 rows with q = 0 (stored 128;
-    their scale is 0, so they project to 0 and are cut off)."""
-    v, k = q.shape
-    pad = (-v) % RG
-    u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
-    if pad:
-        u = torch.cat([u, torch.full((pad, k), 128, dtype=torch.uint8)])
-    return u.reshape(-1, RG, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+def work_buffer(nbytes: int) -> tuple[int, int]:
+    """This thread's scratch buffer, at least `nbytes`: (address, size). Grown to the next power of two (at least
+    64 KiB) when short, never shrunk: a thread's largest prefill sets it, and every later call reuses it."""
+    buf = _WORK.buf
+    if buf is None or buf.numel() < nbytes:
+        size = max(_MIN_WORK, 1 << max(nbytes - 1, 0).bit_length())
+        try:
+            buf = torch.empty(size, dtype=torch.uint8)
+        except RuntimeError as e:  # torch's allocator reports exhaustion as a RuntimeError
+            raise MemoryError(f"native kernels: no {size} bytes for a work buffer ({e})") from e
+        _WORK.buf = buf
+    return buf.data_ptr(), buf.numel()
 
 
-def q8_rows(hw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [...] of a `pack_q8` table as int16 [..., K] (embedding lookups read the head's one copy)."""
-    rows = hw[ids // RG, :, ids % RG, :]  # [..., K/4, 4]
-    return rows.reshape(*ids.shape, -1).to(torch.int16) - 128
+@functools.lru_cache(maxsize=4096)
+def _work_size(lib: Any, fn: str, m: int, k: int) -> int:
+    return int(getattr(lib, fn)(m, k))
+
+
+def _check_rc(rc: int, what: str) -> None:
+    if rc == -1:
+        raise MemoryError(f"{what}: out of memory")
+    if rc:
+        raise RuntimeError(f"{what} failed ({rc}: a work buffer under its sc_*_work size is a binding bug)")
+
+
+# ---- kernels -------------------------------------------------------------------------------------------------------
+def sc_step(m: StepModel, x: int, pos: int, n_gauge: int, keys: Any, values: Any, cap: int, out: int, queries: int,
+            gauge: int) -> int:
+    """One decode step through csrc/step.c (see `sinkchat.decode.native_step`), in this thread's work buffer;
+    0, or nonzero (-1: out of memory)."""
+    lib = _lib()
+    ptr, size = work_buffer(lib.sc_step_work(ctypes.byref(m), cap))
+    return lib.sc_step(ctypes.byref(m), x, pos, n_gauge, keys, values, cap, out, queries, gauge, ptr, size)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -193,8 +237,8 @@ def kv_evict(keys: torch.Tensor, values: torch.Tensor, start: int, count: int, n
         return False
     if not available():
         return False
-    return library().kv_evict(keys.data_ptr(), values.data_ptr(), h, cap, d, start, count, n, _ptr(cs), _ptr(sn),
-                              0 if cs is None else cs.numel(), int(keys.dtype == torch.bfloat16)) == 0
+    return _lib().kv_evict(keys.data_ptr(), values.data_ptr(), h, cap, d, start, count, n, _ptr(cs), _ptr(sn),
+                           0 if cs is None else cs.numel(), int(keys.dtype == torch.bfloat16)) == 0
 
 
 def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -210,9 +254,11 @@ def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.T
         bias = bias.float().contiguous()  # the kernel reads n fp32 values
         if bias.numel() != n:
             raise ValueError(f"bias of {bias.numel()} for {n} outputs")
+    lib = _lib()
+    ptr, size = work_buffer(_work_size(lib, "sc_q4_work", m, k))
     y = torch.empty(m, n)
-    if library().q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr()):
-        raise MemoryError("q4_matmul: out of memory")
+    _check_rc(lib.q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr, size),
+              "q4_matmul")
     return y
 
 
@@ -225,7 +271,59 @@ def q8_matmul(x: torch.Tensor, hw: torch.Tensor, scale: torch.Tensor) -> torch.T
         raise ValueError(f"q8 table {tuple(hw.shape)} does not fit x {tuple(x.shape)}")
     if scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous():
         raise ValueError(f"q8 scales {tuple(scale.shape)} do not fit the table")
+    lib = _lib()
+    ptr, size = work_buffer(_work_size(lib, "sc_q8_work", m, k))
     y = torch.empty(m, n)
-    if library().q8_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), scale.data_ptr(), y.data_ptr()):
-        raise MemoryError("q8_matmul: out of memory")
+    _check_rc(lib.q8_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), scale.data_ptr(), y.data_ptr(), ptr, size),
+              "q8_matmul")
     return y
+
+
+def quantize_activations(x: torch.Tensor, which: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The matmuls' activation quantizer alone, on `which` variant: x [M, K] fp32 -> (xq int8 [M, K], dx [M, K/32],
+    sx [M, K/32]): per 32 values, the int8 values, their scale and scale x their sum."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    if k % QB:
+        raise ValueError(f"K = {k} is not a multiple of {QB}")
+    xq, dx, sx = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QB), torch.empty(m, k // QB)
+    lib = library(which)
+    if lib is None:
+        raise RuntimeError(f"native kernels unavailable: {load_error(which)}")
+    lib.sc_quant(x.data_ptr(), m, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
+    return xq, dx, sx
+
+
+# ---- layouts -------------------------------------------------------------------------------------------------------
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int [N, K] in 0..15, scale / zero [N, K/32] in torch's convention (w = (q - 8)·scale + zero) -> the
+    kernel's layout (csrc/kernels.h: sc_q4_block, sc_q4_scales): qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s,
+    row r, byte t: q[r, 8s+t] low nibble, q[r, 8s+4+t] high nibble) and sw fp16 [N/16, K/32, 2, 16] (d = scale,
+    m = zero - 8·scale: w = d·q + m).
+
+    fp16, as ggml's Q4_1 stores d and m, so a Q4_1 GGUF is held exactly. Not bf16 (torch's kernel's choice): m is a
+    block's minimum, ~8 steps from zero, and bf16's 8-bit mantissa shifted every weight of a block by up to 1.5%
+    of a step, the same way (+0.8% perplexity on the bundled model, measured)."""
+    n, k = q.shape
+    qq = q.to(torch.uint8).reshape(n // RG, RG, k // QB, 4, 2, 4)  # [g, r, b, s, half, t]: k = 32b + 8s + 4half + t
+    qw = (qq[..., 0, :] | (qq[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, s, r, t]
+    d, m = scale.to(torch.float16), (zero.double() - 8 * scale.double()).to(torch.float16)
+    sw = torch.stack([d, m], -1).reshape(n // RG, RG, k // QB, 2).permute(0, 2, 3, 1).contiguous()  # [g, b, 2, r]
+    return qw, sw
+
+
+def pack_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4] (csrc/kernels.h: sc_q8_block [V/16][K/32]), padded to a
+    multiple of 16 rows with q = 0 (stored 128; their scale is 0, so they project to 0 and are cut off)."""
+    v, k = q.shape
+    pad = (-v) % RG
+    u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
+    if pad:
+        u = torch.cat([u, torch.full((pad, k), 128, dtype=torch.uint8)])
+    return u.reshape(-1, RG, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def q8_rows(hw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [...] of a `pack_q8` table as int16 [..., K] (embedding lookups read the head's one copy)."""
+    rows = hw[ids // RG, :, ids % RG, :]  # [..., K/4, 4]
+    return rows.reshape(*ids.shape, -1).to(torch.int16) - 128

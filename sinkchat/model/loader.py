@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from sinkchat.config import ModelConfig, attention_shape, cache_dir
+from sinkchat.config import ModelConfig, cache_dir
+from sinkchat.errors import UserError
+from sinkchat.model.spec import ModelSpec, attention_shape, check_config, max_positions, native_head_dim_ok
 from sinkchat.model.heap import lean_heap
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,7 @@ BLOCKSIZE = 32
 CONVERT_VERSION = 1
 
 
-class LoadError(RuntimeError):
+class LoadError(UserError, RuntimeError):
     """A user-facing loading failure (one line, no traceback)."""
 
 
@@ -55,6 +57,7 @@ class Loaded:
     fingerprint: str  # identifies weights + quantization (snapshots refuse a different one)
     seconds: float
     quantized_fraction: float  # share of decoder linear weights stored in 4/8 bits
+    spec: ModelSpec  # the one description of the model every other part reads
 
 
 def bundled_gguf() -> Path:
@@ -312,18 +315,22 @@ def q4_kernels(decoder: str, config: Any = None) -> str:
     from sinkchat.kernels import native
     if decoder in ("compiled", "eager"):
         return "torch"
-    if decoder == "auto" and config is not None and attention_shape(config)[2] % 16:
+    if decoder == "auto" and config is not None and not native_head_dim_ok(attention_shape(config)[2]):
         return "torch"
     return native.resolve("auto")
 
 
-def load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
-    """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes."""
+def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None
+         ) -> Loaded:
+    """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes.
+    `check_context(max positions)` runs once the config is read, before any weight is: a setting that cannot fit
+    the model (a --cache larger than its context) fails at once, not after a load of many seconds."""
     with lean_heap():
-        return _load(cfg, progress)
+        return _load(cfg, progress, check_context)
 
 
-def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
+def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None
+          ) -> Loaded:
     progress = progress or (lambda msg: log.info(msg))
     quiet_libraries()
     t0 = time.perf_counter()
@@ -333,6 +340,9 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
         raise LoadError(f"'{source}' is not a causal language model (architectures: {', '.join(archs)})")
+    check_config(config)  # refuse what no spec can describe before any weight is read
+    if check_context is not None:
+        check_context(max_positions(config))
     device, dtype = _pick_device_dtype(cfg)
     quant = resolve_quant(cfg.quant, device)
     kernels = q4_kernels(cfg.decoder, config) if quant == "q4" else "torch"
@@ -363,14 +373,12 @@ def _load(cfg: ModelConfig, progress: Progress | None = None) -> Loaded:
         model.requires_grad_(False)
         model.to(device)
         frac = _quantize(model, quant, dtype, device, progress, kernels)
-    from sinkchat.core.kv_cache import rope_from_model
-
-    rope_from_model(model)  # refuse unsupported position encodings now, with a clear message
+    spec = ModelSpec.from_model(model).check()  # refuse what the cache cannot hold now, with a clear message
     digest = hashlib.sha256(f"{Path(src).resolve() if os.path.isdir(src) else src}".encode()).hexdigest()[:12]
     fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}"
     del torch
     return Loaded(
         model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,
         dtype=str(dtype).removeprefix("torch."), fingerprint=fingerprint, seconds=time.perf_counter() - t0,
-        quantized_fraction=frac,
+        quantized_fraction=frac, spec=spec,
     )

@@ -1,4 +1,4 @@
-"""Save and restore a live Engine session (KV cache included), and resume a logged session after a crash.
+"""Save and restore a live Engine session (KV cache included). Automatic snapshots and `--resume` are in `resume`.
 
 A snapshot is one safetensors file: the cache's live slots, the ledger's token ids / stream indices, the last logits
 and the sampler's RNG state as tensors; everything else (conversation, sampling and cache settings, model fingerprint,
@@ -18,27 +18,26 @@ import logging
 import os
 import re
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from sinkchat.config import SamplingConfig, attention_shape, data_dir
-from sinkchat.store.transcript import NullLog, Turn, auto_snapshot_path, get_session, turns
+from sinkchat.errors import UserError
+from sinkchat.config import SamplingConfig, data_dir
 
 log = logging.getLogger(__name__)
 
 MAGIC = "sinkchat-snapshot"
 FORMAT_VERSION = 1
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-REPLAY_ROLES = ("user", "assistant", "tool", "system")
 
 __all__ = ["SnapshotError", "save_snapshot", "load_snapshot", "snapshot_info", "snapshot_path", "list_snapshots",
-           "auto_snapshot_path", "AutoSnapshot", "ResumeResult", "resume_session", "model_fingerprint"]
+           "model_fingerprint"]
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(UserError, RuntimeError):
     """A snapshot cannot be written or does not fit this session; the message is one line for the user."""
 
 
@@ -88,12 +87,11 @@ def _digest(header: str, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _kv_shape(engine: Any) -> tuple[int, int, int]:
-    """(batch, kv heads, head dim) that this engine's cache holds: from the live cache, else the model config."""
+    """(batch, kv heads, head dim) that this engine's cache holds: from the live cache, else the model's spec."""
     layer = engine.cache.layers[0]
     if layer.is_initialized:
         return int(layer.keys.shape[0]), int(layer.keys.shape[1]), int(layer.keys.shape[-1])
-    _, kv, hd = attention_shape(engine.model.config)
-    return 1, int(kv), int(hd)
+    return 1, engine.spec.n_kv, engine.spec.head_dim
 
 
 # ------------------------------------------------------------------------------------------------ save
@@ -115,7 +113,7 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
         "version": FORMAT_VERSION, "created": time.time(), "fingerprint": model_fingerprint(engine),
         "quant": getattr(loaded, "quant", None), "n_layers": engine.n_layers, "kv_shape": list(_kv_shape(engine)),
         "cache": asdict(engine.cache_cfg), "cache_len": engine.cache.length, "sampling": asdict(engine.sampling),
-        "ledger": {"seen": led.seen, "evicted": led.evicted},
+        "ledger": {k: v for k, v in led.state().items() if k not in ("ids", "abs_index")},  # seen, evicted, ...
         "conv": {"system": engine.conv.system, "messages": engine.conv.messages, "fed": engine.conv.fed},
         "extra": extra or {},
     }
@@ -210,6 +208,32 @@ def load_snapshot(engine: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     sampling settings are adopted: they decide what the next reply is."""
     path = Path(path)
     head, tensors = _read(path)
+    _check_fits(engine, head, path)
+    state = _decode(engine, head, tensors, path)
+    _commit(engine, state)
+    head["path"] = str(path)
+    log.info("loaded snapshot %s: %d tokens, %d messages", path, state.cache.length, len(state.messages))
+    return head
+
+
+@dataclass
+class _Restored:
+    """Everything a snapshot puts into an engine, built and checked before the engine is touched."""
+
+    cache: Any
+    cache_cfg: Any
+    ledger: Any
+    system: str | None
+    messages: list[dict[str, str]]
+    fed: str
+    logits: torch.Tensor | None
+    reply_ids: list[int]
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+
+
+def _check_fits(engine: Any, head: dict[str, Any], path: Path) -> None:
+    """Same model, same cache shape, else SnapshotError."""
     fp = model_fingerprint(engine)
     if head.get("fingerprint") != fp:
         raise SnapshotError(f"{path} was saved with model {head.get('fingerprint')}; this session runs {fp}")
@@ -220,15 +244,17 @@ def load_snapshot(engine: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     if head.get("n_layers") != engine.n_layers or tuple(head.get("kv_shape", ())) != _kv_shape(engine):
         raise SnapshotError(f"{path} has a different cache shape ({head.get('n_layers')} layers, kv "
                             f"{head.get('kv_shape')}) than this model ({engine.n_layers}, {list(_kv_shape(engine))})")
+
+
+def _decode(engine: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> _Restored:
+    """Build the restored state from a verified file; SnapshotError if anything in it does not fit."""
     ids, abs_index = tensors["ledger.ids"].tolist(), tensors["ledger.abs_index"].tolist()
     n = int(head["cache_len"])
     if len(ids) != n or len(abs_index) != n:
         raise SnapshotError(f"{path} is inconsistent (ledger {len(ids)} tokens, cache {n})")
     try:
-        sampling = SamplingConfig(**head["sampling"])
-        cache_cfg = replace(mine, policy=cc["policy"], evict_chunk=int(cc["evict_chunk"]))
+        cc, mine, dev = head["cache"], engine.cache_cfg, engine.device
         new_cache = engine.new_cache(mine.capacity)
-        dev = engine.device
         if n:
             new_cache.load_state({k[len("cache."):]: v.to(dev) for k, v in tensors.items() if k.startswith("cache.")})
         gen = None
@@ -236,149 +262,27 @@ def load_snapshot(engine: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
             gen = torch.Generator()
             gen.set_state(tensors["rng"])
         conv = head["conv"]
-        messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in conv["messages"]]
-        logits = tensors["last_logits"].to(dev) if "last_logits" in tensors else None
+        state = _Restored(
+            new_cache, replace(mine, policy=cc["policy"], evict_chunk=int(cc["evict_chunk"])),
+            type(engine.ledger).from_state({**head["ledger"], "ids": ids, "abs_index": abs_index}),
+            conv["system"], [{"role": str(m["role"]), "content": str(m["content"])} for m in conv["messages"]],
+            str(conv["fed"]), tensors["last_logits"].to(dev) if "last_logits" in tensors else None,
+            tensors["last_reply_ids"].tolist(), SamplingConfig(**head["sampling"]), gen)
     except SnapshotError:
         raise
     except Exception as e:  # noqa: BLE001 - anything odd in a checksummed file means it is not ours
         raise SnapshotError(f"{path} does not fit this session: {str(e).splitlines()[0][:120]}") from None
     if new_cache.length != n:
         raise SnapshotError(f"{path} is inconsistent (cache tensors hold {new_cache.length} tokens, header {n})")
-    # ---- commit: plain assignments only from here on, so a refused file never leaves a half-loaded engine
-    engine.cache = new_cache
-    engine.cache_cfg = cache_cfg
-    led = engine.ledger
-    led.ids[:], led.abs_index[:] = ids, abs_index
-    led.seen, led.evicted = int(head["ledger"]["seen"]), int(head["ledger"]["evicted"])
-    engine.conv.system, engine.conv.messages[:], engine.conv.fed = conv["system"], messages, str(conv["fed"])
-    engine.last_logits = logits
-    engine.last_reply_ids = tensors["last_reply_ids"].tolist()
-    engine.sampling, engine.generator = sampling, gen
-    head["path"] = str(path)
-    log.info("loaded snapshot %s: %d tokens, %d messages", path, n, len(messages))
-    return head
+    return state
 
 
-# ------------------------------------------------------------------------------------------------ auto + resume
-class AutoSnapshot:
-    """`--snapshot-every N`: call `after_turn(engine, log)` after each completed exchange (reply logged); every Nth
-    call rewrites the session's automatic snapshot. A failed write warns once and never stops the session."""
-
-    def __init__(self, every: int, warn: Callable[[str], None] | None = None) -> None:
-        self.every, self._warn, self._warned, self.calls = every, warn or log.warning, False, 0
-
-    def after_turn(self, engine: Any, session_log: NullLog) -> Path | None:
-        self.calls += 1
-        if self.every <= 0 or self.calls % self.every:
-            return None
-        return self.save(engine, session_log)
-
-    def save(self, engine: Any, session_log: NullLog) -> Path | None:
-        """Write the automatic snapshot now (also useful on a clean exit)."""
-        if session_log.id is None:
-            return None
-        home = session_log.path.parent if session_log.path is not None else None
-        try:
-            p = save_snapshot(engine, auto_snapshot_path(session_log.id, home), session_log.pointer())
-        except SnapshotError as e:
-            if not self._warned:
-                self._warned = True
-                self._warn(f"automatic snapshot failed (continuing): {e}")
-            return None
-        return p
-
-
-@dataclass
-class ResumeResult:
-    """How a session was resumed: method 'snapshot' (auto snapshot + any turns logged after it were re-fed),
-    'rebuild' (newest turns re-fed), or 'empty'. `pending` is a last user message that never got a reply (the
-    crash hit mid-reply): it is NOT in the cache; the client may send it again with engine.chat (already logged)."""
-
-    method: str
-    session_id: int
-    turns_replayed: int = 0
-    turns_total: int = 0
-    pending: str | None = None
-    note: str = ""
-
-    def describe(self) -> str:
-        what = {"snapshot": "restored from its automatic snapshot", "rebuild": "rebuilt the cache from the transcript",
-                "empty": "nothing logged yet"}[self.method]
-        s = f"session {self.session_id}: {what}"
-        if self.method != "empty":
-            s += f", {self.turns_replayed} of {self.turns_total} turns re-fed"
-        return s + (f" ({self.note})" if self.note else "")
-
-
-def resume_session(engine: Any, session_log: NullLog | None, session_id: int | None = None, *,
-                   path: str | os.PathLike[str] | None = None) -> ResumeResult:
-    """Bring `engine` back to where session `session_id` (default: session_log.id) stopped.
-
-    With an automatic snapshot: load it, then re-feed the turns logged after it. Without one (or if it is refused):
-    clear the engine and re-feed the newest turns that fit the window, in order, after the session's system prompt
-    (so the sinks are the system prompt again)."""
-    sid = session_id if session_id is not None else getattr(session_log, "id", None)
-    if sid is None:
-        raise SnapshotError("no session to resume")
-    db = Path(path) if path is not None else getattr(session_log, "path", None)
-    try:
-        info, log_turns = get_session(sid, db), turns(sid, db)
-    except Exception as e:  # LogError / sqlite3.Error: the log is the user's, say it in one line
-        raise SnapshotError(f"cannot resume session {sid}: {e}") from None
-    log_turns = [t for t in log_turns if t.role in REPLAY_ROLES]
-    snap, note = auto_snapshot_path(sid, db.parent if db is not None else None), ""
-    if snap.is_file():
-        try:
-            if snapshot_info(snap).get("extra", {}).get("session_id") not in (None, sid):
-                raise SnapshotError(f"{snap} belongs to another session")
-            head = load_snapshot(engine, snap)
-            after = int(head.get("extra", {}).get("turns_logged", 0))
-            rest = [t for t in log_turns if t.seq > after]
-            fed, pending = _replay(engine, rest)
-            return ResumeResult("snapshot", sid, fed, len(log_turns), pending)
-        except SnapshotError as e:
-            note = f"automatic snapshot refused: {e}"
-            log.warning("%s; rebuilding from the transcript", note)
-    if not log_turns:
-        return ResumeResult("empty", sid, note=note)
-    engine.clear()
-    if info.system is not None:
-        engine.conv.system = info.system
-    chosen = _newest_that_fit(engine, log_turns)
-    fed, pending = _replay(engine, chosen)
-    return ResumeResult("rebuild", sid, fed, len(log_turns), pending, note)
-
-
-def _newest_that_fit(engine: Any, items: list[Turn]) -> list[Turn]:
-    """The longest suffix of whole turns that fits the cache (minus the system prompt and room for a reply),
-    starting at a non-assistant turn so the replay opens with a prompt, not half an exchange."""
-    c = engine.cache_cfg
-    system = len(engine.encode(engine.conv.system)) + 8 if engine.conv.system else 0
-    budget = c.capacity - max(system, c.n_sink) - min(engine.sampling.max_tokens, c.capacity // 4)
-    used, start = 0, len(items)
-    for i in range(len(items) - 1, -1, -1):
-        used += len(engine.encode(items[i].text)) + 8  # + template tokens (role header, end marker)
-        if used > budget:
-            break
-        start = i
-    while start < len(items) and items[start].role == "assistant":
-        start += 1
-    return items[start:]
-
-
-def _replay(engine: Any, items: list[Turn]) -> tuple[int, str | None]:
-    """Feed logged turns as the live session did: prompts through the chat template, replies as generated text.
-    A trailing prompt without a reply is returned as pending instead of being fed."""
-    pending = None
-    if items and items[-1].role != "assistant":
-        pending, items = items[-1].text, items[:-1]
-    for i, t in enumerate(items):
-        if t.role == "assistant":
-            for _ in engine.feed(t.text):
-                pass
-            engine.conv.add_reply(t.text)
-        else:
-            nxt_is_reply = i + 1 < len(items) and items[i + 1].role == "assistant"
-            for _ in engine.add_message(t.role, t.text, add_generation_prompt=nxt_is_reply):
-                pass
-    return len(items), pending
+def _commit(engine: Any, st: _Restored) -> None:
+    """Plain assignments only, so a refused file never leaves a half-loaded engine. The ledger is updated in place
+    (every counter it has: seen, evicted, cleared, ...), so whoever holds `engine.ledger` sees the loaded one."""
+    engine.cache, engine.cache_cfg = st.cache, st.cache_cfg
+    for f in fields(st.ledger):
+        setattr(engine.ledger, f.name, getattr(st.ledger, f.name))
+    engine.conv.system, engine.conv.messages[:], engine.conv.fed = st.system, st.messages, st.fed
+    engine.last_logits, engine.last_reply_ids = st.logits, st.reply_ids
+    engine.sampling, engine.generator = st.sampling, st.generator

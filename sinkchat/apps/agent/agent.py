@@ -29,10 +29,11 @@ from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_
 from sinkchat.config import ConfigError, data_dir
 from sinkchat.apps.agent.display import Display, _abridge
 from sinkchat.core.events import DoneEvent, Event, TokenEvent
-from sinkchat.apps.runlog import AgentLog, open_log
-from sinkchat.apps.agent.tools import (
-    ToolError, ToolResult, Toolbox, Workspace, build_default_tools, cap_text, load_tools_module,
-)
+from sinkchat.apps.agent.log import AgentLog
+from sinkchat.apps.runlog import open_log
+from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.toolbox import ToolResult, Toolbox, build_default_tools, cap_text, load_tools_module
+from sinkchat.apps.agent.tools.workspace import Workspace, WorkspaceError
 
 __all__ = ["Agent", "AgentCounts", "AgentEvent", "build_default_tools", "Workspace", "Toolbox", "agent_command"]
 
@@ -56,7 +57,8 @@ class AgentCounts:
 
 
 class Agent:
-    """The loop. `tools`: a Toolbox (see build_default_tools); `approve(name, args) -> bool` is asked before each
+    """The loop. `tools`: a Toolbox (see build_default_tools); `workspace`: a Workspace or the path of an existing
+    folder (shown to the model; a missing one is a WorkspaceError); `approve(name, args) -> bool` is asked before each
     side-effecting call (None = allow all); protocol: 'auto' | 'native' | 'json'; `max_tokens` per reply (None =
     the engine's sampling.max_tokens); `keep_messages`: past this many, engine.conv's bookkeeping is compacted
     (0 = never). Takes over the engine's system prompt if nothing was fed yet, and then (JSON protocol, few_shot)
@@ -245,10 +247,43 @@ def _cycle(make: Callable[[], Iterator[str]]) -> Iterator[str]:
     yield from itertools.cycle(seen)
 
 
+class WorkspaceUsageError(click.ClickException):
+    """A workspace that cannot be used: one line and exit 2 (a usage mistake; click's UsageError would add the usage
+    text around it)."""
+
+    exit_code = 2
+
+
+def open_workspace(path: str | None, create: bool) -> Workspace:
+    """--workspace DIR must exist unless --create-workspace; without --workspace, a fresh folder under the data dir.
+    Checked before the log or the model is opened, so a mistyped path creates nothing (no folder, no log)."""
+    if path is None:
+        return Workspace(data_dir() / "workspaces" / time.strftime(f"%Y%m%d-%H%M%S-{uuid.uuid4().hex[:6]}"),
+                         create=True)
+    try:
+        return Workspace(path, create=create)
+    except WorkspaceError as e:
+        hint = "" if create or Path(path).expanduser().exists() else " (pass --create-workspace to create it)"
+        raise WorkspaceUsageError(f"{e}{hint}") from None
+
+
+def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
+    """The functions of every --tools-module file; a broken file is a ConfigError (exit 2)."""
+    extra: list[Callable[..., Any]] = []
+    for path in paths:
+        try:
+            extra += load_tools_module(path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return extra
+
+
 @click.command("agent")
 @click.argument("task", required=False)
 @click.option("--workspace", type=click.Path(file_okay=False), default=None,
-              help="folder the file tools are confined to (default: a fresh folder under the data dir)")
+              help="existing folder the file tools are confined to (default: a fresh folder under the data dir)")
+@click.option("--create-workspace", is_flag=True,
+              help="create the --workspace folder (and its parents) if it is missing, instead of refusing")
 @click.option("--max-steps", type=click.IntRange(0, None), default=10, show_default=True, help="steps per task (0 = no limit)")
 @click.option("--forever", is_flag=True, help="keep cycling through the tasks (TASK, --tasks FILE or stdin lines)")
 @click.option("--tasks", "tasks_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
@@ -261,9 +296,9 @@ def _cycle(make: Callable[[], Iterator[str]]) -> Iterator[str]:
               help="cap on each tool result fed to the model")
 @click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
 @common_options
-def agent_command(task: str | None, workspace: str | None, max_steps: int, forever: bool, tasks_file: str | None,
-                  approve: str | None, allow_shell: bool, tools_module: tuple[str, ...], max_result_chars: int,
-                  no_log: bool, **kw: Any) -> None:
+def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
+                  tasks_file: str | None, approve: str | None, allow_shell: bool, tools_module: tuple[str, ...],
+                  max_result_chars: int, no_log: bool, **kw: Any) -> None:
     """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line)."""
     from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
 
@@ -274,13 +309,8 @@ def agent_command(task: str | None, workspace: str | None, max_steps: int, forev
         settings = build_settings(opts)
         if task is None and tasks_file is None and not interactive:
             tasks_file = "-"
-        extra = []
-        for path in tools_module:
-            try:
-                extra += load_tools_module(path)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        ws = Workspace(workspace or data_dir() / "workspaces" / time.strftime(f"%Y%m%d-%H%M%S-{uuid.uuid4().hex[:6]}"))
+        extra = load_extra_tools(tools_module)
+        ws = open_workspace(workspace, create_workspace)
         try:
             tools = build_default_tools(ws, allow_shell, max_result_chars, extra)
         except ValueError as e:
@@ -316,12 +346,10 @@ def _interactive(agent: Agent, display: Display, max_steps: int) -> None:
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory
 
-    from sinkchat.config import data_dir
-    from sinkchat.core.metrics import read_stats
-    from sinkchat.apps.render import toolbar_fragments
+    from sinkchat.apps.render import live_stats, toolbar_fragments
 
     def toolbar() -> Any:  # the same live status bar as `sinkchat chat`
-        return toolbar_fragments(read_stats(agent.engine, display.metrics, display.model_nbytes))
+        return toolbar_fragments(live_stats(agent.engine, display.metrics, display.model_nbytes))
 
     try:
         data_dir().mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,10 @@ class Display:
         (self.console.file if self.console is not None else sys.stdout).flush()
 
     def status(self) -> None:
-        from sinkchat.core.metrics import read_stats, status_line
+        from sinkchat.apps.render import live_stats
+        from sinkchat.core.metrics import status_line
 
-        self.line(status_line(read_stats(self.engine, self.metrics, self.model_nbytes)), "dim")
+        self.line(status_line(live_stats(self.engine, self.metrics, self.model_nbytes)), "dim")
 
     def __call__(self, ev: Any) -> None:
         self.metrics.fold(ev)

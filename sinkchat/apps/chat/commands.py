@@ -1,30 +1,25 @@
 """Slash commands of the chat REPL: one table (name -> handler, usage, help) drives dispatch, /help and completion.
 
 Every handler validates before it changes anything, so a bad value leaves the engine exactly as it was, and reports
-user mistakes as one message (never a traceback).
+user mistakes as one message (never a traceback). A handler that changed the session returns what it did, and
+`dispatch` logs that as an event after the last turn: `sinkchat logs show` then tells why the turns after it read as
+they do (a new system prompt, a cleared cache, a loaded snapshot, another policy).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
 from prompt_toolkit.document import Document
 
-from sinkchat.config import POLICIES, CacheConfig, ConfigError, SamplingConfig
-from sinkchat.core.metrics import human_bytes
 from sinkchat.apps.chat import session
+from sinkchat.apps.chat.host import ChatHost
 from sinkchat.apps.render import eviction_line, stats_table
+from sinkchat.config import POLICIES, ConfigError, SamplingConfig
 
-if TYPE_CHECKING:
-    from sinkchat.apps.chat.repl import ChatLoop
-
-TRANSCRIPT_FORMAT = "sinkchat-transcript"
 SET_KEYS: dict[str, Callable[[str], Any]] = {
     "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "repetition_penalty": float,
     "seed": int,
@@ -37,14 +32,14 @@ class Exit(Exception):
 
 @dataclass(frozen=True)
 class Command:
-    handler: Callable[["ChatLoop", str], None]
+    handler: Callable[[ChatHost, str], str | None]  # returns what it changed (logged), None if nothing
     usage: str
     help: str
     choices: tuple[str, ...] = ()
     paths: bool = False
 
 
-def cmd_help(loop: "ChatLoop", arg: str) -> None:
+def cmd_help(loop: ChatHost, arg: str) -> None:
     lines = ["commands:"]
     lines += [f"  {c.usage:<34} {c.help}" for c in COMMANDS.values()]
     lines += ['  """ ... """                        multi-line message (also Alt-Enter / Esc-Enter for a newline)',
@@ -52,11 +47,11 @@ def cmd_help(loop: "ChatLoop", arg: str) -> None:
     loop.r.info("\n".join(lines), style="")
 
 
-def cmd_stats(loop: "ChatLoop", arg: str) -> None:
+def cmd_stats(loop: ChatHost, arg: str) -> None:
     loop.r.table(stats_table(loop.stats()))
 
 
-def _reconfigure(loop: "ChatLoop", **changes: Any) -> None:
+def _reconfigure(loop: ChatHost, **changes: Any) -> str:
     events = loop.engine.reconfigure(**changes)  # ConfigError before any change
     for ev in events:
         loop.metrics.fold(ev)
@@ -64,17 +59,19 @@ def _reconfigure(loop: "ChatLoop", **changes: Any) -> None:
     c = loop.engine.cache_cfg
     shape = (f"{c.n_sink} sinks + window {c.window} = capacity {c.capacity}" if c.policy == "sink" else
              f"capacity {c.capacity}, nothing pinned" if c.policy == "window" else f"capacity {c.capacity}, no eviction")
-    loop.r.info(f"cache: {c.policy}, {shape} ({loop.engine.cache.length} tokens held)")
+    what = f"cache: {c.policy}, {shape} ({loop.engine.cache.length} tokens held)"
+    loop.r.info(what)
+    return what + (f", {sum(ev.count for ev in events)} tokens evicted" if events else "")
 
 
-def cmd_policy(loop: "ChatLoop", arg: str) -> None:
+def cmd_policy(loop: ChatHost, arg: str) -> str | None:
     if arg not in POLICIES:
         loop.r.error(f"usage: /policy {'|'.join(POLICIES)}  (now {loop.engine.cache_cfg.policy})")
-        return
-    _reconfigure(loop, policy=arg)
+        return None
+    return _reconfigure(loop, policy=arg)
 
 
-def _int_arg(loop: "ChatLoop", arg: str, usage: str, minimum: int) -> int | None:
+def _int_arg(loop: ChatHost, arg: str, usage: str, minimum: int) -> int | None:
     try:
         n = int(arg)
     except ValueError:
@@ -86,172 +83,104 @@ def _int_arg(loop: "ChatLoop", arg: str, usage: str, minimum: int) -> int | None
     return n
 
 
-def cmd_sinks(loop: "ChatLoop", arg: str) -> None:
+def cmd_sinks(loop: ChatHost, arg: str) -> str | None:
     n = _int_arg(loop, arg, "/sinks N", 0)
-    if n is not None:  # keep the window of recent tokens, so only the pinned part changes
-        _reconfigure(loop, n_sink=n, capacity=n + loop.engine.cache_cfg.window)
+    if n is None:
+        return None  # keep the window of recent tokens, so only the pinned part changes
+    return _reconfigure(loop, n_sink=n, capacity=n + loop.engine.cache_cfg.window)
 
 
-def cmd_window(loop: "ChatLoop", arg: str) -> None:
+def cmd_window(loop: ChatHost, arg: str) -> str | None:
     n = _int_arg(loop, arg, "/window N", 8)
-    if n is not None:
-        _reconfigure(loop, capacity=loop.engine.cache_cfg.n_sink + n)
+    return None if n is None else _reconfigure(loop, capacity=loop.engine.cache_cfg.n_sink + n)
 
 
-def cmd_system(loop: "ChatLoop", arg: str) -> None:
+def cmd_system(loop: ChatHost, arg: str) -> str | None:
     eng = loop.engine
     if not arg:
         loop.r.info(f"system prompt: {eng.conv.system!r}")
-        return
+        return None
     if not eng.conv.fed:  # nothing in the cache yet: it becomes the conversation's system prompt
         eng.conv.system = arg
+        loop.slog.set_system(arg)  # what a resume that rebuilds the cache starts from
         loop.r.info("system prompt set")
-        return
-    # History is never re-encoded: a new system prompt enters the stream as a system message, from now on.
+        return "system prompt set (nothing fed yet: the conversation starts with it)"
+    # History is never re-encoded: a new system prompt enters the stream as a system message, from now on. It is
+    # in the cache like a prompt, so it is logged as a turn (a resume feeds it again), not as an event.
+    t0 = time.perf_counter()
     try:
         n = loop.feed_message("system", arg)
     except ConfigError as e:
         loop.r.error(f"/system: {e}; nothing changed (/clear, then /system TEXT, starts over with it)")
-        return
+        return None
+    session.log_turn(loop, "system", arg, n, seconds=time.perf_counter() - t0)
     loop.r.info(f"system message added to the conversation ({n} tokens); /clear to start over with it alone")
+    return None
 
 
-def cmd_set(loop: "ChatLoop", arg: str) -> None:
+def cmd_set(loop: ChatHost, arg: str) -> str | None:
     key, _, raw = arg.partition(" ")
     raw = raw.strip()
     if key not in SET_KEYS or not raw:
         cur = ", ".join(f"{k}={getattr(loop.engine.sampling, k)}" for k in SET_KEYS)
         loop.r.error(f"usage: /set {'|'.join(SET_KEYS)} VALUE  (now {cur})")
-        return
+        return None
     try:
         value = SET_KEYS[key](raw)
         SamplingConfig(**{**asdict(loop.engine.sampling), key: value})  # validates; raises ConfigError
     except ValueError as e:  # ConfigError is a ValueError too
         msg = str(e) if isinstance(e, ConfigError) else f"{raw!r} is not a valid {SET_KEYS[key].__name__}"
         loop.r.error(f"/set {key}: {msg}; nothing changed")
-        return
+        return None
     loop.engine.set_sampling(**{key: value})
     loop.r.info(f"{key} = {value}")
+    return f"{key} = {value}"
 
 
-def cmd_clear(loop: "ChatLoop", arg: str) -> None:
+def cmd_clear(loop: ChatHost, arg: str) -> str:
+    """Empty the cache. Cleared tokens are not evictions: no event is folded, so the eviction figures stay."""
+    n = loop.engine.cache.length
     loop.engine.clear()
     loop.metrics.gauge = None  # it measured a cache that is gone; the next reply measures again
-    loop.r.info("cache and conversation cleared")
+    loop.r.info(f"cache and conversation cleared ({n} tokens dropped, not counted as evicted)")
+    return f"cache and conversation cleared ({n} tokens dropped)"
 
 
-def cmd_evictions(loop: "ChatLoop", arg: str) -> None:
-    evs = list(loop.metrics.evictions)[-20:]
+def cmd_evictions(loop: ChatHost, arg: str) -> None:
+    m = loop.metrics
+    evs = list(m.evictions)[-20:]
     if not evs:
-        loop.r.info("no evictions yet")
+        loop.r.info("no evictions yet" if not m.eviction_count else
+                    f"no evictions since this stream was loaded ({m.eviction_count} before, {m.evicted} tokens)")
         return
-    total = loop.engine.ledger.evicted
-    loop.r.info(f"last {len(evs)} of {loop.metrics.eviction_count} evictions ({total} tokens evicted in all):")
+    loop.r.info(f"last {len(evs)} of {m.eviction_count} evictions ({m.evicted} tokens evicted in all):")
     for ev in evs:
         loop.r.info("  " + eviction_line(ev), style="yellow")
 
 
-def transcript(loop: "ChatLoop") -> dict[str, Any]:
-    eng = loop.engine
-    return {"format": TRANSCRIPT_FORMAT, "version": 1, "system": eng.conv.system,
-            "messages": [dict(m) for m in eng.conv.messages],
-            "settings": {"cache": asdict(eng.cache_cfg), "sampling": asdict(eng.sampling)}}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so a crash never leaves half a transcript. The folder
-    must exist: a mistyped path is an error, not a new directory tree."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def cmd_save(loop: "ChatLoop", arg: str) -> None:
+def cmd_save(loop: ChatHost, arg: str) -> str | None:
     if not arg:
         loop.r.error("usage: /save NAME (snapshot) or /save FILE.json (transcript)")
-        return
-    if not arg.lower().endswith(".json"):
-        session.save(loop, arg)
-        return
-    path = Path(arg).expanduser()
-    data = transcript(loop)
-    try:
-        write_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
-    except OSError as e:
-        loop.r.error(f"cannot write {path}: {e.strerror or e}")
-        return
-    loop.r.info(f"saved {len(data['messages'])} messages to {path}")
+        return None
+    if arg.lower().endswith(".json"):
+        return session.save_transcript(loop, arg)
+    return session.save(loop, arg)
 
 
-def _parse_transcript(data: Any, max_positions: int) -> tuple[str | None, list[dict[str, str]], dict, SamplingConfig]:
-    if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
-        raise ConfigError("not a sinkchat transcript (missing \"format\": \"sinkchat-transcript\")")
-    msgs = data.get("messages")
-    if not isinstance(msgs, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in msgs):
-        raise ConfigError("transcript messages must be a list of {role, content} strings")
-    system = data.get("system")
-    if system is not None and not isinstance(system, str):
-        raise ConfigError("transcript system prompt must be a string or null")
-    settings = data.get("settings") or {}
-    try:
-        cache = {k: v for k, v in (settings.get("cache") or {}).items() if k in ("policy", "n_sink", "capacity")}
-        CacheConfig(**cache).resolved(max_positions)
-        sampling = SamplingConfig(**(settings.get("sampling") or {}))
-    except TypeError as e:
-        raise ConfigError(f"bad transcript settings: {e}") from None
-    return system, [{"role": m["role"], "content": m["content"]} for m in msgs], cache, sampling
-
-
-def cmd_load(loop: "ChatLoop", arg: str) -> None:
+def cmd_load(loop: ChatHost, arg: str) -> str | None:
     if not arg:
         loop.r.error("usage: /load NAME (snapshot) or /load FILE.json (transcript)")
-        return
+        return None
     if not session.is_transcript_file(arg):
-        session.load(loop, arg)
-        return
+        return session.load(loop, arg)
     try:
-        load_transcript(loop, arg)
+        return session.load_transcript(loop, arg)
     except ConfigError as e:
         loop.r.error(str(e))
+        return None
 
 
-def load_transcript(loop: "ChatLoop", arg: str) -> None:
-    """Replay a JSON transcript's messages into a fresh cache. The current settings stay (what the user chose for
-    this run wins over what the file was saved with); the ones saved in the file are only mentioned."""
-    path = Path(arg).expanduser()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-        system, msgs, cache, sampling = _parse_transcript(data, loop.engine.max_positions)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, ConfigError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"cannot load {path}: {e}") from None
-    eng = loop.engine
-    eng.clear()
-    loop.metrics.new_stream()
-    eng.conv.system = system
-    seen0, ev0 = eng.ledger.seen, eng.ledger.evicted
-    loop.r.info(f"replaying {len(msgs)} messages from {path} into the cache ...")
-    for m in msgs:
-        loop.feed_message(m["role"], m["content"], quiet=True)
-    loop.r.info(f"loaded: {eng.ledger.seen - seen0} tokens fed, {eng.ledger.evicted - ev0} evicted, "
-                f"{eng.cache.length}/{eng.cache_cfg.capacity} in cache ({human_bytes(eng.cache.nbytes)})")
-    saved = {**cache, **{k: v for k, v in asdict(sampling).items() if k in ("temperature", "max_tokens")}}
-    now = {**asdict(eng.cache_cfg), **asdict(eng.sampling)}
-    differ = [f"{k} {v}" for k, v in saved.items() if now.get(k) != v]
-    if differ:
-        loop.r.info(f"kept this run's settings; the transcript was saved with {', '.join(differ)} "
-                    "(/policy, /window, /set to change)", style="dim")
-
-
-def cmd_edit(loop: "ChatLoop", arg: str) -> None:
+def cmd_edit(loop: ChatHost, arg: str) -> None:
     if not loop.interactive:
         loop.r.error("/edit needs a terminal")
         return
@@ -270,7 +199,7 @@ def cmd_edit(loop: "ChatLoop", arg: str) -> None:
     loop.turn(text)
 
 
-def cmd_bye(loop: "ChatLoop", arg: str) -> None:
+def cmd_bye(loop: ChatHost, arg: str) -> None:
     raise Exit()
 
 
@@ -293,8 +222,8 @@ COMMANDS: dict[str, Command] = {
 ALIASES = {"/exit": "/bye", "/quit": "/bye", "/?": "/help"}
 
 
-def dispatch(loop: "ChatLoop", line: str) -> None:
-    """Run one slash command line; raises Exit for /bye."""
+def dispatch(loop: ChatHost, line: str) -> None:
+    """Run one slash command line; raises Exit for /bye. What a command changed is logged as a 'command' event."""
     name, _, arg = line.strip().partition(" ")
     name = ALIASES.get(name.lower(), name.lower())
     cmd = COMMANDS.get(name)
@@ -304,9 +233,12 @@ def dispatch(loop: "ChatLoop", line: str) -> None:
         loop.r.error(f"unknown command {name}{hint}; /help lists the commands")
         return
     try:
-        cmd.handler(loop, arg.strip())
+        outcome = cmd.handler(loop, arg.strip())
     except ConfigError as e:
         loop.r.error(f"{name}: {e}; nothing changed")
+        return
+    if outcome:
+        loop.slog.event("command", f"{name} {arg.strip()}".strip(), outcome)
 
 
 class SlashCompleter(Completer):

@@ -12,7 +12,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any
 
 import click
 
@@ -20,14 +20,17 @@ from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_
     user_errors
 from sinkchat.config import ConfigError, data_dir
 from sinkchat.core.events import DoneEvent, EvictionEvent, Event, TokenEvent
-from sinkchat.core.metrics import Metrics, Stats, model_bytes, read_stats
-from sinkchat.apps.chat.commands import Exit, SlashCompleter, dispatch
+from sinkchat.core.metrics import Metrics, Stats, model_bytes
+from sinkchat.apps.chat.answer import FORMATS, TurnResult
+from sinkchat.apps.chat.commands import Exit, dispatch
+from sinkchat.apps.chat.inputs import (  # noqa: F401 - lines_reader, stream_reader: re-exported for callers
+    Reader, lines_reader, make_prompt_session, prompt_reader, stream_reader,
+)
 from sinkchat.apps.chat import session
-from sinkchat.apps.render import Renderer, toolbar_fragments
+from sinkchat.apps.render import Renderer, live_stats, toolbar_fragments
 
 log = logging.getLogger(__name__)
 
-Reader = Callable[[bool], str]  # read(continuation) -> one line; EOFError ends, KeyboardInterrupt cancels the line
 FENCE = '"""'
 MAX_EVICTION_LINES = 6  # per turn; a huge paste evicts hundreds of times, the rest is summarised
 
@@ -38,7 +41,7 @@ class ChatLoop:
     def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
                  interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
                  auto_snapshot: Any = None) -> None:
-        from sinkchat.store.transcript import NullLog
+        from sinkchat.store.sessionlog import NullLog
 
         self.engine = engine
         self.slog = slog if slog is not None else NullLog()  # the SQLite session log (NullLog with --no-log)
@@ -48,13 +51,13 @@ class ChatLoop:
         self.metrics = metrics or Metrics()
         self.interactive = interactive
         self._model_nbytes = model_bytes(engine.model)
-        self._hidden: list[EvictionEvent] = []
-        self._shown = 0
+        self._deferred: list[EvictionEvent] | None = None  # evictions of the turn under way
         if self.r.stats is None:
             self.r.stats = self.stats
 
     def stats(self) -> Stats:
-        return read_stats(self.engine, self.metrics, self._model_nbytes)
+        """What the toolbar, the status line and /stats show; eviction figures from `self.metrics` alone."""
+        return live_stats(self.engine, self.metrics, self._model_nbytes)
 
     def toolbar(self) -> list[tuple[str, str]]:
         try:
@@ -72,74 +75,95 @@ class ChatLoop:
             self.r.token(ev.text)
         elif isinstance(ev, EvictionEvent):
             self.slog.eviction(ev)
-            if self._shown < MAX_EVICTION_LINES:
-                self._shown += 1
-                self.r.eviction(ev)
+            if self._deferred is not None:  # inside a turn: shown after the reply, never between its lines
+                self._deferred.append(ev)
             else:
-                self._hidden.append(ev)
+                self.r.eviction(ev)
 
-    def _summarise_hidden(self) -> None:
-        if self._hidden:
-            h = self._hidden
-            n = sum(e.count for e in h)
-            self.r.info(f"⟂ ... and {len(h)} more evictions this turn: {n} tokens [{h[0].first},{h[-1].last})",
+    def _show_turn_evictions(self) -> None:
+        """The turn's evictions, after its reply: the first few as lines, the rest summarised (a huge paste
+        evicts hundreds of times)."""
+        evs, self._deferred = self._deferred or [], None
+        for ev in evs[:MAX_EVICTION_LINES]:
+            self.r.eviction(ev)
+        rest = evs[MAX_EVICTION_LINES:]
+        if rest:
+            n = sum(e.count for e in rest)
+            self.r.info(f"⟂ ... and {len(rest)} more evictions this turn: {n} tokens [{rest[0].first},{rest[-1].last})",
                         style="dim yellow")
-        self._hidden, self._shown = [], 0
 
     # ------------------------------------------------------------------------------------------- actions
     def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:
-        """One chat turn. Ctrl-C stops it; whatever was generated stays in the cache and the conversation."""
+        """One chat turn. Ctrl-C stops it; whatever was generated stays in the cache and the conversation. Every
+        turn ends with one answer record on the renderer (`--format jsonl`, or the text separator)."""
         eng = self.engine
-        seen0 = eng.ledger.seen
-        done: DoneEvent | None = None
-        interrupted = generating = False
+        res = TurnResult(text)
+        self._deferred = []
         self.r.begin_reply()
         try:
             try:
-                feed = eng.add_message("user", text)
-                try:
-                    for ev in feed:
-                        self.on_event(ev)
-                finally:
-                    feed.close()
-                if log_user:
-                    session.log_turn(self, "user", text, eng.ledger.seen - seen0)
-                eng.last_reply_ids = []
-                generating, t_gen = True, time.perf_counter()
-                gen = eng.generate()
-                try:
-                    for ev in gen:
-                        self.on_event(ev)
-                        if isinstance(ev, DoneEvent):
-                            done = ev
-                finally:
-                    gen.close()
+                self._feed_prompt(res, log_user)
+                self._generate(res)
             finally:
-                # Record the reply even when cut (the engine.chat contract). A prompt cut while being fed is taken
-                # back whole by the engine; only if it had already evicted does it stay, and then an empty reply
-                # closes its turn so the next message extends the conversation by prefix.
-                if generating or not eng.message_taken_back:
-                    eng.conv.add_reply(eng.reply_text() if generating else "")
-                if generating:
-                    reply = done.text if done is not None else eng.tokenizer.decode(eng.last_reply_ids,
-                                                                                    skip_special_tokens=True)
-                    session.log_turn(self, "assistant", reply, len(eng.last_reply_ids), done,
-                                     seconds=time.perf_counter() - t_gen)
-                    if self.auto_snapshot is not None:
-                        self.auto_snapshot.after_turn(eng, self.slog)
+                self._close_reply(res)
         except KeyboardInterrupt:
-            interrupted = True
+            res.interrupted = True
         finally:
             unsent = None
-            if interrupted and not generating:
+            if res.interrupted and not res.generating:
                 unsent = ("message not sent: taken back out of the cache" if eng.message_taken_back
                           else "message cut while being fed: the part already fed stays (it had evicted older tokens)")
-            self.r.end_reply(done, interrupted, unsent)
-            self._summarise_hidden()
+            self.r.end_reply(res.done, res.interrupted, unsent)
+            self._show_turn_evictions()
+        self.r.answer(res.record())
         self.r.status(self.stats())
-        if interrupted and self.exit_on_interrupt:
+        if res.interrupted and self.exit_on_interrupt:
             raise KeyboardInterrupt
-        return done
+        return res.done
+
+    def _feed_prompt(self, res: TurnResult, log_user: bool) -> None:
+        """Feed the user message, timing it: the time to prefill a long paste is the user turn's time in the log."""
+        eng = self.engine
+        seen0, t0 = eng.ledger.seen, time.perf_counter()
+        feed = eng.add_message("user", res.question)
+        try:
+            for ev in feed:
+                self.on_event(ev)
+        finally:
+            feed.close()
+        res.prompt_tokens, res.prefill_seconds = eng.ledger.seen - seen0, time.perf_counter() - t0
+        if log_user:
+            session.log_turn(self, "user", res.question, res.prompt_tokens, seconds=res.prefill_seconds)
+
+    def _generate(self, res: TurnResult) -> None:
+        eng = self.engine
+        eng.last_reply_ids = []
+        res.generating, t0 = True, time.perf_counter()
+        gen = eng.generate()
+        try:
+            for ev in gen:
+                self.on_event(ev)
+                if isinstance(ev, DoneEvent):
+                    res.done = ev
+        finally:
+            gen.close()
+            res.seconds = res.done.seconds if res.done is not None else time.perf_counter() - t0
+
+    def _close_reply(self, res: TurnResult) -> None:
+        """Record the reply even when cut (the engine.chat contract). A prompt cut while being fed is taken back
+        whole by the engine; only if it had already evicted does it stay, and then an empty reply closes its turn so
+        the next message extends the conversation by prefix."""
+        eng = self.engine
+        if res.generating or not eng.message_taken_back:
+            eng.conv.add_reply(eng.reply_text() if res.generating else "")
+        if not res.generating:
+            return
+        res.reply = res.done.text if res.done is not None else eng.tokenizer.decode(eng.last_reply_ids,
+                                                                                    skip_special_tokens=True)
+        res.tokens = len(eng.last_reply_ids)
+        session.log_turn(self, "assistant", res.reply, res.tokens, res.done, seconds=res.seconds)
+        if self.auto_snapshot is not None:
+            self.auto_snapshot.after_turn(eng, self.slog, session.eviction_record(self.metrics))
 
     def feed_message(self, role: str, content: str, quiet: bool = False) -> int:
         """Feed a message without a reply (transcript replay, mid-conversation system prompt); returns tokens."""
@@ -165,13 +189,16 @@ class ChatLoop:
             return
         from sinkchat.core.cache_policy import ContextFull
 
+        is_command = line.lstrip().startswith("/") and "\n" not in line.strip()
         try:
-            if line.lstrip().startswith("/") and "\n" not in line.strip():
+            if is_command:
                 dispatch(self, line.strip())
             else:
                 self.turn(line)
         except ContextFull as e:
             self.r.error(f"{e} (/policy sink, or /clear)")
+            if not is_command:  # still one answer per message, so a script's answers stay aligned
+                self.r.answer(TurnResult(line, error=str(e)).record())
 
     def run(self, read: Reader) -> None:
         """Read-eval loop until EOF or /bye. Ctrl-C at the prompt clears the line (or a pending \"\"\" block)."""
@@ -214,69 +241,6 @@ class ChatLoop:
         return "\n".join(lines).strip("\n")
 
 
-# ----------------------------------------------------------------------------------------------- input sources
-def stream_reader(stream: BinaryIO) -> Reader:
-    """Lines from a byte stream; invalid UTF-8 becomes U+FFFD rather than a traceback."""
-
-    def read(_continuation: bool) -> str:
-        raw = stream.readline()
-        if not raw:
-            raise EOFError
-        return raw.decode("utf-8", errors="replace").rstrip("\r\n")
-
-    return read
-
-
-def lines_reader(lines: list[str]) -> Reader:
-    it: Iterator[str] = iter(lines)
-
-    def read(_continuation: bool) -> str:
-        try:
-            return next(it)
-        except StopIteration:
-            raise EOFError from None
-
-    return read
-
-
-def make_prompt_session(loop: ChatLoop, history_file: Path | None = None) -> Any:
-    """A PromptSession: file history, emacs keys, slash completion, Esc-Enter newline, live toolbar."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory, History, InMemoryHistory
-    from prompt_toolkit.key_binding import KeyBindings
-    from prompt_toolkit.styles import Style
-
-    kb = KeyBindings()
-
-    @kb.add("escape", "enter")  # Alt-Enter arrives as Esc-Enter
-    def _newline(event: Any) -> None:
-        event.current_buffer.insert_text("\n")
-
-    history: History = InMemoryHistory()
-    if history_file is not None:
-        try:
-            history_file.parent.mkdir(parents=True, exist_ok=True)
-            history_file.touch(exist_ok=True)
-            history = FileHistory(str(history_file))
-        except OSError as e:
-            log.warning("history disabled: cannot write %s (%s)", history_file, e.strerror)
-    style = Style.from_dict({
-        "bottom-toolbar": "noreverse bg:#202020 #d0d0d0", "toolbar.policy": "bg:#005f87 #ffffff bold",
-        "toolbar.kv": "bg:#303030 #87d7ff", "toolbar.evicted": "bg:#303030 #ffaf5f", "toolbar.gauge": "#5fd75f",
-        "prompt": "bold #5fafff",
-    })
-    return PromptSession(history=history, key_bindings=kb, completer=SlashCompleter(), complete_while_typing=True,
-                         bottom_toolbar=loop.toolbar, refresh_interval=0.5, style=style, enable_open_in_editor=True,
-                         prompt_continuation=lambda width, n, soft: "... ".rjust(width))
-
-
-def prompt_reader(session: Any) -> Reader:
-    def read(continuation: bool) -> str:
-        return session.prompt([("class:prompt", "... " if continuation else ">>> ")])
-
-    return read
-
-
 # ----------------------------------------------------------------------------------------------- command
 def resolve_system(text: str | None, path: str | None) -> str:
     if text is not None and path is not None:
@@ -312,19 +276,28 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
 @click.option("--snapshot-every", type=click.IntRange(0, None), default=0, show_default=True,
               help="write an automatic snapshot every N turns (used by --resume)")
 @click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
+              help="text: replies as plain text; jsonl: one JSON object per message line read (keys: question, "
+                   "answer, tokens, finish_reason, seconds, prompt_tokens, prefill_seconds; error if it failed)")
+@click.option("--separator", default=None, metavar="LINE",
+              help="text format: print LINE on a line of its own after every answer (e.g. '---'), so answers "
+                   "spanning several lines can be split")
 @common_options
 def chat_command(system_text: str | None, system_file: str | None, load_name: str | None, resume_arg: str | None,
-                 snapshot_every: int, no_log: bool, **kw: Any) -> None:
+                 snapshot_every: int, no_log: bool, fmt: str, separator: str | None, **kw: Any) -> None:
     """Chat with the model forever: replies stream, the cache never overflows (attention sinks keep it sane), and
     the toolbar shows memory, cache fill, evictions and the sink gauge. /help inside lists the slash commands.
 
     With stdin/stdout not a terminal it reads one message per line and writes plain replies, so
-    `sinkchat chat < questions.txt > answers.txt` works (events and stats go to stderr)."""
+    `sinkchat chat < questions.txt > answers.txt` works (events and stats go to stderr). In text format each answer
+    ends with one newline and nothing else marks where it ends, so an answer with line breaks cannot be told from
+    two answers: give --separator LINE to end each answer with LINE, or --format jsonl for one JSON object per
+    answer (evictions are reported after a reply, on stderr, never inside it)."""
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
     stdin = getattr(sys.stdin, "buffer", sys.stdin)
     out, err = sys.stdout, sys.stderr
-    tty_out = _isatty(out)
+    tty_out = _isatty(out) and fmt == "text"
     interactive = tty_out and _isatty(stdin)
     with user_errors():
         settings = build_settings(opts)
@@ -337,11 +310,11 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
         if load_name is not None and not session.is_transcript_file(load_name):
             settings = session.settings_for_load(settings, load_name)
         engine = load_engine(settings, system, tty_out)
-        renderer = Renderer(out, err, tty=tty_out)
+        renderer = Renderer(out, err, tty=tty_out, fmt=fmt, separator=separator)
         slog = session.open_log(engine, "chat", no_log, system, lambda m: renderer.error(m), resume_id)
         auto = None
         if snapshot_every:
-            from sinkchat.store.snapshot import AutoSnapshot
+            from sinkchat.store.resume import AutoSnapshot
 
             auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
@@ -356,12 +329,10 @@ def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interac
     """Restore (--load / --resume) if asked, then run the loop on a prompt or on stdin."""
     engine = loop.engine
     with user_errors():
-        if load_name is not None and session.is_transcript_file(load_name):
-            from sinkchat.apps.chat.commands import load_transcript
-
-            load_transcript(loop, load_name)
-        elif load_name is not None:
-            session.load(loop, load_name, strict=True)
+        if load_name is not None:
+            loaded = (session.load_transcript(loop, load_name) if session.is_transcript_file(load_name)
+                      else session.load(loop, load_name, strict=True))
+            loop.slog.event("command", f"--load {load_name}", loaded)
         elif resume_id is not None:
             session.do_resume(loop, resume_id)
         if interactive:

@@ -1,21 +1,60 @@
-"""Sessions for the chat REPL: the SQLite log, automatic snapshots, `--load`, `--resume` and /save, /load.
+"""Sessions for the chat REPL: the SQLite log, snapshots (/save NAME, /load NAME, `--load`, the automatic ones
+behind `--resume`), JSON transcripts (/save FILE.json, /load FILE.json), and the eviction figures that go with them.
 
-Kept apart from repl.py so the loop stays about chatting; everything here is a thin layer over
-`sinkchat.store.transcript` (the log) and `sinkchat.store.snapshot` (KV-cache snapshots).
+Kept apart from repl.py so the loop stays about chatting; everything here is a thin layer over `sinkchat.store`
+(the log, snapshots, transcript files). It acts on the running loop through `ChatHost` and never imports the REPL
+or the commands: imports point one way, session <- commands <- repl.
+
+Eviction figures have one source, the loop's `Metrics` (what `render.live_stats` shows). A snapshot carries them
+in its `extra` (`eviction_record`), and loading one puts them back (`restore_evictions`), so after a load the
+status counts the saved stream's evictions plus the ones since, never one total beside another's events.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+from sinkchat.apps.chat.host import ChatHost
 from sinkchat.config import ConfigError, Settings, data_dir
+from sinkchat.core.events import Event
+from sinkchat.core.metrics import Metrics, human_bytes
+from sinkchat.store.transcript_file import is_transcript_file, parse_transcript, transcript_data, write_atomic
 
-if TYPE_CHECKING:
-    from sinkchat.apps.chat.repl import ChatLoop
+__all__ = ["open_log", "settings_for_load", "check_resumable", "resume_target", "do_resume", "is_transcript_file",
+           "save", "load", "save_transcript", "load_transcript", "log_turn", "eviction_record", "restore_evictions"]
+
+EVICTIONS_KEY = "evictions"  # in a snapshot's `extra`: {"tokens": N, "count": K}
 
 
+# ------------------------------------------------------------------------------------------------ eviction figures
+def eviction_record(metrics: Metrics) -> dict[str, Any]:
+    """The loop's eviction figures, for a snapshot's `extra`: a later load shows them again."""
+    return {EVICTIONS_KEY: {"tokens": metrics.evicted, "count": metrics.eviction_count}}
+
+
+def restore_evictions(metrics: Metrics, extra: dict[str, Any] | None) -> bool:
+    """Another stream is now in the cache: forget the old stream's eviction events and take the figures the
+    snapshot recorded. False when it recorded none (an older file, or saved by another client): then the figures
+    count from zero, from this load on."""
+    metrics.new_stream()
+    record = (extra or {}).get(EVICTIONS_KEY)
+    try:
+        tokens, count = int(record["tokens"]), int(record["count"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        return False
+    metrics.evicted, metrics.eviction_count = max(0, tokens), max(0, count)
+    return True
+
+
+def snapshot_extra(loop: ChatHost) -> dict[str, Any]:
+    """What a chat snapshot records besides the engine: its place in the session log and the eviction figures."""
+    return {**loop.slog.pointer(), **eviction_record(loop.metrics)}
+
+
+# ------------------------------------------------------------------------------------------------ log and resume
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
              resume_id: int | None = None) -> Any:
     """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored."""
@@ -36,7 +75,8 @@ def settings_for_load(settings: Settings, name: str) -> Settings:
 
 
 def check_resumable(session_id: int) -> None:
-    from sinkchat.store.transcript import LogError, get_session
+    from sinkchat.store.logdb import LogError
+    from sinkchat.store.transcript import get_session
 
     try:
         get_session(session_id)
@@ -59,46 +99,56 @@ def resume_target(arg: str) -> int:
     return info.id
 
 
-def do_resume(loop: "ChatLoop", session_id: int) -> None:
-    from sinkchat.store.snapshot import resume_session
+def do_resume(loop: ChatHost, session_id: int) -> None:
+    """Resume a logged session; the eviction figures are the automatic snapshot's plus those of the turns re-fed
+    after it (the turns' own evictions are in the log already, so they are counted, not logged again)."""
+    from sinkchat.store.resume import resume_session
 
-    res = resume_session(loop.engine, loop.slog, session_id)
+    replayed: list[Event] = []
+    res = resume_session(loop.engine, loop.slog, session_id, on_event=replayed.append)
+    restore_evictions(loop.metrics, res.extra)
+    for ev in replayed:
+        loop.metrics.fold(ev)
     loop.r.info(f"resumed {res.describe()}")
+    loop.slog.event("resume", res.describe())
     if res.pending:
         loop.r.info("re-sending the last message, which never got a reply")
         loop.turn(res.pending, log_user=False)
 
 
-def is_transcript_file(arg: str) -> bool:
-    """A JSON transcript (vs. a snapshot name or .safetensors file)."""
-    p = Path(arg).expanduser()
-    if p.suffix.lower() == ".json":
-        return True
-    try:
-        with open(p, "rb") as f:
-            return f.read(1) in (b"{", b"[")
-    except OSError:
-        return False
+def log_turn(loop: ChatHost, role: str, text: str, tokens: int, done: Any = None, seconds: float = 0.0) -> None:
+    """A prompt (role 'user' or 'system': `seconds` spent feeding it), a finished reply (`done`), or a reply cut by
+    Ctrl-C (role 'assistant', no `done`: `seconds` spent generating it)."""
+    if role != "assistant":
+        loop.slog.turn(role, text, tokens, seconds)
+    elif done is None:
+        loop.slog.turn(role, text, tokens, seconds, reason="interrupted", cache_len=loop.engine.cache.length)
+    else:
+        loop.slog.turn(role, text, tokens, done.seconds, reason=done.reason, cache_len=loop.engine.cache.length)
 
 
-def save(loop: "ChatLoop", arg: str) -> None:
-    """/save NAME|FILE.safetensors: a full snapshot (cache, conversation, settings)."""
+# ------------------------------------------------------------------------------------------------ snapshots
+def save(loop: ChatHost, arg: str) -> str | None:
+    """/save NAME|FILE.safetensors: a full snapshot (cache, conversation, settings, eviction figures). Returns
+    what was saved where (None if nothing was), for the session log."""
     from sinkchat.store.snapshot import SnapshotError, save_snapshot, snapshot_path
 
     try:
         target = snapshot_path(arg)
         if not target.parent.is_dir() and target.parent != data_dir() / "snapshots":
             raise SnapshotError(f"cannot write {target}: folder {target.parent} does not exist")
-        path = save_snapshot(loop.engine, target, loop.slog.pointer())
+        path = save_snapshot(loop.engine, target, snapshot_extra(loop))
     except (SnapshotError, OSError) as e:
         loop.r.error(f"/save: {e}")
-        return
+        return None
     loop.r.info(f"saved snapshot ({loop.engine.cache.length} tokens in cache) to {path}; /load {arg} restores it")
+    return f"saved snapshot ({loop.engine.cache.length} tokens in cache) to {path}"
 
 
-def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
+def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
     """/load NAME|FILE: a snapshot; the next reply is what the saved session would have said. `strict` (for --load)
-    raises instead of reporting, so a bad start-up snapshot ends the program with a one-line error."""
+    raises instead of reporting, so a bad start-up snapshot ends the program with a one-line error. Returns what
+    was loaded (None if nothing was), for the session log."""
     from sinkchat.store.snapshot import SnapshotError, load_snapshot, snapshot_path
 
     before = loop.engine.cache_cfg
@@ -108,24 +158,66 @@ def load(loop: "ChatLoop", arg: str, strict: bool = False) -> None:
         if strict:
             raise
         loop.r.error(f"/load: {e}")
-        return
-    eng = loop.engine
-    loop.metrics.new_stream()
-    loop.r.info(f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
-                f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
+        return None
+    eng, m = loop.engine, loop.metrics
+    known = restore_evictions(m, head.get("extra"))
+    figures = (f"; {m.evicted} tokens evicted in {m.eviction_count} evictions before it" if known
+               else "; it records no eviction figures, so evictions count from here")
+    what = (f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
+            f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
+    loop.r.info(what + figures)
     after = eng.cache_cfg
     changed = [f"{k} {getattr(before, k)} -> {getattr(after, k)}" for k in ("policy", "n_sink", "capacity", "evict_chunk")
                if getattr(before, k) != getattr(after, k)]
     if changed:
         loop.r.info(f"the snapshot's cache settings apply (its KV cache was built with them): {', '.join(changed)}",
                     style="dim")
+    return what
 
 
-def log_turn(loop: "ChatLoop", role: str, text: str, tokens: int, done: Any = None, seconds: float = 0.0) -> None:
-    """A user turn (no `done`), a finished reply, or a reply cut by Ctrl-C (`seconds` given, no `done`)."""
-    if done is None and seconds:
-        loop.slog.turn(role, text, tokens, seconds, reason="interrupted", cache_len=loop.engine.cache.length)
-    elif done is None:
-        loop.slog.turn(role, text, tokens)
-    else:
-        loop.slog.turn(role, text, tokens, done.seconds, reason=done.reason, cache_len=loop.engine.cache.length)
+# ------------------------------------------------------------------------------------------------ JSON transcripts
+def save_transcript(loop: ChatHost, arg: str) -> str | None:
+    """/save FILE.json: the conversation and settings, no cache (replayed by /load FILE.json). Returns what was
+    saved (None if nothing was), for the session log."""
+    path = Path(arg).expanduser()
+    data = transcript_data(loop.engine)
+    try:
+        write_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    except OSError as e:
+        loop.r.error(f"cannot write {path}: {e.strerror or e}")
+        return None
+    loop.r.info(f"saved {len(data['messages'])} messages to {path}")
+    return f"saved {len(data['messages'])} messages to {path}"
+
+
+def load_transcript(loop: ChatHost, arg: str) -> str:
+    """Replay a JSON transcript's messages into a fresh cache. The current settings stay (what the user chose for
+    this run wins over what the file was saved with); the ones saved in the file are only mentioned. The replay is
+    a new stream: its eviction figures are those of the replay itself."""
+    path = Path(arg).expanduser()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        tf = parse_transcript(data, loop.engine.max_positions)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, ConfigError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"cannot load {path}: {e}") from None
+    eng = loop.engine
+    eng.clear()
+    loop.metrics.new_stream()
+    eng.conv.system = tf.system
+    seen0 = eng.ledger.seen
+    loop.r.info(f"replaying {len(tf.messages)} messages from {path} into the cache ...")
+    for m in tf.messages:
+        loop.feed_message(m["role"], m["content"], quiet=True)
+    what = (f"replayed {len(tf.messages)} messages from {path}: {eng.ledger.seen - seen0} tokens fed, "
+            f"{loop.metrics.evicted} evicted, {eng.cache.length}/{eng.cache_cfg.capacity} in cache")
+    loop.r.info(f"loaded: {eng.ledger.seen - seen0} tokens fed, {loop.metrics.evicted} evicted, "
+                f"{eng.cache.length}/{eng.cache_cfg.capacity} in cache ({human_bytes(eng.cache.nbytes)})")
+    saved = {**tf.cache, **{k: v for k, v in asdict(tf.sampling).items() if k in ("temperature", "max_tokens")}}
+    now = {**asdict(eng.cache_cfg), **asdict(eng.sampling)}
+    differ = [f"{k} {v}" for k, v in saved.items() if now.get(k) != v]
+    if differ:
+        loop.r.info(f"kept this run's settings; the transcript was saved with {', '.join(differ)} "
+                    "(/policy, /window, /set to change)", style="dim")
+    return what

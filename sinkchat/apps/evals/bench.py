@@ -26,7 +26,7 @@ from typing import Any, Callable
 import click
 
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
-from sinkchat.config import ConfigError, attention_shape
+from sinkchat.config import ConfigError
 from sinkchat.core.metrics import percentile, rss_bytes
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,11 @@ class Run:
     latencies_ms: list[float] = field(default_factory=list, repr=False)
 
 
-def kv_bytes_per_token(model: Any, dtype: Any) -> int:
+def kv_bytes_per_token(engine: Any) -> int:
     """Bytes of K and V for one token over all layers at the cache's dtype: what a cache of N tokens holds x N."""
     import torch
 
-    _, kv_heads, head_dim = attention_shape(model.config)
-    return 2 * model.config.num_hidden_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+    return engine.spec.kv_bytes_per_token(torch.finfo(engine.kv_store).bits)
 
 
 def _tokens(ids: list[int], n: int) -> list[int]:
@@ -158,7 +157,7 @@ def bench_recompute(engine: Any, cache: int, ids: list[int], decode: int) -> Run
             rss.append(rss_bytes())
     # No cache is kept; the transient K/V of one forward over `cache` tokens is what attention holds at its peak.
     run = Run("recompute", cache, cache / first if first else 0.0, 0.0, 0.0, 0.0, 0.0,
-              kv_bytes_per_token(engine.model, engine.kv_store) * cache, prefill_tokens=cache)
+              kv_bytes_per_token(engine) * cache, prefill_tokens=cache)
     return _finish(run, lat, rss)
 
 
@@ -229,10 +228,10 @@ def run_bench(engine: Any, ids: list[int], policies: list[str], caches: list[int
         "threads": torch.get_num_threads(),
         "model": getattr(getattr(engine, "loaded", None), "source", None),
         "quant": getattr(getattr(engine, "loaded", None), "quant", None),
-        "decoder": engine.fast.status if engine.fast is not None else "hf",
+        "decoder": engine.step.status if engine.step is not None else "hf",
         "kv_dtype": str(engine.kv_store).removeprefix("torch."),
         "n_sink": n_sink, "evict_chunk": evict_chunk, "decode_tokens": decode, "recompute_tokens": recompute_tokens,
-        "kv_bytes_per_token": kv_bytes_per_token(engine.model, engine.kv_store),
+        "kv_bytes_per_token": kv_bytes_per_token(engine),
         "process_rss_mb": rss_bytes() / MB,
         "process_peak_rss_mb": _max_rss_mb(),  # includes loading and quantizing the model
     }
@@ -323,7 +322,7 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
         say = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
         engine = open_engine(settings, system=None, progress=say)
         engine.set_sampling(temperature=0.0, repetition_penalty=1.0)
-        if engine.fast is not None and engine.fast.mode == "compiled":
+        if engine.step is not None and engine.step.mode == "compiled":
             say("building the compiled decode step (first run only: ~1.5 min; cached after)")
         engine.prepare_decoder()
         if max(sizes) + (decode if "dense" in pols else 0) >= engine.max_positions:

@@ -7,8 +7,8 @@
 3. The ablation: in a dense cache, evicting only the first 4 tokens hurts the following tokens; evicting 4 from the
    middle does not.
 The numbers go to summary.json, summary.md and PNGs under --out; the markdown is rendered from the same dict as the
-JSON so they cannot disagree. The size of the effect depends on the model: the report states what was measured.
-The streaming and scoring itself is `evaluate.stream_nll` / `recompute_nll` / `summarize` / `plot`.
+JSON so they cannot disagree (demo_report.py). The size of the effect depends on the model: the report states what
+was measured. The streaming and scoring itself is `ppl.stream_nll` / `recompute_nll` / `summarize` / `plot`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import click
 
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
 from sinkchat.config import ConfigError
+from sinkchat.apps.evals.demo_report import plot_attention, render_markdown
 from sinkchat.apps.evals.ppl import PolicyResult, read_text, recompute_nll, stream_nll, summarize
 
 log = logging.getLogger(__name__)
@@ -162,81 +163,6 @@ def window_jump(res: PolicyResult, cap: int, span: int) -> dict[str, float]:
     return {"before": before, "after": after, "after_all": late}
 
 
-# ----------------------------------------------------------------------------------------------- rendering
-def fmt(x: float) -> str:
-    return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
-
-
-def render_markdown(s: dict[str, Any]) -> str:
-    """The summary as markdown; every number comes from `s` (the same dict written as summary.json)."""
-    pol, jump, g, ab = s["ppl"]["policies"], s["jump"], s["attention"], s["ablation"]
-    L = [f"# sinkchat demo: {s['model']} ({s['quant']})", "",
-         f"Text: `{s['text']}`, {s['tokens']} tokens; cache {s['cache']} tokens ({s['n_sink']} sinks), "
-         f"threads {s['threads']}. Measured on this model only: the size of each effect depends on the model.", "",
-         "## 1. Perplexity by policy", "",
-         "| policy | ppl, all targets | ppl after the cache fills | ppl on recompute's targets after it fills "
-         "| first eviction at target |", "|---|---|---|---|---|"]
-    rec = s.get("recompute_after", {})
-    for name, e in pol.items():
-        allt = fmt(e["ppl"]) if name != "recompute" else "—"
-        after = fmt(jump[name]["after_all"]) if name in jump else "—"
-        first = e["first_eviction_target"] if e["first_eviction_target"] is not None else "never"
-        L.append(f"| {name} | {allt} | {after} | {fmt(rec[name]) if name in rec else '—'} | {first} |")
-    w, k = jump.get("window"), jump.get("sink")
-    if w and k:
-        L += ["", f"Over the {s['jump_span']} targets before / after the cache first fills: window "
-              f"{fmt(w['before'])} -> {fmt(w['after'])} (x{fmt(w['after'] / w['before'])}); sink "
-              f"{fmt(k['before'])} -> {fmt(k['after'])} (x{fmt(k['after'] / k['before'])})."]
-    if rec:
-        L += ["", f"recompute re-encodes the last {s['cache']} tokens for every {s['recompute_every']}th target of the "
-              f"first {s['recompute_span']} tokens; {s['recompute_after_targets']} of its targets come after the "
-              f"cache fills (sink / recompute there: {fmt(rec['sink'] / rec['recompute'])}; few targets, so noisy)."]
-    L += ["", f"Per-bin ppl ({s['bin']} tokens per bin; recompute is too sparse to bin): see `ppl.png`.", "",
-          f"## 2. Where attention goes at long range (dense cache, {len(g['query_positions'])} query positions "
-          f"from {g['query_positions'][0]} to {g['query_positions'][-1]})", "",
-          f"Mean over layers and heads: first {g['n']} positions {g['first_mean']:.3f}, most recent {g['n']} "
-          f"{g['recent_mean']:.3f}, uniform {g['uniform']:.4f}. In {g['layers_first_gt_recent']} of "
-          f"{len(g['first_per_layer'])} layers the first {g['n']} get more than the most recent {g['n']}.", "",
-          "| position | " + " | ".join(str(i) for i in range(len(g["per_position"]))) + " |",
-          "|---|" + "---|" * len(g["per_position"]),
-          "| share | " + " | ".join(f"{v:.3f}" for v in g["per_position"]) + " |", "",
-          "| layer | first | recent | uniform |", "|---|---|---|---|"]
-    for i, (f, r) in enumerate(zip(g["first_per_layer"], g["recent_per_layer"])):
-        L.append(f"| {i} | {f:.3f} | {r:.3f} | {g['uniform']:.4f} |")
-    L += ["", f"## 3. Ablation (dense cache of {ab['prefix']} tokens, ppl of the next {ab['follow']})", "",
-          "| evicted | ppl | vs none |", "|---|---|---|",
-          f"| nothing | {fmt(ab['ppl']['none'])} | 1.00 |",
-          f"| first {ab['n']} | {fmt(ab['ppl']['first'])} | {fmt(ab['first_ratio'])} |",
-          f"| {ab['n']} from slot {ab['middle_start']} | {fmt(ab['ppl']['middle'])} | {fmt(ab['middle_ratio'])} |",
-          ""]
-    return "\n".join(L)
-
-
-def plot_attention(s: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    g, ab = s["attention"], s["ablation"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
-    xs = list(range(len(g["first_per_layer"])))
-    a1.plot(xs, g["first_per_layer"], marker="o", label=f"first {g['n']} positions")
-    a1.plot(xs, g["recent_per_layer"], marker="s", label=f"most recent {g['n']}")
-    a1.axhline(g["uniform"], color="gray", ls="--", label="uniform")
-    a1.set_xlabel("layer")
-    a1.set_ylabel("attention share of the newest token")
-    a1.set_title(f"long range (query at {g['query_positions'][0]}-{g['query_positions'][-1]})")
-    a1.legend()
-    a1.grid(alpha=0.3)
-    names = ["none", "first", "middle"]
-    a2.bar(names, [ab["ppl"][k] for k in names], color=["gray", "tab:red", "tab:blue"])
-    a2.set_title(f"ppl after evicting {ab['n']} tokens")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _progress(quiet: bool) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -251,45 +177,17 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
     """Run the three measurements, write summary.json / summary.md / ppl.png / attention.png to `out`."""
     import torch
 
-    from sinkchat.apps.evals.ppl import plot
-
     path = text_path or str(default_text_path())
     text = read_text(path)
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
     engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
     cap = settings.cache.capacity or cache_default
     n_sink = settings.cache.n_sink
-    ids = engine.encode(text)[:tokens]
-    if len(ids) < 2 * cap or len(ids) < ablation_prefix + ablation_tokens:
-        raise ConfigError(f"{path} gives {len(ids)} tokens; the demo needs at least 2 x --cache ({2 * cap}) and "
-                          f"--ablation-prefix + --ablation-tokens ({ablation_prefix + ablation_tokens})")
-    if len(ids) >= engine.max_positions:
-        raise ConfigError(f"--tokens {len(ids)} must stay below the model's context ({engine.max_positions})")
-    n = n_sink or 4
-    results: dict[str, PolicyResult] = {}
+    ids = _demo_ids(engine, text, path, tokens, cap, ablation_prefix + ablation_tokens)
+    span = min(recompute_span, len(ids))
     with _progress(quiet) as bar:
-        for pol in ("window", "sink"):
-            task = bar.add_task(f"{pol} (cache {cap})", total=len(ids))
-            results[pol] = stream_policy(engine, ids, pol, cap, n_sink, 32,
-                                         lambda p, t=task: bar.update(t, completed=p))
-        evict_chunk = engine.cache_cfg.evict_chunk
-        task = bar.add_task("dense + attention gauge", total=len(ids))
-        results["dense"], attention = dense_with_gauge(engine, ids, 32, n, len(ids) // 2,
-                                                       lambda p: bar.update(task, completed=p))
-        span = min(recompute_span, len(ids))
-        if span > cap:
-            task = bar.add_task(f"recompute (first {span})", total=None)
-            results["recompute"] = recompute_nll(engine.model, ids[:span], cap, recompute_every, engine.device)
-            bar.update(task, total=1, completed=1)
-        total = 3 * (ablation_tokens + 1)
-        task = bar.add_task("ablation (dense)", total=total)
-        done = [0]
-
-        def tick(p: int) -> None:
-            bar.update(task, completed=min(total, done[0] + p))
-            if p >= ablation_tokens + 1:
-                done[0] += p
-        abl = ablation(engine, ids, ablation_prefix, ablation_tokens, n, 32, tick)
+        results, attention, evict_chunk = _policies(engine, ids, cap, n_sink, span, recompute_every, bar)
+        abl = _ablation_with_progress(engine, ids, ablation_prefix, ablation_tokens, n_sink or 4, bar)
     summary: dict[str, Any] = {
         "model": getattr(getattr(engine, "loaded", None), "source", "?"),
         "quant": getattr(getattr(engine, "loaded", None), "quant", "?"),
@@ -305,14 +203,70 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
         summary["recompute_after_targets"] = len(idx)
         if idx:
             summary["recompute_after"] = {k: r.ppl(idx) for k, r in results.items()}
+    _write_demo(out, summary, path, bin_size)
+    return summary
+
+
+def _demo_ids(engine: Any, text: str, path: str, tokens: int, cap: int, ablation_needs: int) -> list[int]:
+    """The first `tokens` token ids of the text, refused up front when too short for a measurement (the window
+    must evict at least once; the ablation needs its prefix and follow-up) or too long for the model's context
+    (the dense run holds all of it)."""
+    ids = engine.encode(text)[:tokens]
+    if len(ids) < 2 * cap or len(ids) < ablation_needs:
+        raise ConfigError(f"{path} gives {len(ids)} tokens; the demo needs at least 2 x --cache ({2 * cap}) and "
+                          f"--ablation-prefix + --ablation-tokens ({ablation_needs})")
+    if len(ids) >= engine.max_positions:
+        raise ConfigError(f"--tokens {len(ids)} must stay below the model's context ({engine.max_positions})")
+    return ids
+
+
+def _policies(engine: Any, ids: list[int], cap: int, n_sink: int, span: int, recompute_every: int,
+              bar: Any) -> tuple[dict[str, PolicyResult], dict[str, Any], int]:
+    """Measurements 1 and 2: window and sink at `cap`, dense with the attention gauge, and recompute over the first
+    `span` tokens when that reaches past one cache. Returns (results, attention, the sink run's evict chunk)."""
+    results: dict[str, PolicyResult] = {}
+    for pol in ("window", "sink"):
+        task = bar.add_task(f"{pol} (cache {cap})", total=len(ids))
+        results[pol] = stream_policy(engine, ids, pol, cap, n_sink, 32,
+                                     lambda p, t=task: bar.update(t, completed=p))
+    evict_chunk = engine.cache_cfg.evict_chunk
+    task = bar.add_task("dense + attention gauge", total=len(ids))
+    results["dense"], attention = dense_with_gauge(engine, ids, 32, n_sink or 4, len(ids) // 2,
+                                                   lambda p: bar.update(task, completed=p))
+    if span > cap:
+        task = bar.add_task(f"recompute (first {span})", total=None)
+        results["recompute"] = recompute_nll(engine.model, ids[:span], cap, recompute_every, engine.device)
+        bar.update(task, total=1, completed=1)
+    return results, attention, evict_chunk
+
+
+def _ablation_with_progress(engine: Any, ids: list[int], prefix: int, follow: int, n: int,
+                            bar: Any) -> dict[str, Any]:
+    """Measurement 3 with one progress bar over its three variants (each reports its own position from 0)."""
+    total = 3 * (follow + 1)
+    task = bar.add_task("ablation (dense)", total=total)
+    done = [0]
+
+    def tick(p: int) -> None:
+        bar.update(task, completed=min(total, done[0] + p))
+        if p >= follow + 1:
+            done[0] += p
+
+    return ablation(engine, ids, prefix, follow, n, 32, tick)
+
+
+def _write_demo(out: Path, summary: dict[str, Any], path: str, bin_size: int) -> None:
+    """summary.json, summary.md, ppl.png (recompute is too sparse to bin, so it is left out) and attention.png."""
+    from sinkchat.apps.evals.ppl import plot
+
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "summary.md").write_text(render_markdown(summary))
     binned = {k: v for k, v in summary["ppl"].items() if k != "policies"}
     binned["policies"] = {k: v for k, v in summary["ppl"]["policies"].items() if k != "recompute"}
-    plot(binned, bin_size, str(out / "ppl.png"), f"{Path(path).name}: cache {cap}, {n_sink} sinks")
+    plot(binned, bin_size, str(out / "ppl.png"),
+         f"{Path(path).name}: cache {summary['cache']}, {summary['n_sink']} sinks")
     plot_attention(summary, out / "attention.png")
-    return summary
 
 
 def run_probe(settings: Any, text_path: str | None, tokens: int, cache_default: int = 128, quiet: bool = False,

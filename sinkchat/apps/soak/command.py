@@ -26,9 +26,11 @@ import click
 
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
 from sinkchat.core.events import GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.core.metrics import cuda_bytes, human_bytes, percentile, rss_bytes
+from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
+from sinkchat.apps.soak.display import Display
+from sinkchat.apps.soak.records import Recorder, load_run
 from sinkchat.apps.soak.report import (
-    EXIT_FAIL, Recorder, load_run, pop_thresholds, recorded_thresholds, threshold_options, verdict_table, write_report,
+    EXIT_FAIL, pop_thresholds, recorded_thresholds, threshold_options, verdict_table, write_report,
 )
 from sinkchat.apps.soak.scenarios import Fault, InputExhausted, Probe, Scores, check_input, make_scenario
 
@@ -218,63 +220,6 @@ class Soak:
                 self.sample()
 
 
-def spark(values: list[float | None], width: int = 40) -> str:
-    vals = [v for v in values if v is not None][-width:]
-    if not vals:
-        return ""
-    lo, hi = min(vals), max(vals)
-    bars = "▁▂▃▄▅▆▇█"
-    return "".join(bars[0 if hi == lo else int((v - lo) / (hi - lo) * 7)] for v in vals)
-
-
-def _line(soak: Soak, rec: dict[str, Any]) -> str:
-    def f(v: Any, fmt: str) -> str:
-        return "-" if v is None else format(v, fmt)
-
-    el = rec["elapsed"]
-    remain = f" left {max(0.0, soak.duration - el) / 60:.1f}m" if soak.duration else ""
-    return (f"[{el / 60:6.1f}m{remain}] steps {rec['steps']} tok {rec['tokens']} evicted {rec['evicted']} | "
-            f"rss {human_bytes(rec['rss'])} kv {human_bytes(rec['cache_bytes'])} | dec {f(rec['decode_tok_s'], '.1f')} "
-            f"pre {f(rec['prefill_tok_s'], '.0f')} tok/s | p50/p99 {f(rec['p50_ms'], '.0f')}/{f(rec['p99_ms'], '.0f')} ms"
-            f" | ppl {f(rec['ppl'], '.2f')} in {f(rec['ppl_input'], '.2f')} | sink {f(rec['gauge'], '.2f')} | "
-            f"err {rec['errors']} faults {rec['faults']}")
-
-
-class Display:
-    """Rich live panel on a TTY (figures + sparklines of RSS, tok/s and ppl); one plain line per sample otherwise."""
-
-    def __init__(self, soak: Soak | None = None, live: bool | None = None) -> None:
-        self.soak = soak
-        self.live_mode = sys.stderr.isatty() if live is None else live
-        self.live: Any = None
-
-    def __enter__(self) -> "Display":
-        if self.live_mode:
-            from rich.console import Console
-            from rich.live import Live
-
-            self.live = Live(console=Console(stderr=True), auto_refresh=False, transient=False)
-            self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.live is not None:
-            self.live.__exit__(None, None, None)
-
-    def update(self, rec: dict[str, Any]) -> None:
-        assert self.soak is not None
-        if self.live is None:
-            click.echo(_line(self.soak, rec), err=True)
-            return
-        from rich.text import Text
-
-        s = list(self.soak.samples)
-        tput = [r.get("decode_tok_s") or r.get("prefill_tok_s") for r in s]
-        body = Text(f"sinkchat soak  {self.soak.progress():.0%} done\n{_line(self.soak, rec)}\n", style="bold")
-        body.append(f"RSS    {spark([r['rss'] for r in s])}\ntok/s  {spark(tput)}\nppl    {spark([r['ppl'] for r in s])}")
-        self.live.update(body, refresh=True)
-
-
 def _on_sigterm(signum: int, frame: Any) -> None:
     raise Terminated()
 
@@ -310,56 +255,87 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
     secs = parse_duration(duration) if duration else (None if tokens or steps else 3600.0)
     with user_errors():
         settings = build_settings(opts)
-        out = Path(out_dir or time.strftime("soak-%Y%m%d-%H%M%S"))
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise click.ClickException(f"cannot create {out}: {e.strerror}") from None
-        if scenario == "stream" and input_path is None:
-            if sys.stdin.isatty():
-                raise click.UsageError("--scenario stream needs --input FILE (or - with text on stdin)")
-            input_path = "-"
-        if scenario == "stream":
-            check_input(input_path)
+        out = _make_out_dir(out_dir)
+        input_path = _stream_input(scenario, input_path)
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
         scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
                              allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
         probe = None if scenario == "stream" else Probe(engine)
         session = _open_session(engine, settings, scenario)
         rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
-        c = engine.cache_cfg
-        rec.write({"kind": "start", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
-                   "scenario": scenario, "policy": c.policy, "capacity": c.capacity, "n_sink": c.n_sink,
-                   "evict_chunk": c.evict_chunk, "model": engine.loaded.source, "quant": engine.loaded.quant,
-                   "sample_every": sample_every, "limits": {"duration": secs, "tokens": tokens, "steps": steps},
-                   "thresholds": asdict(th), "input": input_path})
+        limits = {"duration": secs, "tokens": tokens, "steps": steps}
+        rec.write(_start_record(engine, scenario, sample_every, limits, th, input_path))
         soak = Soak(engine, scen, rec, sample_every=sample_every, duration=secs, tokens=tokens, steps=steps,
                     probe=probe)
-        old = signal.signal(signal.SIGTERM, _on_sigterm)
-        try:
-            with Display(soak) as disp:
-                soak.on_sample = disp.update
-                try:
-                    reason = soak.run()
-                except Terminated:
-                    reason = "terminated"
-                except KeyboardInterrupt:
-                    reason = "interrupted"
-                for sig in (signal.SIGTERM, signal.SIGINT):  # shutdown takes seconds: more signals must not
-                    signal.signal(sig, signal.SIG_IGN)  # tear the records or the report
-                soak.sample()
-        finally:
-            signal.signal(signal.SIGTERM, old)
-        rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3),
-                   "steps": soak.steps, "tokens": soak.tokens, "errors": soak.errors, "faults": soak.faults,
-                   "fault_kinds": soak.fault_kinds})
-        rec.close()
-        if reason == "input exhausted" and soak.tokens == 0:
-            raise click.ClickException(f"{input_path} held no text")
-        if rec.failed:
-            raise click.ClickException(f"the run ended ({reason}) but {rec.path} could not be written; "
-                                       f"{len(rec.lost)} records were lost")
+        reason = _run_until_stopped(soak)
+        _end_records(rec, soak, reason, input_path)
         _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
+
+
+def _make_out_dir(out_dir: str | None) -> Path:
+    out = Path(out_dir or time.strftime("soak-%Y%m%d-%H%M%S"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.ClickException(f"cannot create {out}: {e.strerror}") from None
+    return out
+
+
+def _stream_input(scenario: str, input_path: str | None) -> str | None:
+    """The stream scenario's input, checked before the model loads (a bad path fails in a second, not after it):
+    stdin when it is piped and no --input was given."""
+    if scenario != "stream":
+        return input_path
+    if input_path is None:
+        if sys.stdin.isatty():
+            raise click.UsageError("--scenario stream needs --input FILE (or - with text on stdin)")
+        input_path = "-"
+    check_input(input_path)
+    return input_path
+
+
+def _start_record(engine: Any, scenario: str, sample_every: float, limits: dict[str, Any], th: Any,
+                  input_path: str | None) -> dict[str, Any]:
+    """What the run was: `soak report` judges a killed run later with the thresholds recorded here."""
+    c = engine.cache_cfg
+    return {"kind": "start", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+            "scenario": scenario, "policy": c.policy, "capacity": c.capacity, "n_sink": c.n_sink,
+            "evict_chunk": c.evict_chunk, "model": engine.loaded.source, "quant": engine.loaded.quant,
+            "sample_every": sample_every, "limits": limits, "thresholds": asdict(th), "input": input_path}
+
+
+def _run_until_stopped(soak: Soak) -> str:
+    """Run the soak with the live display; returns the end reason. SIGTERM ends it like Ctrl-C, with a last
+    sample (and then an end record), so a stopped run can still be judged."""
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with Display(soak) as disp:
+            soak.on_sample = disp.update
+            try:
+                reason = soak.run()
+            except Terminated:
+                reason = "terminated"
+            except KeyboardInterrupt:
+                reason = "interrupted"
+            for sig in (signal.SIGTERM, signal.SIGINT):  # shutdown takes seconds: more signals must not
+                signal.signal(sig, signal.SIG_IGN)  # tear the records or the report
+            soak.sample()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return reason
+
+
+def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:
+    """The end record, then close; a run that read no text or lost records is an error, not a verdict."""
+    rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3),
+               "steps": soak.steps, "tokens": soak.tokens, "errors": soak.errors, "faults": soak.faults,
+               "fault_kinds": soak.fault_kinds})
+    rec.close()
+    if reason == "input exhausted" and soak.tokens == 0:
+        raise click.ClickException(f"{input_path} held no text")
+    if rec.failed:
+        raise click.ClickException(f"the run ended ({reason}) but {rec.path} could not be written; "
+                                   f"{len(rec.lost)} records were lost")
 
 
 def _open_session(engine: Any, settings: Any, scenario: str) -> Any:

@@ -1,4 +1,4 @@
-"""Verdicts, plots and report.md for a soak run directory (metrics.jsonl written by `sinkchat soak`).
+"""Verdicts, plots and report.md for a soak run directory (metrics.jsonl written by `sinkchat soak`, records.py).
 
 Pure functions over the recorded series, so a run that was killed can be judged later (`sinkchat soak report DIR`)
 exactly as a finished one, and the verdict logic is testable on synthetic series. Early samples are excluded as
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
 import click
+
+from sinkchat.apps.soak.records import load_run
 
 log = logging.getLogger(__name__)
 
@@ -90,86 +91,6 @@ def pop_thresholds(kwargs: dict[str, Any], base: Thresholds | None = None) -> Th
     return Thresholds(**cur)
 
 
-# ------------------------------------------------------------------------------------------------------- records
-class Recorder:
-    """metrics.jsonl (one JSON object per line, flushed + fsynced) and the session log. A failing disk is reported
-    once and the run carries on with the records kept in memory (the report is attempted again at the end)."""
-
-    def __init__(self, out_dir: Path, session: Any = None, warn: Callable[[str], None] = log.warning) -> None:
-        self.path = out_dir / "metrics.jsonl"
-        self.session = session
-        self.warn = warn
-        self.lost: list[dict[str, Any]] = []
-        self.failed = False
-        try:
-            self.fh: Any = open(self.path, "a", encoding="utf-8")
-        except OSError as e:
-            self.fh = None
-            self._fail(e)
-
-    def _fail(self, e: OSError) -> None:
-        if not self.failed:
-            self.warn(f"cannot write {self.path}: {e.strerror or e}; keeping records in memory")
-        self.failed = True
-
-    def write(self, rec: dict[str, Any]) -> None:
-        line = json.dumps(rec, default=str) + "\n"
-        if self.fh is not None:
-            try:
-                self.fh.write(line)
-                self.fh.flush()
-                os.fsync(self.fh.fileno())
-            except OSError as e:
-                self._fail(e)
-                self.lost.append(rec)
-        else:
-            self.lost.append(rec)
-        if self.session is not None and rec.get("kind") == "sample":
-            try:
-                self.session.metrics(rec)
-                self.session.flush()
-            except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason to stop the soak
-                log.warning("session log: %s", e)
-
-    def close(self) -> None:
-        for closer in (getattr(self.fh, "close", None), getattr(self.session, "close", None)):
-            try:
-                if closer:
-                    closer()
-            except Exception as e:  # noqa: BLE001
-                self._fail(e) if isinstance(e, OSError) else log.warning("close: %s", e)
-
-
-def load_run(directory: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
-    """(start record, samples, end record or None). Tolerates a torn last line from a killed writer."""
-    path = Path(directory) / "metrics.jsonl"
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as e:
-        raise click.ClickException(f"cannot read {path}: {e.strerror}") from None
-    header: dict[str, Any] = {}
-    samples: list[dict[str, Any]] = []
-    end = None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            log.warning("%s:%d is not JSON (torn write?); skipped", path, n)
-            continue
-        kind = rec.get("kind")
-        if kind == "start":
-            header = rec
-        elif kind == "sample":
-            samples.append(rec)
-        elif kind == "end":
-            end = rec
-    if not header and not samples:
-        raise click.ClickException(f"{path} holds no soak records")
-    return header, samples, end
-
-
 # ------------------------------------------------------------------------------------------------------- verdicts
 def _num(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
@@ -231,66 +152,78 @@ def evaluate(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thre
     """One verdict per criterion. 'n/a' (too few samples) never fails a run but is shown as such."""
     warm = warmup_seconds(samples, th)
     steady = [s for s in samples if (_num(s.get("elapsed")) or 0.0) >= warm] or samples
-    out: list[Verdict] = []
+    return [_rss_verdict(steady, th), _cache_verdict(samples), _throughput_verdict(steady, th),
+            _ppl_verdict(steady, th), _latency_verdict(steady, th), _errors_verdict(samples, end, th),
+            _crash_verdict(end)]
 
+
+def _rss_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
+    name, limit = "RSS growth per hour", f"<= {th.rss_mib_per_h:g} MiB/h"
     pts = [(t, v / MIB) for t, v in series(steady, "rss")]
     slope = slope_per_hour(pts)
     if slope is None:
-        out.append(Verdict("RSS growth per hour", "n/a", f"<= {th.rss_mib_per_h:g} MiB/h", "n/a"))
-    else:
-        # On a short run allocator noise extrapolated to an hour can exceed any limit: a slope whose whole growth
-        # over the run stays inside the noise band is inconclusive, not a leak.
-        mid = statistics.median(v - slope / 3600 * t for t, v in pts)
-        sigma = 1.4826 * statistics.median(abs(v - mid - slope / 3600 * t) for t, v in pts)
-        grown = slope / 3600 * (pts[-1][0] - pts[0][0])
-        status = "PASS" if slope <= th.rss_mib_per_h else "FAIL" if grown > 3 * sigma + 1 else "n/a"
-        note = f" (+{grown:.1f} MiB in the run, inside the noise of ±{sigma:.1f} MiB)" if status == "n/a" else ""
-        out.append(Verdict("RSS growth per hour", f"{slope:+.1f} MiB/h{note}", f"<= {th.rss_mib_per_h:g} MiB/h", status))
+        return Verdict(name, "n/a", limit, "n/a")
+    # On a short run allocator noise extrapolated to an hour can exceed any limit: a slope whose whole growth
+    # over the run stays inside the noise band is inconclusive, not a leak.
+    mid = statistics.median(v - slope / 3600 * t for t, v in pts)
+    sigma = 1.4826 * statistics.median(abs(v - mid - slope / 3600 * t) for t, v in pts)
+    grown = slope / 3600 * (pts[-1][0] - pts[0][0])
+    status = "PASS" if slope <= th.rss_mib_per_h else "FAIL" if grown > 3 * sigma + 1 else "n/a"
+    note = f" (+{grown:.1f} MiB in the run, inside the noise of ±{sigma:.1f} MiB)" if status == "n/a" else ""
+    return Verdict(name, f"{slope:+.1f} MiB/h{note}", limit, status)
 
+
+def _cache_verdict(samples: list[dict[str, Any]]) -> Verdict:
+    """Over the whole run, warm-up included: the cache is preallocated, so any change at all is a failure."""
     cb = sorted({v for _, v in series(samples, "cache_bytes") if v > 0})
     if not cb:
-        out.append(Verdict("cache bytes constant", "n/a", "max == min", "n/a"))
-    else:
-        val = f"{cb[0] / MIB:.2f} MiB" if len(cb) == 1 else f"{cb[0] / MIB:.2f}..{cb[-1] / MIB:.2f} MiB"
-        out.append(Verdict("cache bytes constant", val, "max == min", "PASS" if len(cb) == 1 else "FAIL"))
+        return Verdict("cache bytes constant", "n/a", "max == min", "n/a")
+    val = f"{cb[0] / MIB:.2f} MiB" if len(cb) == 1 else f"{cb[0] / MIB:.2f}..{cb[-1] / MIB:.2f} MiB"
+    return Verdict("cache bytes constant", val, "max == min", "PASS" if len(cb) == 1 else "FAIL")
 
+
+def _throughput_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
     key = throughput_key(steady)
     d = _drift(steady, key)
     if d is None or d[0] <= 0:
-        out.append(Verdict("throughput drift", "n/a", f"drop <= {th.tput_drop:.0%}", "n/a"))
-    else:
-        drop = 1.0 - d[1] / d[0]
-        out.append(Verdict("throughput drift", f"{d[0]:.1f} -> {d[1]:.1f} {key.split('_')[0]} tok/s ({-drop:+.0%})",
-                           f"drop <= {th.tput_drop:.0%}", "PASS" if drop <= th.tput_drop else "FAIL"))
+        return Verdict("throughput drift", "n/a", f"drop <= {th.tput_drop:.0%}", "n/a")
+    drop = 1.0 - d[1] / d[0]
+    return Verdict("throughput drift", f"{d[0]:.1f} -> {d[1]:.1f} {key.split('_')[0]} tok/s ({-drop:+.0%})",
+                   f"drop <= {th.tput_drop:.0%}", "PASS" if drop <= th.tput_drop else "FAIL")
 
+
+def _ppl_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
     d = _drift(steady, "ppl")
     if d is None or d[0] <= 0:
-        out.append(Verdict("perplexity drift", "n/a", f"rise <= {th.ppl_rise:.0%}", "n/a"))
-    else:
-        rise = d[1] / d[0] - 1.0
-        out.append(Verdict("perplexity drift", f"{d[0]:.2f} -> {d[1]:.2f} ({rise:+.0%})",
-                           f"rise <= {th.ppl_rise:.0%}", "PASS" if rise <= th.ppl_rise else "FAIL"))
+        return Verdict("perplexity drift", "n/a", f"rise <= {th.ppl_rise:.0%}", "n/a")
+    rise = d[1] / d[0] - 1.0
+    return Verdict("perplexity drift", f"{d[0]:.2f} -> {d[1]:.2f} ({rise:+.0%})",
+                   f"rise <= {th.ppl_rise:.0%}", "PASS" if rise <= th.ppl_rise else "FAIL")
 
+
+def _latency_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
     ratios = [s["p99_ms"] / s["p50_ms"] for s in steady
               if (_num(s.get("p50_ms")) or 0) > 0 and _num(s.get("p99_ms")) is not None]
     if not ratios:
-        out.append(Verdict("p99/p50 latency", "n/a", f"<= {th.latency_ratio:g}", "n/a"))
-    else:
-        med = statistics.median(ratios)
-        out.append(Verdict("p99/p50 latency", f"{med:.2f} (worst interval {max(ratios):.2f})",
-                           f"<= {th.latency_ratio:g}", "PASS" if med <= th.latency_ratio else "FAIL"))
+        return Verdict("p99/p50 latency", "n/a", f"<= {th.latency_ratio:g}", "n/a")
+    med = statistics.median(ratios)
+    return Verdict("p99/p50 latency", f"{med:.2f} (worst interval {max(ratios):.2f})",
+                   f"<= {th.latency_ratio:g}", "PASS" if med <= th.latency_ratio else "FAIL")
 
+
+def _errors_verdict(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thresholds) -> Verdict:
+    """The end record's totals; for a killed run (no end record) the last sample's running counts."""
     errors = int((end or {}).get("errors", max((int(s.get("errors") or 0) for s in samples), default=0)))
     faults = int((end or {}).get("faults", max((int(s.get("faults") or 0) for s in samples), default=0)))
-    out.append(Verdict("errors", f"{errors} (+{faults} handled faults)", f"<= {th.max_errors}",
-                       "PASS" if errors <= th.max_errors else "FAIL"))
+    return Verdict("errors", f"{errors} (+{faults} handled faults)", f"<= {th.max_errors}",
+                   "PASS" if errors <= th.max_errors else "FAIL")
 
+
+def _crash_verdict(end: dict[str, Any] | None) -> Verdict:
     if end is None:
-        out.append(Verdict("crashes", "no end record: the process died (killed or crashed)", "clean end", "FAIL"))
-    else:
-        reason = str(end.get("reason", "?"))
-        out.append(Verdict("crashes", f"ended: {reason}", "clean end", "FAIL" if reason == "crashed" else "PASS"))
-    return out
+        return Verdict("crashes", "no end record: the process died (killed or crashed)", "clean end", "FAIL")
+    reason = str(end.get("reason", "?"))
+    return Verdict("crashes", f"ended: {reason}", "clean end", "FAIL" if reason == "crashed" else "PASS")
 
 
 def figures(samples: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import queue
 import re
 import signal
 import stat
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, Callable
 
 import click
 
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
-from sinkchat.apps.summarize.summarizer import DEFAULT_SUMMARY_TOKENS, Status, Summarizer
 from sinkchat.apps.runlog import open_log
-from sinkchat.apps.summarize.reader import FORMATS, Batcher, Item, Output, OutputClosed, Reader, follow_chunks, stream_chunks
+from sinkchat.apps.summarize.batching import Batcher
+from sinkchat.apps.summarize.output import FORMATS, Output, OutputClosed
+from sinkchat.apps.summarize.reader import LineQueue, Reader, follow_chunks, stream_chunks
+from sinkchat.apps.summarize.summarizer import DEFAULT_SUMMARY_TOKENS, Interrupted, Status, Summarizer
+
+log = logging.getLogger(__name__)
+
+READER_GRACE = 0.5  # seconds a stopped reader gets to hand over its count (it may sit in a blocking read forever)
 
 
 def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
@@ -65,8 +72,8 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
 
     Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
     what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
-    input: a final summary, exit 0. Ctrl-C: a final summary of the pending lines, exit 130 (SIGTERM: the same,
-    exit 143).
+    input: a final summary, exit 0. Ctrl-C: feeding stops at once; a final summary of what the cache holds (lines
+    read but not fed are counted as skipped), exit 130 (SIGTERM: the same, exit 143).
     """
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
@@ -75,78 +82,119 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
         if file_path and follow_path:
             raise click.UsageError("use either --file or --follow, not both")
         grep_re, exclude_re = _compile(grep, "--grep"), _compile(exclude, "--exclude")
-        if prompt_path:
-            try:
-                prompt = Path(prompt_path).read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as e:
-                raise click.UsageError(f"cannot read --prompt {prompt_path}: {getattr(e, 'strerror', None) or e}") from None
-        else:
-            prompt = read_prompt("summarize")
+        prompt = _load_prompt(prompt_path)
         if opts["max_tokens"] is None and not os.environ.get("SINKCHAT_MAX_TOKENS"):
             opts["max_tokens"] = DEFAULT_SUMMARY_TOKENS
         settings = build_settings(opts)
-        stop = threading.Event()
-        q: "queue.Queue[Item]" = queue.Queue(maxsize=queue_lines)
-        reader_box: list[Reader] = []
-        if follow_path:
-            chunks: Any = follow_chunks(follow_path, stop, lambda m: reader_box[0].notice(m), from_end=from_end)
-            mode = backpressure or "drop"
-        else:
-            stream = _open_input(file_path)
-            regular = _is_regular(stream)
-            chunks = stream_chunks(stream, stop)
-            mode = backpressure or ("block" if file_path or regular else "drop")
-            if not file_path and not regular and getattr(sys.stdin, "isatty", lambda: False)():
-                status.notice("reading log lines from the terminal; end with Ctrl-D")
-        reader = Reader(chunks, q, max_line_chars=max_line_chars, backpressure=mode, stop=stop)
-        reader_box.append(reader)
-        reader.start()  # reading starts while the model loads
+        q = LineQueue(maxsize=queue_lines)
+        reader = _start_reader(q, file_path, follow_path, from_end, backpressure, max_line_chars, status)
         try:
             engine = open_engine(settings, system=None, progress=status.notice)
         except KeyboardInterrupt:
-            stop.set()
+            reader.stop.set()
             ctx.exit(130)  # Ctrl-C while loading: nothing was summarized yet
-        batcher = Batcher(lambda s: len(engine.encode(s)), chunk_lines, chunk_tokens, grep_re, exclude_re, dedupe)
-        slog = open_log(engine, "summarize", no_log, prompt, status.notice,
-                        extra={"input": follow_path or file_path or "stdin", "every": every, "interval": interval})
-        summ = Summarizer(engine, batcher, Output(fmt, sys.stdout), status, prompt=prompt, every=every,
-                          interval=interval, max_tokens=settings.sampling.max_tokens, slog=slog)
-        summ.queued = q.qsize
-        code = 0
-        signal.signal(signal.SIGTERM, _on_sigterm)  # `kill` / systemd stop: a final summary too, like Ctrl-C
+        halt = threading.Event()
+        with StopSignals(lambda: (halt.set(), reader.stop.set())) as signals:  # a stop request, not an exception
+            batcher = Batcher(lambda s: len(engine.encode(s)), chunk_lines, chunk_tokens, grep_re, exclude_re, dedupe)
+            slog = open_log(engine, "summarize", no_log, prompt, status.notice,
+                            extra={"input": follow_path or file_path or "stdin", "every": every, "interval": interval})
+            summ = Summarizer(engine, batcher, Output(fmt, sys.stdout), status, prompt=prompt, every=every,
+                              interval=interval, max_tokens=settings.sampling.max_tokens, slog=slog, halt=halt)
+            summ.queued = lambda: q.lines  # lines only: q.qsize() also counts the End marker and notices
+            code = _summarize(summ, q, reader, status, slog, signals)
+    ctx.exit(code)
+
+
+class StopSignals:
+    """SIGTERM and Ctrl-C while summarizing. The first one raises nothing where it lands: it calls `on_stop` (set
+    the Summarizer's halt event and stop the reader), so feeding stops at the next chunk or token boundary and the
+    final summary follows at once, whatever backlog is queued. A second one raises KeyboardInterrupt, which gives
+    that final summary up (an impatient second Ctrl-C must still end the process)."""
+
+    def __init__(self, on_stop: Callable[[], Any]) -> None:
+        self.on_stop = on_stop
+        self.signum: int | None = None
+        self.old: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.old[sig] = signal.signal(sig, self.handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Put the previous handlers back: the command also runs inside other processes (tests, click's runner),
+        where a stale handler would swallow the next Ctrl-C."""
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.on_stop()
+
+    @property
+    def code(self) -> int:
+        """The exit status: 143 after SIGTERM, 130 after Ctrl-C (128 + the signal, as a shell reports it), else 0."""
+        return 0 if self.signum is None else 128 + self.signum
+
+
+def _summarize(summ: Summarizer, q: LineQueue, reader: Reader, status: Status, slog: Any,
+               signals: StopSignals) -> int:
+    """Run the Summarizer until the input ends or a stop; returns the exit status."""
+    try:
         try:
-            try:
-                summ.run(q)
-            except KeyboardInterrupt as e:
-                code = 143 if isinstance(e, Terminated) else 130
-                stop.set()
-                status.clear()
-                try:
-                    summ.drain(q)
-                    summ.finish()
-                except KeyboardInterrupt:
-                    pass
-        except OutputClosed:
-            stop.set()
-            _silence_stdout()
-            ctx.exit(0)
-        except Exception as e:
-            if type(e).__name__ == "TemplateError":
-                raise click.ClickException(f"the model's chat template refused the log turns: {e}") from None
-            raise
-        finally:
-            slog.close()
-        if code == 0 and summ.error:
-            code = 1
-        ctx.exit(code)
+            summ.run(q)
+        except Interrupted:
+            status.clear()
+            reader.join(READER_GRACE)  # its count of the lines it read is final once it has stopped
+            summ.finish_stopped(q, reader.n)
+    except KeyboardInterrupt:
+        log.info("a second signal: the final summary was given up")
+    except OutputClosed:
+        reader.stop.set()
+        _silence_stdout()
+        return 0
+    except Exception as e:
+        if type(e).__name__ == "TemplateError":
+            raise click.ClickException(f"the model's chat template refused the log turns: {e}") from None
+        raise
+    finally:
+        slog.close()
+    return signals.code or (1 if summ.error else 0)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be so both end with a final summary."""
+def _load_prompt(prompt_path: str | None) -> str:
+    """The question template: --prompt FILE, else prompts/summarize.txt."""
+    if not prompt_path:
+        return read_prompt("summarize")
+    try:
+        return Path(prompt_path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.UsageError(f"cannot read --prompt {prompt_path}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise Terminated
+def _start_reader(q: LineQueue, file_path: str | None, follow_path: str | None, from_end: bool,
+                  backpressure: str | None, max_line_chars: int, status: Status) -> Reader:
+    """Start the reader thread on --follow, --file or stdin, so reading runs while the model loads. The default
+    back-pressure blocks a file (nothing is lost, the writer is not live) and drops for pipes and --follow (a live
+    writer must never stall behind the model)."""
+    stop = threading.Event()
+    reader_box: list[Reader] = []
+    if follow_path:
+        chunks: Any = follow_chunks(follow_path, stop, lambda m: reader_box[0].notice(m), from_end=from_end)
+        mode = backpressure or "drop"
+    else:
+        stream = _open_input(file_path)
+        regular = _is_regular(stream)
+        chunks = stream_chunks(stream, stop)
+        mode = backpressure or ("block" if file_path or regular else "drop")
+        if not file_path and not regular and getattr(sys.stdin, "isatty", lambda: False)():
+            status.notice("reading log lines from the terminal; end with Ctrl-D")
+    reader = Reader(chunks, q, max_line_chars=max_line_chars, backpressure=mode, stop=stop)
+    reader_box.append(reader)
+    reader.start()
+    return reader
 
 
 def _open_input(file_path: str | None) -> Any:

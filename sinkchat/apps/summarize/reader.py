@@ -1,22 +1,21 @@
-"""The plumbing of `sinkchat summarize` around the model: reading lines as they arrive, cleaning, filtering, dedupe,
-batching, accounting, and the output blocks.
+"""The input side of `sinkchat summarize`: reading lines as they arrive, in bounded memory, and cleaning them.
 
 No model here, so all of it is unit-testable in milliseconds. A reader thread turns bytes into numbered `Line`s and
 puts them on a bounded queue, so a slow model never blocks reading and `--interval` works without EOF. Under
 `--backpressure drop` a full queue drops lines in the reader; the next line (or `End`) carries how many were dropped
 just before it, so the consumer can account for every input line number: each one ends up exactly once as
-summarized, filtered, deduped or skipped (`Period`).
+summarized, filtered, deduped or skipped (`batching.Period`). Filters, dedupe and batching live in batching.py, the
+output blocks in output.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, TextIO
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 READ_SIZE = 65536
 POLL_SECONDS = 0.2
@@ -51,6 +50,29 @@ class End:
 
 
 Item = Line | Notice | End
+
+
+class LineQueue(queue.Queue):  # type: ignore[type-arg]
+    """The reader's bounded queue, which also knows how many of its items are input lines.
+
+    `qsize()` counts the `End` marker and notices as well, so a "queue N" figure built on it reads one too high
+    once the input has ended (and more after notices). `lines` is kept under the queue's own lock by the two
+    hooks every put and get goes through; `Reader.notice` appends a Notice past the bound and never touches it."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self.lines = 0
+
+    def _put(self, item: Item) -> None:
+        super()._put(item)
+        if isinstance(item, Line):
+            self.lines += 1
+
+    def _get(self) -> Item:
+        item = super()._get()
+        if isinstance(item, Line):
+            self.lines -= 1
+        return item
 
 
 # ------------------------------------------------------------------------------------------------- bytes -> lines
@@ -248,152 +270,3 @@ class Reader(threading.Thread):
             self.q.queue.append(Notice(message))
             self.q.unfinished_tasks += 1
             self.q.not_empty.notify()
-
-
-# ------------------------------------------------------------------------------------------------- accounting
-@dataclass
-class Period:
-    """Line accounting since the last summary: lines == summarized + filtered + deduped + skipped, and the lines are
-    exactly first_line..last_line."""
-
-    first_line: int = 0
-    last_line: int = 0
-    summarized: int = 0
-    filtered: int = 0
-    deduped: int = 0
-    skipped: int = 0
-    truncated: int = 0
-
-    @property
-    def lines(self) -> int:
-        return self.summarized + self.filtered + self.deduped + self.skipped
-
-    def add(self, kind: str, no: int, count: int = 1) -> None:
-        """Account `count` lines ending at line `no` as `kind`."""
-        if count <= 0:
-            return
-        if not self.first_line:
-            self.first_line = no - count + 1
-        self.last_line = no
-        setattr(self, kind, getattr(self, kind) + count)
-
-    def consistent(self) -> bool:
-        return self.lines == (self.last_line - self.first_line + 1 if self.first_line else 0)
-
-
-# ------------------------------------------------------------------------------------------------- filter + batch
-@dataclass
-class Batcher:
-    """Filters (grep/exclude), dedupes runs of identical lines (the first is fed, the repeats are counted and fed
-    as one short marker when the run ends) and groups fed lines into chunks of `chunk_lines` / `chunk_tokens`."""
-
-    count_tokens: Callable[[str], int]
-    chunk_lines: int = 32
-    chunk_tokens: int = 256
-    grep: re.Pattern[str] | None = None
-    exclude: re.Pattern[str] | None = None
-    dedupe: bool = True
-    period: Period = field(default_factory=Period)
-    chunk: list[str] = field(default_factory=list)
-    chunk_tok: int = 0
-    last_text: str | None = None
-    repeats: int = 0
-
-    def add(self, item: Line | End) -> None:
-        """Account one item; the lines dropped before it count as skipped."""
-        first_skipped = item.no if isinstance(item, Line) else item.last_no + 1
-        self.period.add("skipped", first_skipped - 1, item.skipped_before)
-        if isinstance(item, End):
-            return
-        if self.grep is not None and not self.grep.search(item.text):
-            self.period.add("filtered", item.no)
-            return
-        if self.exclude is not None and self.exclude.search(item.text):
-            self.period.add("filtered", item.no)
-            return
-        if self.dedupe and item.text == self.last_text:
-            self.repeats += 1
-            self.period.add("deduped", item.no)
-            return
-        self.end_run()
-        self.last_text = item.text
-        self.period.add("summarized", item.no)
-        self.period.truncated += item.truncated
-        self._append(item.text)
-
-    def end_run(self) -> None:
-        """Close the current run of repeats (a marker line, like `uniq -c`); called at a summary boundary too."""
-        if self.repeats:
-            self._append(f"(the line above repeated {self.repeats} more times)")
-        self.repeats = 0
-        self.last_text = None
-
-    def _append(self, text: str) -> None:
-        self.chunk.append(text)
-        self.chunk_tok += self.count_tokens(text) + 1
-
-    @property
-    def full(self) -> bool:
-        return len(self.chunk) >= self.chunk_lines or self.chunk_tok >= self.chunk_tokens
-
-    def take_chunk(self) -> str | None:
-        """The pending chunk as one text (lines joined by newlines), or None."""
-        if not self.chunk:
-            return None
-        text = "\n".join(self.chunk)
-        self.chunk, self.chunk_tok = [], 0
-        return text
-
-    def take_period(self) -> Period:
-        p, self.period = self.period, Period()
-        return p
-
-
-# ------------------------------------------------------------------------------------------------- output
-FORMATS = ("text", "jsonl", "markdown")
-
-
-class OutputClosed(Exception):
-    """stdout went away (SIGPIPE / EPIPE): stop quietly."""
-
-
-class Output:
-    """One block per summary on stdout, flushed at once so a reader of the pipe sees it before EOF."""
-
-    def __init__(self, fmt: str, stream: TextIO) -> None:
-        self.fmt, self.stream = fmt, stream
-
-    def write(self, block: dict[str, Any]) -> None:
-        try:
-            self.stream.write(render_block(block, self.fmt))
-            self.stream.flush()
-        except (BrokenPipeError, ConnectionResetError) as e:
-            raise OutputClosed() from e
-        except OSError as e:
-            if e.errno == 32:  # EPIPE seen through a wrapper
-                raise OutputClosed() from e
-            raise
-
-
-def counts_text(b: dict[str, Any]) -> str:
-    parts = [f"{b['summarized']} summarized"] + [f"{b[k]} {k}" for k in ("filtered", "deduped", "skipped") if b[k]]
-    return f"{b['lines']} lines: " + ", ".join(parts)
-
-
-def render_block(b: dict[str, Any], fmt: str) -> str:
-    """One summary block in the chosen format (jsonl: exactly one line)."""
-    if fmt == "jsonl":
-        return json.dumps(b, ensure_ascii=False) + "\n"
-    summary = b["summary"] or "(no lines to summarize)"
-    final = " (final)" if b["final"] else ""
-    if fmt == "markdown":
-        return (f"### {b['time']} · lines {b['first_line']}–{b['last_line']}{final}\n\n"
-                f"_{counts_text(b)} · {b['tokens_fed']} tokens fed, {b['tokens_evicted']} evicted_\n\n{summary}\n\n")
-    return f"[{b['time']}] lines {b['first_line']}-{b['last_line']}{final} ({counts_text(b)})\n{summary}\n\n"
-
-
-def fill(template: str, **values: Any) -> str:
-    """Replace {name} placeholders; any other braces in a user's prompt file stay as they are."""
-    for k, v in values.items():
-        template = template.replace("{" + k + "}", str(v))
-    return template

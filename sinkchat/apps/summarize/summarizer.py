@@ -7,8 +7,12 @@ message, and the reply is generated into the same cache and recorded in the conv
 is then trimmed to its last turns (the cache already holds the rest, or evicted it), so nothing grows with the log:
 the cache is fixed-size, the queue is bounded, the conversation is trimmed, and counters are integers.
 
-The plumbing around the model (reader thread, queue, filters, dedupe, batching, accounting, output blocks) lives
-in `pipe_input.py`; the command itself (options, signals, exit codes) in `pipe_cli.py`.
+Stopping (SIGTERM, Ctrl-C) never feeds the backlog: the command sets `halt`, the Summarizer raises `Interrupted` at
+its next chunk or token boundary (never inside a model call), and `finish_stopped` counts what was read but not
+fed as skipped and asks only about what the cache already holds, so a process manager's grace period is enough.
+
+The plumbing around the model lives in reader.py (reader thread, queue), batching.py (filters, dedupe, batching,
+accounting) and output.py (output blocks); the command itself (options, signals, exit codes) in command.py.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import logging
 import os
 import queue
 import sys
+import threading
 import time
 from datetime import datetime
 from typing import Any, Callable, TextIO
 
-from sinkchat.apps.summarize.reader import (
-    Batcher, End, Item, Notice, Output, Period, fill,
-)
+from sinkchat.apps.summarize.batching import Batcher, Period
+from sinkchat.apps.summarize.output import Output, fill
+from sinkchat.apps.summarize.reader import End, Item, Line, Notice
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,12 @@ IDLE_FLUSH = 0.5  # feed a partial chunk after this long without new lines
 LIVE_EVERY = 0.25  # status refresh on a terminal
 PLAIN_EVERY = 10.0  # plain status lines when stderr is not a terminal
 DEFAULT_SUMMARY_TOKENS = 128
+STOP_POLL = 0.2  # the longest an idle wait on the queue runs before a stop request is seen
+
+
+class Interrupted(Exception):
+    """A stop was requested (SIGTERM / Ctrl-C): raised at a chunk or token boundary, never inside a model call, so
+    an interrupted feed is rolled back whole by `Engine.add_message` and the line accounting stays exact."""
 
 
 class Status:
@@ -110,7 +121,8 @@ class Summarizer:
     """The consumer: takes items off the queue, feeds chunks, asks for a summary every N lines / T seconds."""
 
     def __init__(self, engine: Any, batcher: Batcher, out: Output, status: Status, *, prompt: str, every: int,
-                 interval: float, max_tokens: int, slog: Any = None) -> None:
+                 interval: float, max_tokens: int, slog: Any = None, halt: threading.Event | None = None) -> None:
+        """`halt`: set (by the command's signal handler) to stop at the next chunk or token boundary."""
         from sinkchat.core.metrics import Metrics, model_bytes
         from sinkchat.store.transcript import NullLog
 
@@ -126,16 +138,28 @@ class Summarizer:
         self.error: str | None = None
         self.due = self._next_due()
         self.queued: Callable[[], int] = lambda: 0  # lines read but not yet taken (the command wires the queue in)
+        self.halt = halt if halt is not None else threading.Event()
+        self.stopping = False  # writing the final summary after a stop: no more Interrupted
         status.line = self.status_text
 
     def _next_due(self) -> float:
         return time.monotonic() + self.interval if self.interval > 0 else float("inf")
 
-    def _events(self, events: Any) -> str:
-        """Fold engine events into the metrics (keeps the status live); returns the generated text, if any."""
-        from sinkchat.core.events import DoneEvent
+    @property
+    def stop_requested(self) -> bool:
+        """A stop was asked for and the final summary after it is not being written yet."""
+        return self.halt.is_set() and not self.stopping
 
-        from sinkchat.core.events import EvictionEvent
+    def check_stop(self) -> None:
+        if self.stop_requested:
+            raise Interrupted
+
+    def _events(self, events: Any) -> str:
+        """Fold engine events into the metrics (keeps the status live); returns the generated text, if any.
+
+        A stop request closes `events` after the event in hand, i.e. after a completed prefill chunk or generated
+        token: the engine's rollback runs now (not whenever the generator is collected), then Interrupted."""
+        from sinkchat.core.events import DoneEvent, EvictionEvent
 
         text = ""
         for ev in events:
@@ -145,6 +169,9 @@ class Summarizer:
             elif isinstance(ev, EvictionEvent):
                 self.slog.eviction(ev)
             self.status.tick()
+            if self.stop_requested:
+                events.close()
+                raise Interrupted
         return text
 
     def status_text(self) -> str:
@@ -172,10 +199,19 @@ class Summarizer:
         return True
 
     def feed_chunk(self) -> None:
+        """Feed the pending chunk as one user message. Interrupted before all of it is in and taken back by the
+        engine, its lines were never fed: they count as skipped, not summarized."""
+        self.check_stop()
+        lines, truncated = self.batcher.chunk_summarized, self.batcher.chunk_truncated
         text = self.batcher.take_chunk()
         if text is None:
             return
-        self._events(self.engine.add_message("user", text, add_generation_prompt=False))
+        try:
+            self._events(self.engine.add_message("user", text, add_generation_prompt=False))
+        except BaseException:
+            if self.engine.message_taken_back:
+                self.batcher.unfeed(lines, truncated)
+            raise
         settle_conversation(self.engine, keep=1)
 
     def boundary(self) -> None:
@@ -193,7 +229,9 @@ class Summarizer:
         p = self.batcher.period
         text = ""
         if p.summarized:
-            note = f" {p.skipped} lines were skipped because they came faster than they could be read." if p.skipped else ""
+            why = "the summarizer was stopped before it fed them" if self.stopping else \
+                "they came faster than they could be read"
+            note = f" {p.skipped} lines were skipped because {why}." if p.skipped else ""
             question = fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
                             summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
                             note=note)
@@ -236,7 +274,8 @@ class Summarizer:
     def run(self, q: "queue.Queue[Item]") -> None:
         """Until the input ends: take lines as they come, feed idle chunks, summarize on time."""
         while True:
-            wait = min(self.due - time.monotonic(), self.status.every)
+            self.check_stop()
+            wait = min(self.due - time.monotonic(), self.status.every, STOP_POLL)
             if self.batcher.chunk:
                 wait = min(wait, IDLE_FLUSH)
             try:
@@ -257,17 +296,30 @@ class Summarizer:
             self.status.tick()
         self.finish()
 
-    def drain(self, q: "queue.Queue[Item]") -> None:
-        """After Ctrl-C: take what was already read, without waiting for more."""
+    def finish_stopped(self, q: "queue.Queue[Item]", lines_read: int) -> None:
+        """After a stop (SIGTERM / Ctrl-C): feed nothing more. What is still queued, read but never queued
+        (`lines_read`: the last line number the reader gave out) or waiting in the pending chunk counts as skipped,
+        and the final summary asks only about what the cache already holds. Feeding a backlog here instead would
+        outlast any process manager's grace period (10-90 s before SIGKILL), and the final summary would be lost."""
+        self.stopping = True
+        self.skip_queued(q)
+        self.batcher.skip_to(lines_read)
+        dropped = self.batcher.drop_chunk()
+        log.info("stopped: %d lines skipped since the last summary (%d of them from the chunk not yet fed)",
+                 self.batcher.period.skipped, dropped)
+        self.finish()
+
+    def skip_queued(self, q: "queue.Queue[Item]") -> None:
+        """Take everything already on the queue without feeding it: lines count as skipped."""
         while True:
             try:
                 item = q.get_nowait()
             except queue.Empty:
                 return
-            if not self.handle(item):
-                return
-            if self.batcher.full:
-                self.feed_chunk()
+            if isinstance(item, (Line, End)):
+                self.batcher.skip(item)
+            if isinstance(item, End) and item.error:
+                self.error = item.error
 
     def finish(self) -> None:
         """The final summary of whatever is pending (nothing is printed when nothing is pending)."""

@@ -1,5 +1,9 @@
-// sinkchat's CPU matmuls: 4-bit (Q4_1-style) and 8-bit weights times int8 activations (AVX-512 VNNI).
+// sinkchat's CPU matmuls, SIMD variant: 4-bit (Q4_1-style) and 8-bit weights times int8 activations (AVX-512
+// VNNI). ref.c holds the scalar reference of each function; the tests hold the two bit-exact to each other (the
+// integer dot products are exact, and the float steps are the same operations in the same order: see ref.c).
 #include "simd.h"
+
+const int sc_variant_id = SC_VARIANT_SIMD;
 
 // Quantize one row of K floats to int8 in blocks of 32: xq, per-block scale dx, and sx = dx * sum(xq), the block
 // sum of the *rounded* values (as ggml's Q8_1): the zero-point term m * sx then carries the same rounding as the
@@ -23,31 +27,35 @@ static void quant_row(const float* x, int K, int8_t* xq, float* dx, float* sx) {
     }
 }
 
-// Many rows (prefill): each weight block is unpacked once into registers and used for every row, with the rows'
-// accumulators in an L1-sized buffer, instead of unpacking it again per row (2x the work per row).
-static int q4_rows(const int8_t* xq, const float* dx, const float* sx, int M, int K, int N, const uint8_t* qw,
-                   const uint16_t* sw, const float* bias, float* y) {
+void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* sx) {
     int nb = K / QB;
-    const int MB = 256;  // rows per pass: 16 KB of accumulators
-    __m512* acc = aligned_alloc(64, sizeof(__m512) * MB);
-    if (!acc) return -1;
+    for (int m = 0; m < M; m++)
+        quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nb, sx + (size_t)m * nb);
+}
+
+// Many rows (prefill): each weight block is unpacked once into registers and used for every row, with the rows'
+// accumulators in an L1-sized buffer `acc` [SC_MB][16], instead of unpacking it again per row (2x the work per row).
+static void q4_rows(const sc_xq* xa, float* acc_buf, int M, int K, int N, const sc_q4_block* qw,
+                    const sc_q4_scales* sw, const float* bias, float* y) {
+    int nb = K / QB;
+    __m512* acc = (__m512*)acc_buf;  // 64-byte aligned: sc_take
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    for (int m0 = 0; m0 < M; m0 += MB) {
-        int mn = M - m0 < MB ? M - m0 : MB;
+    for (int m0 = 0; m0 < M; m0 += SC_MB) {
+        int mn = M - m0 < SC_MB ? M - m0 : SC_MB;
         for (int g = 0; g < N / RG; g++) {
-            const uint8_t* wg = qw + (size_t)g * nb * 256;
-            const uint16_t* sg = sw + (size_t)g * nb * 32;
+            const sc_q4_block* wg = qw + (size_t)g * nb;
+            const sc_q4_scales* sg = sw + (size_t)g * nb;
             for (int m = 0; m < mn; m++) acc[m] = _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
                 __m512i w[8];
                 for (int s = 0; s < 4; s++) {
-                    __m512i v = _mm512_loadu_si512((const void*)(wg + b * 256 + s * 64));
+                    __m512i v = _mm512_loadu_si512((const void*)wg[b].q[s]);
                     w[2 * s] = _mm512_and_si512(v, lo4);
                     w[2 * s + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
                 }
-                __m512 d = f16x16(sg + b * 32), mn16 = f16x16(sg + b * 32 + 16);
+                __m512 d = f16x16(sg[b].d), mn16 = f16x16(sg[b].m);
                 for (int m = 0; m < mn; m++) {
-                    const int32_t* xm = (const int32_t*)(xq + (size_t)(m0 + m) * K) + b * 8;
+                    const int32_t* xm = (const int32_t*)(xa->xq + (size_t)(m0 + m) * K) + b * 8;
                     __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
                     for (int s = 0; s < 4; s++) {
                         i0 = _mm512_dpbusd_epi32(i0, w[2 * s], _mm512_set1_epi32(xm[2 * s]));
@@ -55,8 +63,8 @@ static int q4_rows(const int8_t* xq, const float* dx, const float* sx, int M, in
                     }
                     __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
                     size_t at = (size_t)(m0 + m) * nb + b;
-                    __m512 a = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dx[at])), acc[m]);
-                    acc[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(sx[at]), a);
+                    __m512 a = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(xa->dx[at])), acc[m]);
+                    acc[m] = _mm512_fmadd_ps(mn16, _mm512_set1_ps(xa->sx[at]), a);
                 }
             }
             for (int m = 0; m < mn; m++) {
@@ -65,110 +73,79 @@ static int q4_rows(const int8_t* xq, const float* dx, const float* sx, int M, in
             }
         }
     }
-    free(acc);
-    return 0;
 }
 
-// y[M, N] = x[M, K] @ W^T (+ bias), W 4-bit: qw [N/16][K/32][4][16][4] bytes (sub-block s, row r, byte t holds
-// q[r, 8s+t] in its low nibble and q[r, 8s+4+t] in its high one), sw fp16 [N/16][K/32][2][16] (d, then m:
-// w = d*q + m).
-int q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint16_t* sw, const float* bias,
-              float* y) {
+// One row (decode) keeps its accumulator in a register: through q4_rows a decode step measured 2% slower.
+static void q4_row(const sc_xq* xa, int K, int N, const sc_q4_block* qw, const sc_q4_scales* sw, const float* bias,
+                   float* y) {
     int nb = K / QB;
-    int8_t* xq = malloc((size_t)M * K);
-    float* dx = malloc(sizeof(float) * (size_t)M * nb * 2);
-    if (!xq || !dx) {
-        free(xq);
-        free(dx);
-        return -1;
-    }
-    float* sx = dx + M * nb;
-    for (int m = 0; m < M; m++) quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
     const __m512i lo4 = _mm512_set1_epi8(0x0F);
-    // one row (decode) keeps its accumulator in a register: through q4_rows a decode step measured 2% slower
-    if (M > 1) {
-        int rc = q4_rows(xq, dx, sx, M, K, N, qw, sw, bias, y);
-        free(xq);
-        free(dx);
-        return rc;
-    }
+    const int32_t* xm = (const int32_t*)xa->xq;
     for (int g = 0; g < N / RG; g++) {
-        const uint8_t* wg = qw + (size_t)g * nb * 256;
-        const uint16_t* sg = sw + (size_t)g * nb * 32;
-        for (int m = 0; m < M; m++) {
-            const int32_t* xm = (const int32_t*)(xq + (size_t)m * K);
-            const float* dxm = dx + m * nb;
-            const float* sxm = sx + m * nb;
-            __m512 acc = _mm512_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                const uint8_t* wb = wg + b * 256;
-                __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
-                for (int s = 0; s < 4; s++) {
-                    __m512i v = _mm512_loadu_si512((const void*)(wb + s * 64));
-                    __m512i lo = _mm512_and_si512(v, lo4);
-                    __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-                    i0 = _mm512_dpbusd_epi32(i0, lo, _mm512_set1_epi32(xm[b * 8 + 2 * s]));
-                    i1 = _mm512_dpbusd_epi32(i1, hi, _mm512_set1_epi32(xm[b * 8 + 2 * s + 1]));
-                }
-                __m512 d = f16x16(sg + b * 32), mn = f16x16(sg + b * 32 + 16);
-                __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
-                acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(dxm[b])), acc);
-                acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(sxm[b]), acc);
+        const sc_q4_block* wg = qw + (size_t)g * nb;
+        const sc_q4_scales* sg = sw + (size_t)g * nb;
+        __m512 acc = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
+            for (int s = 0; s < 4; s++) {
+                __m512i v = _mm512_loadu_si512((const void*)wg[b].q[s]);
+                __m512i lo = _mm512_and_si512(v, lo4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+                i0 = _mm512_dpbusd_epi32(i0, lo, _mm512_set1_epi32(xm[b * 8 + 2 * s]));
+                i1 = _mm512_dpbusd_epi32(i1, hi, _mm512_set1_epi32(xm[b * 8 + 2 * s + 1]));
             }
-            if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + g * RG));
-            _mm512_storeu_ps(y + (size_t)m * N + g * RG, acc);
+            __m512 d = f16x16(sg[b].d), mn = f16x16(sg[b].m);
+            __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1));
+            acc = _mm512_fmadd_ps(isum, _mm512_mul_ps(d, _mm512_set1_ps(xa->dx[b])), acc);
+            acc = _mm512_fmadd_ps(mn, _mm512_set1_ps(xa->sx[b]), acc);
         }
+        if (bias) acc = _mm512_add_ps(acc, _mm512_loadu_ps(bias + g * RG));
+        _mm512_storeu_ps(y + (size_t)g * RG, acc);
     }
-    free(xq);
-    free(dx);
-    return 0;
 }
 
-// y[M, N] = x[M, K] @ W^T * ws, W int8 stored +128 as uint8: hw [N/16][K/4][16][4], ws fp32 [N] (per-row scale).
-int q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const float* ws, float* y) {
+// y[M, N] = x[M, K] @ W^T (+ bias), W as sc_q4_block / sc_q4_scales [N/16][K/32] (w = d*q + m).
+int sc_q4_mm(sc_arena* a, const float* x, int M, int K, int N, const sc_q4_block* qw, const sc_q4_scales* sw,
+             const float* bias, float* y) {
+    sc_xq xa;
+    float* acc;
+    if (M <= 0) return SC_OK;  // no rows: nothing to write (q4_row would write one)
+    if (sc_take_q4(a, M, K, &xa, &acc)) return SC_EWORK;
+    sc_quant_rows(x, M, K, xa.xq, xa.dx, xa.sx);
+    if (M > 1)
+        q4_rows(&xa, acc, M, K, N, qw, sw, bias, y);
+    else
+        q4_row(&xa, K, N, qw, sw, bias, y);
+    return SC_OK;
+}
+
+// y[M, N] = x[M, K] @ W^T * ws, W int8 stored +128 as sc_q8_block [N/16][K/32], ws fp32 [N] (per-row scale).
+int sc_q8_mm(sc_arena* a, const float* x, int M, int K, int N, const sc_q8_block* hw, const float* ws, float* y) {
     int nb = K / QB;
-    int8_t* xq = malloc((size_t)M * K);
-    float* dx = malloc(sizeof(float) * ((size_t)M * nb * 2 + M));
-    if (!xq || !dx) {
-        free(xq);
-        free(dx);
-        return -1;
-    }
-    float* sx = dx + M * nb;
-    float* corr = sx + M * nb;
-    for (int m = 0; m < M; m++) {
-        quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + m * nb, sx + m * nb);
-        float c = 0;  // sum over blocks of dx * sum(xq): the +128 offset's share, the same for every row
-        for (int b = 0; b < nb; b++) {
-            int s = 0;
-            for (int k = 0; k < QB; k++) s += xq[(size_t)m * K + b * QB + k];
-            c += dx[m * nb + b] * s;
-        }
-        corr[m] = 128.0f * c;
-    }
+    sc_xq xa;
+    if (sc_take_xq(a, M, K, &xa)) return SC_EWORK;
+    sc_quant_rows(x, M, K, xa.xq, xa.dx, xa.sx);
+    sc_q8_corr(xa.sx, M, nb, xa.corr);
     for (int g = 0; g < N / RG; g++) {
-        const uint8_t* wg = hw + (size_t)g * K * RG;
+        const sc_q8_block* wg = hw + (size_t)g * nb;
         __m512 scale = _mm512_loadu_ps(ws + g * RG);
         for (int m = 0; m < M; m++) {
-            const int32_t* xm = (const int32_t*)(xq + (size_t)m * K);
-            const float* dxm = dx + m * nb;
+            const int32_t* xm = (const int32_t*)(xa.xq + (size_t)m * K);
+            const float* dxm = xa.dx + (size_t)m * nb;
             __m512 acc = _mm512_setzero_ps();
             for (int b = 0; b < nb; b++) {
-                const uint8_t* wb = wg + b * QB * RG;
                 __m512i i0 = _mm512_setzero_si512(), i1 = _mm512_setzero_si512();
                 for (int s = 0; s < 8; s += 2) {
-                    i0 = _mm512_dpbusd_epi32(i0, _mm512_loadu_si512((const void*)(wb + s * 64)),
+                    i0 = _mm512_dpbusd_epi32(i0, _mm512_loadu_si512((const void*)wg[b].q[s]),
                                              _mm512_set1_epi32(xm[b * 8 + s]));
-                    i1 = _mm512_dpbusd_epi32(i1, _mm512_loadu_si512((const void*)(wb + s * 64 + 64)),
+                    i1 = _mm512_dpbusd_epi32(i1, _mm512_loadu_si512((const void*)wg[b].q[s + 1]),
                                              _mm512_set1_epi32(xm[b * 8 + s + 1]));
                 }
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(dxm[b]), acc);
             }
-            acc = _mm512_mul_ps(_mm512_sub_ps(acc, _mm512_set1_ps(corr[m])), scale);
+            acc = _mm512_mul_ps(_mm512_sub_ps(acc, _mm512_set1_ps(xa.corr[m])), scale);
             _mm512_storeu_ps(y + (size_t)m * N + g * RG, acc);
         }
     }
-    free(xq);
-    free(dx);
-    return 0;
+    return SC_OK;
 }

@@ -1,17 +1,8 @@
-// Shared by sinkchat's CPU kernels (matmul.c, step.c): the weight layout constants and small AVX-512 helpers.
+// AVX-512 helpers of the SIMD variant (matmul.c, attend.c); built with -march=native only.
 #pragma once
 #include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
-#define QB 32  // weights per quant block
-#define RG 16  // rows per group: one 512-bit lane per row
-
-int q4_matmul(const float* x, int M, int K, int N, const uint8_t* qw, const uint16_t* sw, const float* bias,
-              float* y);
-int q8_matmul(const float* x, int M, int K, int N, const uint8_t* hw, const float* ws, float* y);
+#include "kernels.h"
 
 static inline __m512 f16x16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
@@ -22,35 +13,12 @@ static inline __m512 bf16x16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-static inline uint16_t to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
-
 static inline __m256i bf16_16(__m512 f) {  // 16 floats to bf16, round to nearest even; NaN stays NaN
     __m512i u = _mm512_castps_si512(f);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-static inline void put_bf16(uint16_t* p, const float* src, int D) {
-    int d = 0;
-    for (; d + 16 <= D; d += 16) _mm256_storeu_si256((__m256i*)(p + d), bf16_16(_mm512_loadu_ps(src + d)));
-    for (; d < D; d++) p[d] = to_bf16(src[d]);
-}
-
-static inline void get_bf16(float* dst, const uint16_t* p, int D) {
-    int d = 0;
-    for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, bf16x16(p + d));
-    for (; d < D; d++) {
-        uint32_t u = (uint32_t)p[d] << 16;
-        memcpy(dst + d, &u, 4);
-    }
 }
 
 static inline __m512 kv16(const void* base, size_t i, int bf16) {  // 16 floats of a K or V row

@@ -11,7 +11,7 @@ import math
 import operator
 from typing import Any, Callable
 
-from sinkchat.apps.agent.tools import ToolError
+from sinkchat.apps.agent.tools.schema import ToolError
 
 MAX_EXPR_CHARS = 500
 MAX_EXPONENT = 10_000

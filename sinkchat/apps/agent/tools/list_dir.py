@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import stat
 
-from sinkchat.apps.agent.tools import Workspace, file_kind
+from sinkchat.apps.agent.tools.workspace import Workspace, file_kind
 
 MAX_ENTRIES = 200
 

@@ -7,7 +7,8 @@ import datetime as _dt
 import os
 from typing import Literal
 
-from sinkchat.apps.agent.tools import ToolError, Workspace, tool
+from sinkchat.apps.agent.tools.schema import ToolError, tool
+from sinkchat.apps.agent.tools.workspace import Workspace
 
 NOTES_FILE = "NOTES.md"
 MAX_NOTE_CHARS = 4000

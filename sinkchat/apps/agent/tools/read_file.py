@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from sinkchat.apps.agent.tools import ToolError, Workspace, hex_summary, looks_binary
+from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.workspace import Workspace, hex_summary, looks_binary
 
 READ_BYTES = 64 * 1024
 

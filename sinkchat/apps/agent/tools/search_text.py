@@ -8,7 +8,8 @@ import os
 import re
 import stat
 
-from sinkchat.apps.agent.tools import ToolError, Workspace, looks_binary, tool
+from sinkchat.apps.agent.tools.schema import ToolError, tool
+from sinkchat.apps.agent.tools.workspace import Workspace, looks_binary
 
 MAX_MATCHES = 50
 MAX_FILES = 5000

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 
-from sinkchat.apps.agent.tools import ToolError, Workspace, tool
+from sinkchat.apps.agent.tools.schema import ToolError, tool
+from sinkchat.apps.agent.tools.workspace import Workspace
 
 MAX_WRITE_CHARS = 1_000_000
 

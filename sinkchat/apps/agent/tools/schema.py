@@ -1,0 +1,210 @@
+"""What a tool is: a plain Python function whose schema comes from its signature and docstring.
+
+The model is untrusted, so its arguments are validated and coerced against the signature here (a wrong type becomes
+a `ToolError` message for the model, never a crash). A function may take a keyword-only `workspace` parameter; it is
+injected and hidden from the schema. `@tool(...)` marks side effects, the timeout and whether the call may run in a
+child process (see `runner`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from sinkchat.apps.agent.tools.workspace import Workspace
+
+DEFAULT_TIMEOUT = 10.0
+INJECTED = ("workspace",)
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+class ToolError(Exception):
+    """A failure the model should read (refused path, bad argument, timeout); its text becomes the tool result."""
+
+
+def tool(*, name: str | None = None, side_effects: bool | Callable[[dict[str, Any]], bool] = False,
+         timeout: float | None = None, isolate: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a function's tool properties (the function stays a plain function).
+
+    `isolate=False` runs the tool in a thread of this process instead of a child process: for a tool that must
+    change this process's memory. Such a call cannot be stopped at its timeout (see `runner.run_in_thread`)."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.__tool__ = {"name": name, "side_effects": side_effects, "timeout": timeout,  # type: ignore[attr-defined]
+                       "isolate": isolate}
+        return fn
+
+    return deco
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    type: Any  # a Python type, or a tuple of allowed literal values
+    required: bool
+    default: Any
+    description: str
+
+    def json_schema(self) -> dict[str, Any]:
+        if isinstance(self.type, tuple):
+            out: dict[str, Any] = {"type": "string", "enum": list(self.type)}
+        else:
+            out = {"type": JSON_TYPES.get(self.type, "string")}
+        if self.description:
+            out["description"] = self.description
+        return out
+
+
+@dataclass
+class Tool:
+    name: str
+    fn: Callable[..., Any]
+    description: str
+    params: list[Param]
+    side_effects: bool | Callable[[dict[str, Any]], bool] = False
+    timeout: float = DEFAULT_TIMEOUT
+    injected: dict[str, Any] = field(default_factory=dict)
+    isolate: bool = True  # run in a child process that a timeout kills (False: a thread, which it cannot)
+
+    def has_side_effects(self, args: dict[str, Any]) -> bool:
+        return bool(self.side_effects(args) if callable(self.side_effects) else self.side_effects)
+
+    def schema(self) -> dict[str, Any]:
+        """OpenAI-style function schema (what chat templates with tool support take)."""
+        props = {p.name: p.json_schema() for p in self.params}
+        required = [p.name for p in self.params if p.required]
+        return {"type": "function", "function": {"name": self.name, "description": self.description,
+                "parameters": {"type": "object", "properties": props, "required": required}}}
+
+    def signature_text(self) -> str:
+        """Compact one-line description for the JSON prompt: name(arg: type, opt: type = default) - what it does."""
+        parts = []
+        for p in self.params:
+            t = "|".join(map(repr, p.type)) if isinstance(p.type, tuple) else JSON_TYPES.get(p.type, "string")
+            parts.append(f"{p.name}: {t}" + ("" if p.required else f" = {p.default!r}"))
+        return f"{self.name}({', '.join(parts)}) - {self.description}"
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """(description, {arg: description}) from a Google-style docstring (first paragraph, 'Args:' section)."""
+    if not doc:
+        return "", {}
+    text = inspect.cleandoc(doc)
+    head, _, args_part = text.partition("\nArgs:")
+    desc = " ".join(head.strip().split("\n\n")[0].split())
+    args: dict[str, str] = {}
+    current = None
+    for line in args_part.splitlines():
+        m = re.match(r"\s+(\w+)\s*(?:\([^)]*\))?:\s*(.*)", line)
+        if m and (current is None or len(line) - len(line.lstrip()) <= 4):
+            current = m.group(1)
+            args[current] = m.group(2).strip()
+        elif line.strip() and current:
+            if not line.startswith(" "):
+                break  # next section (Returns:, Raises:)
+            args[current] += " " + line.strip()
+    return desc, args
+
+
+def tool_from_function(fn: Callable[..., Any], workspace: Workspace | None = None) -> Tool:
+    """Build a Tool from a plain function: schema from type hints + docstring, injected `workspace`."""
+    meta = getattr(fn, "__tool__", {})
+    name = meta.get("name") or fn.__name__
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable annotations: treat as strings
+        hints = {}
+    desc, arg_docs = parse_docstring(fn.__doc__)
+    params, injected = [], {}
+    for p in inspect.signature(fn).parameters.values():
+        if p.name in INJECTED:
+            if workspace is None:
+                raise ValueError(f"tool {name} needs a workspace")
+            injected[p.name] = workspace
+            continue
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        params.append(Param(p.name, _py_type(hints.get(p.name, str)), p.default is p.empty,
+                            None if p.default is p.empty else p.default, arg_docs.get(p.name, "")))
+    return Tool(name, fn, desc or name, params, meta.get("side_effects", False),
+                float(meta.get("timeout") or DEFAULT_TIMEOUT), injected, bool(meta.get("isolate", True)))
+
+
+def _py_type(hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return tuple(typing.get_args(hint))
+    if origin in (typing.Union, getattr(types, "UnionType", None)):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _py_type(args[0]) if args else str
+    if origin in (list, dict):
+        return origin
+    return hint if hint in JSON_TYPES else str
+
+
+def coerce(param: Param, value: Any) -> Any:
+    """Accept the obvious conversions a small model gets wrong ("3" for 3); refuse the rest with a clear error."""
+    t = param.type
+    if isinstance(t, tuple):
+        if value not in t:
+            raise ToolError(f"argument {param.name!r} must be one of {list(t)}, got {value!r}")
+        return value
+    converted = _CONVERT.get(t, _as_container)(t, value)
+    if converted is not _NO:
+        return converted
+    raise ToolError(f"argument {param.name!r} must be {JSON_TYPES.get(t, 'string')}, "
+                    f"got {type(value).__name__} {value!r:.60}")
+
+
+_NO = object()  # "cannot convert" (None is a value)
+
+
+def _as_bool(_t: Any, value: Any) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no"):
+        return value.strip().lower() in ("true", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return _NO
+
+
+def _as_int(_t: Any, value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,18}\s*", value):
+        return int(value)
+    return _NO
+
+
+def _as_float(_t: Any, value: Any) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return _NO
+
+
+def _as_str(_t: Any, value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return _NO
+
+
+def _as_container(t: Any, value: Any) -> Any:
+    return value if t in (list, dict) and isinstance(value, t) else _NO
+
+
+_CONVERT: dict[Any, Callable[[Any, Any], Any]] = {bool: _as_bool, int: _as_int, float: _as_float, str: _as_str}

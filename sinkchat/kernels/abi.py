@@ -1,0 +1,156 @@
+"""The C boundary of sinkchat's kernels: every ctypes declaration, the build of each variant's library, and the
+handshake that checks them against the C side at load.
+
+Why a handshake: ctypes trusts whatever it is told. A cached library from an older source, or a Python declaration
+that drifted from the C prototype (an int where C now takes a size_t, a field added to the step's `Model`), would
+otherwise run and read garbage. The library reports its ABI version (`sc_abi`), its variant, the size of each
+struct and block layout it shares with Python (`sc_sizeof`), every `Model` field's offset (`sc_offsetof`), and
+each exported function's signature (`sc_signature`, codes derived in C from the prototypes themselves); `open_library`
+compares all of it with the declarations here and raises `NativeABIError` on the first difference. The caller
+(`native.library`) logs that and falls back as for a library that does not build.
+
+Two variants, two libraries (see `native`'s docstring for why): "simd" (matmul.c, attend.c; -march=native) and
+"ref" (ref.c; no -march flag, any CPU), each linked with the shared step.c and api.c.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ABI = 2  # csrc/kernels.h: SC_ABI_VERSION
+KEY_VERSION = 3  # part of the cached library's name: bump to rebuild every cached copy (3: two variants, handshake)
+CSRC = Path(__file__).parent / "csrc"
+HEADERS = ("kernels.h", "simd.h")
+SOURCES = {"simd": ("matmul.c", "attend.c", "step.c", "api.c"), "ref": ("ref.c", "step.c", "api.c")}
+VARIANT_ID = {"ref": 0, "simd": 1}  # csrc/kernels.h: SC_VARIANT_*
+# -ffp-contract=off: the compiler fuses no multiply-add on its own, so the scalar reference and the vector code
+# round at the same places (ref.c) and the tests can hold them bit-exact. -fvisibility=hidden: only SC_API exports.
+_COMMON = ("-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-std=gnu11")
+CFLAGS = {"simd": ("-O3", "-march=native", *_COMMON), "ref": ("-O2", *_COMMON)}
+RG = 16  # output rows per register (the layouts' row interleave)
+QB = 32  # weights per quant block
+
+P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+
+
+class NativeABIError(RuntimeError):
+    """A library whose ABI, layouts or signatures differ from this binding's declarations."""
+
+
+class StepModel(ctypes.Structure):
+    """csrc/kernels.h's `Model`: the decode step's shapes and weight pointers (size and offsets checked at load)."""
+
+    _fields_ = [(n, ctypes.c_int) for n in ("n_layers", "dim", "n_heads", "n_kv", "head_dim", "inter", "vocab",
+                                             "kv_bf16")]
+    _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
+    _fields_ += [(n, ctypes.c_void_p) for n in ("inv_freq", "norm_in", "norm_post", "norm_final", "lin", "table",
+                                                 "table_scale")]
+
+
+# Every function in csrc/kernels.h's SC_EXPORTS: name -> (restype, argtypes). Returns: 0, or SC_ENOMEM (-1) /
+# SC_EWORK (-2); the sc_*_work functions return bytes.
+API: dict[str, tuple[Any, list[Any]]] = {
+    "sc_q4_work": (Z, [I, I]),  # (M, K)
+    "sc_q8_work": (Z, [I, I]),
+    "sc_step_work": (Z, [P, I]),  # (model, cap)
+    "sc_quant": (I, [P, I, I, P, P, P]),  # (x, M, K, xq, dx, sx)
+    "q4_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
+    "q8_matmul": (I, [P, I, I, I, P, P, P, P, Z]),  # (x, M, K, N, hw, ws, y, work, work_size)
+    "sc_attend": (I, [P, P, P, P, I, I, I, P, P, P]),  # (model, q, K, V, cap, pos, n_gauge, out, gauge, scores)
+    "sc_step": (I, [P, P, I, I, P, P, I, P, P, P, P, Z]),  # (model, x, pos, n_gauge, keys, values, cap, out,
+    #                                                        queries, gauge, work, work_size)
+    "kv_evict": (I, [P, P, I, I, I, I, I, I, P, P, I, I]),
+}
+# The handshake's own declarations (what SC_ABI_VERSION promises about them).
+_HANDSHAKE: dict[str, tuple[Any, list[Any]]] = {
+    "sc_abi": (I, []),
+    "sc_variant": (I, []),
+    "sc_sizeof": (ctypes.c_long, [ctypes.c_char_p]),
+    "sc_offsetof": (ctypes.c_long, [ctypes.c_char_p]),
+    "sc_signature": (ctypes.c_char_p, [ctypes.c_char_p]),
+}
+_CODES = {I: "i", Z: "z", ctypes.c_float: "f", P: "p", ctypes.c_char_p: "p"}
+
+
+def layouts() -> dict[str, int]:
+    """The sizes Python assumes for the structs and blocks it shares with C (`sc_sizeof` must agree)."""
+    return {"Model": ctypes.sizeof(StepModel), "sc_q4_block": QB * RG // 2, "sc_q4_scales": 2 * RG * 2,
+            "sc_q8_block": QB * RG}
+
+
+def signature(restype: Any, argtypes: list[Any]) -> str:
+    """The code `sc_signature` gives for a C function of these ctypes types, e.g. "i(pii)"."""
+    return _CODES[restype] + "(" + "".join(_CODES[a] for a in argtypes) + ")"
+
+
+def open_library(path: Path, variant: str) -> Any:
+    """Load `path`, declare every function, and check it against this binding; NativeABIError on a mismatch,
+    OSError / AttributeError for a file that is no library or lacks the handshake."""
+    lib = ctypes.CDLL(str(path))
+    for name, (res, args) in _HANDSHAKE.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    if lib.sc_abi() != ABI:
+        raise NativeABIError(f"{path.name} speaks ABI {lib.sc_abi()}, this binding {ABI} (a stale or foreign build)")
+    if lib.sc_variant() != VARIANT_ID[variant]:
+        raise NativeABIError(f"{path.name} is variant {lib.sc_variant()}, not {variant!r}")
+    for name, size in layouts().items():
+        if lib.sc_sizeof(name.encode()) != size:
+            raise NativeABIError(f"{path.name}: sizeof({name}) is {lib.sc_sizeof(name.encode())} in C, {size} here")
+    for field, _ in StepModel._fields_:
+        if lib.sc_offsetof(field.encode()) != getattr(StepModel, field).offset:
+            raise NativeABIError(f"{path.name}: Model.{field} at offset {lib.sc_offsetof(field.encode())} in C, "
+                                 f"{getattr(StepModel, field).offset} here")
+    exported = set(lib.sc_signature(None).decode().split())
+    if exported != set(API):
+        raise NativeABIError(f"{path.name} exports {sorted(exported)}, this binding declares {sorted(API)}")
+    for name, (res, args) in API.items():
+        c_sig, py_sig = lib.sc_signature(name.encode()).decode(), signature(res, args)
+        if c_sig != py_sig:
+            raise NativeABIError(f"{path.name}: {name} is {c_sig} in C, declared {py_sig} here")
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = res, args
+    return lib
+
+
+def library_path(cache: Path, variant: str, cpu: tuple[frozenset[str], str]) -> Path:
+    """Where `variant`'s library is cached: named by the ABI, the sources, the flags and (simd) the CPU, so an
+    edited source, a new flag or another CPU builds a new file and a stale one is never loaded."""
+    h = hashlib.sha256(f"{KEY_VERSION} {ABI} {variant} {' '.join(CFLAGS[variant])} {platform.machine()}".encode())
+    for f in (*SOURCES[variant], *HEADERS):
+        h.update((CSRC / f).read_bytes())
+    if variant == "simd":  # -march=native: the build is only good for this CPU
+        h.update(repr(sorted(cpu[0])).encode() + cpu[1].encode())
+    return cache / "native" / f"sinkchat-{variant}-abi{ABI}-{h.hexdigest()[:16]}.so"
+
+
+def build(cc: str, variant: str, out: Path) -> str | None:
+    """Compile `variant` into `out`, atomically (a concurrent session sees no file or the whole library). None, or
+    why not (the compiler's last lines)."""
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+        os.close(fd)
+        cmd = [cc, *CFLAGS[variant], "-o", tmp, *[str(CSRC / f) for f in SOURCES[variant]], "-lm"]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            return "\n".join(res.stderr.strip().splitlines()[-6:]) or f"{cc} exited with {res.returncode}"
+        os.replace(tmp, out)
+        tmp = None
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)

@@ -1,0 +1,119 @@
+// The exported kernels' entry points and the handshake the binding checks at load (shared by both builds).
+#include <stddef.h>
+
+#include "kernels.h"
+
+// ---- work sizes: each runs its kernel's own carving (kernels.h: sc_take_q4 / sc_take_xq) over a counting arena -
+size_t sc_q4_work(int M, int K) {
+    sc_arena a = sc_measure();
+    sc_xq x;
+    float* acc;
+    sc_take_q4(&a, M, K, &x, &acc);
+    return sc_measured(&a);
+}
+
+size_t sc_q8_work(int M, int K) {
+    sc_arena a = sc_measure();
+    sc_xq x;
+    sc_take_xq(&a, M, K, &x);
+    return sc_measured(&a);
+}
+
+// ---- kernels ---------------------------------------------------------------------------------------------------
+// Each takes the caller's work buffer of at least its sc_*_work bytes (or NULL: allocated and freed here).
+
+int q4_matmul(const float* x, int M, int K, int N, const sc_q4_block* qw, const sc_q4_scales* sw, const float* bias,
+              float* y, void* work, size_t work_size) {
+    sc_arena a;
+    void* own;
+    int rc = sc_work_open(work, work_size, sc_q4_work(M, K), &a, &own);
+    if (!rc) rc = sc_q4_mm(&a, x, M, K, N, qw, sw, bias, y);
+    free(own);
+    return rc;
+}
+
+int q8_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const float* ws, float* y, void* work,
+              size_t work_size) {
+    sc_arena a;
+    void* own;
+    int rc = sc_work_open(work, work_size, sc_q8_work(M, K), &a, &own);
+    if (!rc) rc = sc_q8_mm(&a, x, M, K, N, hw, ws, y);
+    free(own);
+    return rc;
+}
+
+// The activation quantizer alone: xq [M][K], dx and sx [M][K/32] are the caller's.
+int sc_quant(const float* x, int M, int K, int8_t* xq, float* dx, float* sx) {
+    sc_quant_rows(x, M, K, xq, dx, sx);
+    return SC_OK;
+}
+
+// ---- handshake ---------------------------------------------------------------------------------------------------
+int sc_abi(void) { return SC_ABI_VERSION; }
+
+int sc_variant(void) { return sc_variant_id; }
+
+long sc_sizeof(const char* type) {
+    static const struct {
+        const char* name;
+        size_t size;
+    } t[] = {{"Model", sizeof(Model)},
+             {"sc_q4_block", sizeof(sc_q4_block)},
+             {"sc_q4_scales", sizeof(sc_q4_scales)},
+             {"sc_q8_block", sizeof(sc_q8_block)}};
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(type, t[i].name)) return (long)t[i].size;
+    return -1;
+}
+
+long sc_offsetof(const char* field) {
+#define F(f) {#f, offsetof(Model, f)}
+    static const struct {
+        const char* name;
+        size_t at;
+    } t[] = {F(n_layers), F(dim),        F(n_heads),  F(n_kv),      F(head_dim),   F(inter),     F(vocab),
+             F(kv_bf16),  F(eps),        F(scaling),  F(rope_scale), F(inv_freq),  F(norm_in),   F(norm_post),
+             F(norm_final), F(lin),      F(table),    F(table_scale)};
+#undef F
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(field, t[i].name)) return (long)t[i].at;
+    return -1;
+}
+
+// Signature codes, from the types in SC_EXPORTS by _Generic (so they cannot drift from the prototypes): i int,
+// z size_t, f float, p any pointer; "r(args)".
+#define SC_T(T) _Generic(*(T*)0, int: 'i', size_t: 'z', float: 'f', default: 'p')
+#define SC_N(...) SC_N_(__VA_ARGS__, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define SC_N_(a, b, c, d, e, f, g, h, i, j, k, l, m, n, N, ...) N
+#define SC_CAT(a, b) SC_CAT_(a, b)
+#define SC_CAT_(a, b) a##b
+#define SC_C1(a) SC_T(a)
+#define SC_C2(a, ...) SC_T(a), SC_C1(__VA_ARGS__)
+#define SC_C3(a, ...) SC_T(a), SC_C2(__VA_ARGS__)
+#define SC_C4(a, ...) SC_T(a), SC_C3(__VA_ARGS__)
+#define SC_C5(a, ...) SC_T(a), SC_C4(__VA_ARGS__)
+#define SC_C6(a, ...) SC_T(a), SC_C5(__VA_ARGS__)
+#define SC_C7(a, ...) SC_T(a), SC_C6(__VA_ARGS__)
+#define SC_C8(a, ...) SC_T(a), SC_C7(__VA_ARGS__)
+#define SC_C9(a, ...) SC_T(a), SC_C8(__VA_ARGS__)
+#define SC_C10(a, ...) SC_T(a), SC_C9(__VA_ARGS__)
+#define SC_C11(a, ...) SC_T(a), SC_C10(__VA_ARGS__)
+#define SC_C12(a, ...) SC_T(a), SC_C11(__VA_ARGS__)
+#define SC_C13(a, ...) SC_T(a), SC_C12(__VA_ARGS__)
+#define SC_C14(a, ...) SC_T(a), SC_C13(__VA_ARGS__)
+#define SC_CODES(...) SC_CAT(SC_C, SC_N(__VA_ARGS__))(__VA_ARGS__)
+#define SC_SIG(ret, name, ...) {#name, {SC_T(ret), '(', SC_CODES(__VA_ARGS__), ')', 0}},
+
+#define SC_NAME(ret, name, ...) #name " "
+
+// The signature of `fn`; with fn NULL, the names of all exported kernels (space-separated).
+const char* sc_signature(const char* fn) {
+    if (!fn) return SC_EXPORTS(SC_NAME);
+    static const struct {
+        const char* name;
+        char sig[20];
+    } t[] = {SC_EXPORTS(SC_SIG)};
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
+        if (!strcmp(fn, t[i].name)) return t[i].sig;
+    return NULL;
+}
