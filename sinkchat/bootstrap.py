@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sinkchat.config import DECODERS, DEVICES, DTYPES, KV_DTYPES, POLICIES, QUANTS, ConfigError, Settings, settings_from_env
+from sinkchat.config import (DECODERS, DEVICES, DTYPES, KV_DTYPES, PINS, POLICIES, QUANTS, ConfigError, Settings,
+                             settings_from_env)
 from sinkchat.errors import UserError
 
 PROMPTS_PACKAGE = "sinkchat.prompts"  # the checkout's top-level prompts/ folder as a package (see pyproject.toml)
@@ -29,6 +30,7 @@ COMMON = [
     click.option("--threads", type=click.IntRange(0, 256), default=None, help="torch threads [env SINKCHAT_THREADS; default 1]"),
     click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
     click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),
+    click.option("--pin", type=click.Choice(PINS), default=None, help="what the sink policy also keeps forever: system = the system prompt (and the agent's tool definitions), shown as 'pinned N' in the status; none = only the sinks [env SINKCHAT_PIN; default system]"),
     click.option("--cache", "cache_size", type=click.IntRange(0, None), default=None, help="cache capacity in tokens incl. sinks [env SINKCHAT_CACHE; default min(2048, model context)]"),
     click.option("--evict-chunk", type=click.IntRange(0, None), default=None, help="tokens evicted at once [env SINKCHAT_EVICT_CHUNK; default (cache - sinks)/16]"),
     click.option("--temperature", type=click.FloatRange(0, 10), default=None, help="[env SINKCHAT_TEMPERATURE; default 0.7; 0 = greedy]"),
@@ -36,7 +38,7 @@ COMMON = [
     click.option("--seed", type=int, default=None, help="random seed [env SINKCHAT_SEED]"),
     click.option("-v", "--verbose", count=True, help="log more (-vv for debug)"),
 ]
-COMMON_KEYS = ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads", "policy", "sinks", "cache_size", "evict_chunk",
+COMMON_KEYS = ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads", "policy", "sinks", "pin", "cache_size", "evict_chunk",
                "temperature", "max_tokens", "seed", "verbose")
 
 
@@ -72,7 +74,7 @@ def build_settings(opts: dict[str, Any]) -> Settings:
     m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads") if opts.get(k) is not None})
     c = base.cache
     cache_changes = {"policy": opts.get("policy"), "n_sink": opts.get("sinks"), "capacity": opts.get("cache_size"),
-                     "evict_chunk": opts.get("evict_chunk")}
+                     "evict_chunk": opts.get("evict_chunk"), "pin": opts.get("pin")}
     c = replace(c, **{k: v for k, v in cache_changes.items() if v is not None})
     s = base.sampling
     samp = {k: opts.get(k) for k in ("temperature", "max_tokens", "seed")}

@@ -18,6 +18,7 @@ QUANTS = ("auto", "q4", "nf4", "fp4", "int8", "none")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_DTYPES = ("auto", "float32", "bfloat16")
+PINS = ("system", "none")
 DECODERS = ("auto", "native", "compiled", "eager", "hf")
 
 # Every SINKCHAT_* setting: name -> (default, meaning). `.env.example` is generated from / checked against this.
@@ -39,6 +40,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
     "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),
+    "SINKCHAT_PIN": ("system", "what else the sink policy keeps forever after the sinks: system (the system prompt, "
+                     "with the agent's tool definitions) or none"),
     "SINKCHAT_CACHE": ("0", "cache capacity in tokens, sinks included (0 = min(2048, model context))"),
     "SINKCHAT_EVICT_CHUNK": ("0", "tokens evicted per eviction event (0 = (capacity - sinks)/16)"),
     "SINKCHAT_TEMPERATURE": ("0.7", "sampling temperature (0 = greedy)"),
@@ -131,10 +134,13 @@ class CacheConfig:
     n_sink: int = 4
     capacity: int = 0
     evict_chunk: int = 0
+    pin: str = "system"  # "system": the sink policy also keeps the system prompt forever (see Engine.add_message)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, not {self.policy!r}")
+        if self.pin not in PINS:
+            raise ConfigError(f"--pin must be one of {', '.join(PINS)}, not {self.pin!r}")
         if not 0 <= self.n_sink <= MAX_SINKS:
             raise ConfigError(f"--sinks must be between 0 and {MAX_SINKS}")
         if self.capacity < 0 or self.evict_chunk < 0:
@@ -206,6 +212,7 @@ def settings_from_env() -> Settings:
             n_sink=env("SINKCHAT_SINKS", int),
             capacity=env("SINKCHAT_CACHE", int),
             evict_chunk=env("SINKCHAT_EVICT_CHUNK", int),
+            pin=env("SINKCHAT_PIN"),
         ),
         sampling=SamplingConfig(
             temperature=env("SINKCHAT_TEMPERATURE", float),

@@ -309,7 +309,7 @@ def test_agent_log_maps_events_to_rows():
                TaskDoneEvent("find it", 2, "max_steps")]:
         log(ev)
     kinds = [r[0] for r in rows]
-    assert kinds == ["turn", "turn", "tool_call", "eviction", "turn", "metrics", "flush"]
+    assert kinds == ["turn", "turn", "tool_call", "eviction", "turn", "event", "metrics", "flush"]
     assert rows[0][1][:2] == ("user", "find it") and rows[2][1] == ("ls", {}, "a.txt", True)
 
 

@@ -56,11 +56,17 @@ def test_bench_cli_json_schema_and_sane_values(monkeypatch, text_file):
         sink, dense = runs[("sink", c)], runs[("dense", c)]
         assert sink["decode_tokens"] == dense["decode_tokens"] == 40  # fixed length: stop tokens disabled
         assert runs[("recompute", c)]["decode_tokens"] == 3
-        assert sink["evictions"] >= 40 // 8 - 1  # the decode crossed evictions
+        # the prefill fills the cache exactly, so each 8 decoded tokens need one eviction of 8: 40 / 8, no more
+        assert sink["prefill_tokens"] == dense["prefill_tokens"] == c and sink["evictions"] == 40 // 8
         assert dense["evictions"] == 0 and dense["evict_ms_max"] == 0 < sink["evict_ms_max"]
-        assert sink["kv_bytes"] == sink["kv_bytes_start"] == per_tok * c  # constant during the run
-        assert dense["kv_bytes"] > sink["kv_bytes"]  # dense holds prefill + decode
-    assert runs[("sink", 64)]["kv_bytes"] == 2 * runs[("sink", 32)]["kv_bytes"]  # linear in the cache size
+        # What the benchmark promises, like with like: sink's KV never exceeds its cache of c tokens, while dense
+        # must hold every token it saw (prefill + decode). (kv_bytes is the allocation, so "constant" is by
+        # construction; that the cache really stays within its buffers is checked by test_bench_restores_engine_state
+        # and test_engine's constant-memory test.)
+        assert sink["kv_bytes"] == sink["kv_bytes_start"] <= per_tok * c
+        assert dense["kv_bytes"] >= per_tok * (dense["prefill_tokens"] + dense["decode_tokens"])
+    # per_tok above is from the model's shape; this is the allocation itself, measured on the last cache
+    assert sum(t.nbytes for layer in eng.cache.layers for t in (layer.keys, layer.values)) == per_tok * eng.cache.capacity
     g = res["gauge_overhead"]
     assert g["cache"] == 64 and g["off_tok_s"] > 0 and g["on_tok_s"] > 0 and g["tokens_each"] == 16
     assert g["measure_calls"] == 16 // eng.gauge_every and g["measure_ms_p50"] > 0  # only the "on" blocks gauge
@@ -75,6 +81,27 @@ def test_bench_restores_engine_state():
     bench.run_bench(eng, list(range(100)), ["sink"], [32], 10, 1, 4, 8, 4)
     assert eng.stop_ids == stops and eng.gauge_every == every
     assert eng.ledger.seen - eng.ledger.evicted == eng.cache.length == len(eng.ledger.ids)
+
+
+def test_bench_sink_run_stays_in_its_buffers():
+    """A sink run's decode crosses evictions without re-allocating the cache or holding more than its capacity."""
+    from sinkchat.core.events import TokenEvent
+
+    eng = tiny_engine()
+    seen: list[tuple[int, int, tuple[int, ...]]] = []
+    gen = eng.generate
+
+    def watching(*a, **k):
+        for ev in gen(*a, **k):
+            if isinstance(ev, TokenEvent):
+                seen.append((eng.cache.length, eng.cache.capacity,
+                             tuple(t.data_ptr() for layer in eng.cache.layers for t in (layer.keys, layer.values))))
+            yield ev
+
+    eng.generate = watching
+    run = bench.bench_stream(eng, "sink", 32, list(range(1, 100)), 40, 4, 8)
+    assert run.decode_tokens == len(seen) == 40 and run.evictions == 5
+    assert all(n <= cap == 32 for n, cap, _ in seen) and len({p for *_, p in seen}) == 1
 
 
 def test_bench_rejects_bad_flags():
@@ -135,12 +162,27 @@ def test_attention_rows_agree_with_the_gauge():
 
 
 def test_ablation_evicts_what_it_says():
-    eng = tiny_engine()
+    # one layer: a token's K/V then depend only on the token and its position, so an evicted (re-rotated) cache
+    # must equal a plain forward over the tokens it kept (deeper, layer >= 1 K/V saw the evicted tokens)
+    eng = Engine(tiny_model(layers=1, max_pos=512), WordTokenizer(), CacheConfig(capacity=64),
+                 SamplingConfig(temperature=0.0, repetition_penalty=1.0))
     ids = [(7 * i) % 128 for i in range(200)]
     ab = demo.ablation(eng, ids, 96, 48, 4, 16)
     assert ab["middle_start"] == 47
     assert ab["ppl"]["first"] != ab["ppl"]["none"] and ab["ppl"]["middle"] != ab["ppl"]["none"]
-    assert ab["first_ratio"] == pytest.approx(ab["ppl"]["first"] / ab["ppl"]["none"])
+    # independently: each variant equals a plain forward (no cache) over the tokens it kept, on the same 48 targets
+    import torch
+
+    def fresh_ppl(kept: list[int]) -> float:
+        seq = kept + ids[95:144]  # ids[95] is context; the targets are ids[96:144]
+        with torch.no_grad():
+            logp = eng.model(torch.tensor([seq])).logits[0].float().log_softmax(-1)
+        rows = logp[len(kept) : len(kept) + 48]
+        return math.exp(-float(rows.gather(1, torch.tensor(ids[96:144])[:, None]).mean()))
+
+    expect = {"none": fresh_ppl(ids[:95]), "first": fresh_ppl(ids[4:95]), "middle": fresh_ppl(ids[:47] + ids[51:95])}
+    assert ab["ppl"] == pytest.approx(expect, rel=1e-4)
+    assert ab["first_ratio"] == pytest.approx(expect["first"] / expect["none"], rel=1e-4)
     # after the last variant (middle): 95 prefix - 4 evicted + 49 streamed, and slot 47 now holds token 51
     assert eng.cache.length == 95 - 4 + 49 and eng.ledger.abs_index[47] == 51
 

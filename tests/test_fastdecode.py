@@ -25,7 +25,9 @@ def engine(model, *args, decode: str = "eager", build_cmd=None, build_key: str =
 
 
 def q4_model(kind: str = "llama", **kw):
-    model = tiny_model(kind, **kw)
+    """Peaked attention (scores of std 3, see fakes.tiny_model): with transformers' near-uniform init a wrong
+    position, mask or scale moves the logits by ~1e-3, under these tolerances; here by >= 0.1."""
+    model = tiny_model(kind, score_std=kw.pop("score_std", 3.0), **kw)
     int4.quantize_model(model.model.layers)
     return model
 
@@ -43,14 +45,29 @@ def test_fast_step_matches_the_transformers_forward_across_evictions(kind):
     ids = [(7 * i + 3) % 120 + 1 for i in range(90)]  # 90 tokens through a 40-slot cache: many evictions
     a, b = _stream(ref, ids), _stream(fast, ids)
     assert fast.ledger.evicted > 40 and fast.cache.length == ref.cache.length
-    # the int4 kernel returns bf16: fused q/k/v rows may accumulate in another order and round one ulp apart
-    # (seen: 0.0 for most steps, then ~2e-3 on keys of magnitude ~1); a wrong position, mask or cache slot is O(0.1)
-    torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
-    assert (b == a).all(-1).float().mean() > 0.5  # most steps bit-identical
+    # The int4 kernel returns bf16: fused q/k/v rows may accumulate in another order and round one bf16 ulp apart
+    # (2^-8 relative), and that k/v stays in the cache and feeds the next layer. Seen: 0.0 for 60-78% of the steps,
+    # then up to 1.9e-3 on logits of ~0.7, 1.4e-2 on keys of |k| ~5 (one ulp there is 2^-5), 3.4e-3 on values of
+    # ~0.1 (a layer-0 flip carried into layer 1). Tolerances: 3-5x the worst seen. What they must
+    # catch, measured with scratch edits of torch_step.decode_one on these models: RoPE angle at pos + 1 >= 0.29 on
+    # logits, the mask one slot too few >= 0.28 or too many >= 0.15, scores x1.25 >= 0.12 (keys >= 0.5 off).
+    torch.testing.assert_close(b, a, rtol=0, atol=1e-2)
+    assert (b == a).all(-1).float().mean() > 0.3  # mostly bit-identical (a mutation above: no step is)
     for la, lb in zip(ref.cache.layers, fast.cache.layers):
         n = la.length
-        torch.testing.assert_close(lb.keys[:, :, :n], la.keys[:, :, :n], rtol=0, atol=1e-2)
-        torch.testing.assert_close(lb.values[:, :, :n], la.values[:, :, :n], rtol=0, atol=1e-2)
+        torch.testing.assert_close(lb.keys[:, :, :n], la.keys[:, :, :n], rtol=0, atol=5e-2)  # mutations: >= 0.5
+        torch.testing.assert_close(lb.values[:, :, :n], la.values[:, :, :n], rtol=0, atol=1e-2)  # >= 0.045
+
+
+def test_keys_left_unrotated_on_eviction_are_caught_by_the_exactness_check():
+    """`rerotate=False` (keys moved down on eviction but kept at their old rotation) must miss the reference by far
+    more than the 1e-2 the check above allows."""
+    model = q4_model()
+    ref = _engines(model)[0]
+    bad = engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0),
+                 decode="eager", kv_dtype="float32", rerotate=False)
+    ids = [(7 * i + 3) % 120 + 1 for i in range(90)]
+    assert (_stream(bad, ids) - _stream(ref, ids)).abs().max() > 0.1  # measured 0.54
 
 
 def test_bf16_cache_stays_close_to_the_reference_and_greedy_text_agrees():
@@ -62,13 +79,17 @@ def test_bf16_cache_stays_close_to_the_reference_and_greedy_text_agrees():
     ids = [(11 * i + 5) % 250 + 1 for i in range(80)]
     a32, a16, b16 = _stream(ref32, ids), _stream(ref16, ids), _stream(fast16, ids)
     assert fast16.cache.layers[0].keys.dtype == torch.bfloat16
-    # the fast step rounds q and the attention weights to bf16 for the bf16 matmuls; transformers upcasts the cache
-    assert (b16 - a16).abs().max() < 0.05
-    assert (b16 - a32).abs().max() < 0.1
+    # The fast step rounds q and the attention weights to bf16 for the bf16 matmuls; transformers upcasts the cache.
+    # Seen (peaked attention): 1.5e-2 against the bf16-cache reference, 1.7e-2 against fp32, on logits of ~0.95;
+    # bounds 2-3x that. KL: for logits moved by at most e, KL <= e^2 / 2 (Hoeffding's lemma on the log-partition),
+    # so the 0.05 bound implies KL <= 1.25e-3; seen 1.3e-5, held to 2e-4 (a RoPE or mask error gives > 1e-2).
+    # (Greedy agreement is implied by the max bound wherever the top-2 gap exceeds 2 x 0.05; a random model's gaps
+    # are mostly smaller, so a fraction of agreeing argmaxes is noise, not a check.)
+    assert (b16 - a16).abs().max() < 0.04
+    assert (b16 - a32).abs().max() < 0.05
     p32, p16 = torch.log_softmax(a32, -1), torch.log_softmax(b16, -1)
     kl = (p32.exp() * (p32 - p16)).sum(-1)
-    assert kl.max() < 1e-3
-    assert (a32.argmax(-1) == b16.argmax(-1)).float().mean() > 0.95
+    assert kl.max() < 2e-4
 
 
 def test_generation_and_gauge_agree_with_the_reference():

@@ -72,11 +72,14 @@ def test_roundtrip_greedy_identical_tiny(model, tmp_path):
     session(a)
     assert a.ledger.evicted > 0, "the cache must have evicted before the save"
     path = save_snapshot(a, tmp_path / "s.safetensors", {"session_id": 3})
+    saved = state_of(a)
     feed_text(a, [5, 6, 7])
     expected = reply(a)
     b = make(model)
+    session(b, 1)  # something else in it first: a load must replace it all, not merge into it
     head = load_snapshot(b, path)
     assert head["extra"] == {"session_id": 3}
+    assert_same_state(saved, state_of(b))  # every cached key and value, the ledger, the logits: bit for bit
     feed_text(b, [5, 6, 7])
     assert reply(b) == expected
     assert b.ledger.state() == a.ledger.state()
@@ -91,6 +94,7 @@ def test_seeded_sampling_continues_identically(model, tmp_path):
     b = make(model, sampling=SamplingConfig(temperature=0.0, seed=99))  # the snapshot's sampling and RNG win
     load_snapshot(b, path)
     assert b.sampling == samp
+    assert len(expected) > 1 and len(set(expected)) > 1  # a sampled reply: the RNG state decides every token
     assert reply(b) == expected
 
 
@@ -240,7 +244,10 @@ def test_resume_from_auto_snapshot_then_replays_later_turns(chat_parts, tmp_path
     assert res.turns_replayed == 2  # turns 5 and 6 were logged after the snapshot
     assert b.conv.messages == a.conv.messages
     # the replayed reply is re-tokenized text, so compare the conversation, and that chatting goes on
-    assert list(b.chat(res.pending))[-1].reason in ("eos", "length")
+    done = list(b.chat(res.pending))[-1]
+    assert done.tokens > 0 and done.reason == ("length" if done.tokens == GREEDY.max_tokens else "eos")
+    assert b.conv.messages[-2:] == [{"role": "user", "content": res.pending},
+                                    {"role": "assistant", "content": done.text}]
 
 
 def test_resume_rebuilds_from_transcript_without_snapshot(chat_parts, tmp_path):

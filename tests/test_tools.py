@@ -364,3 +364,24 @@ def test_workspace_is_never_created_by_accident(tmp_path):
     with pytest.raises(WorkspaceError, match="not a folder"):
         Workspace(tmp_path / "file", create=True)
     assert Workspace(tmp_path / "made" / "ws", create=True).root == (tmp_path / "made" / "ws").resolve()
+
+
+def test_counting_and_column_tools(env):
+    """count_lines / count_words / count_matches / column_* answer with one number (what a 135M model copies right),
+    through the same workspace jail as read_file."""
+    ws, box, _ = env
+    (ws.root / "t.csv").write_text("name,Amount,note\na,10,x\nb,2.5,y\nc,,z\nd,-4,w\n")
+    assert box.call("count_lines", {"path": "hello.txt"}).text == "2"
+    assert box.call("count_words", {"path": "hello.txt"}).text == "4"
+    assert box.call("count_matches", {"pattern": "LINE", "path": "hello.txt"}).text == "1"
+    assert box.call("count_matches", {"pattern": "(", "path": "hello.txt"}).text == "0"  # literal text, not a regex
+    assert box.call("column_sum", {"path": "t.csv", "column": "amount"}).text == "8.5"
+    assert box.call("column_max", {"path": "t.csv", "column": "Amount"}).text == "10"
+    assert box.call("column_min", {"path": "t.csv", "column": "amount"}).text == "-4"
+    r = box.call("column_sum", {"path": "t.csv", "column": "price"})
+    assert not r.ok and "name,Amount,note" in r.text
+    assert not box.call("column_sum", {"path": "t.csv", "column": "note"}).ok  # no numbers
+    assert not box.call("count_lines", {"path": "blob.bin"}).ok
+    for path in ("../secret.txt", "secretlink", "rootlink/etc/passwd", "fifo", "zerolink"):
+        r = box.call("count_lines", {"path": path})
+        assert not r.ok and SECRET not in r.text, path

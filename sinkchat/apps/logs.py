@@ -46,7 +46,7 @@ def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
         after.setdefault(ev["turn_seq"], []).append((ev["created"], _event_line(ev, markdown)))
     out += [line for _, line in sorted(after.get(0, []), key=lambda x: x[0])]
     for t in data["turns"]:
-        stat = f"{t['tokens']} tokens, {t['seconds']:.1f} s" + (f", {t['reason']}" if t.get("reason") else "")
+        stat = _turn_stat(t)
         if markdown:
             out.append(f"\n## {t['role']} ({stat})\n\n{t['text']}")
         else:
@@ -57,6 +57,17 @@ def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
         out.append(f"\n_{len(data['evictions'])} evictions, {n} tokens_" if markdown else
                    f"\n({len(data['evictions'])} evictions, {n} tokens evicted)")
     return "\n".join(out)
+
+
+def _turn_stat(t: dict[str, Any]) -> str:
+    """A prompt's time is the time to feed it (prefill), a reply's the time to generate it; say which."""
+    what = "generated" if t["role"] == "assistant" else "fed"
+    return f"{t['tokens']} tokens {what} in {_duration(t['seconds'])}" + (f", {t['reason']}" if t.get("reason") else "")
+
+
+def _duration(seconds: float) -> str:
+    """Milliseconds below a second: a prefill of a short prompt takes a few, and '0.0 s' reads as not measured."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
 
 
 def _tool_line(tc: dict[str, Any], markdown: bool) -> str:

@@ -20,7 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sinkchat.core.events import DoneEvent, EvictionEvent
-from sinkchat.core.metrics import Metrics, Stats, eviction_line, gauge_bar, human_bytes, read_stats, status_line
+from sinkchat.core.metrics import (Metrics, Stats, eviction_line, gauge_bar, human_bytes, policy_label, read_stats,
+                                   status_line)
 
 Fragments = list[tuple[str, str]]
 
@@ -42,7 +43,7 @@ def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
     if width >= 110:
         mem = f" RSS {human_bytes(s.rss)} " + (f"CUDA {human_bytes(s.cuda[0])} " if s.cuda else "")
         return [
-            ("class:toolbar.policy", f" {s.policy}({s.n_sink}) "),
+            ("class:toolbar.policy", f" {policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} "),
             ("class:toolbar", mem),
             ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
             ("class:toolbar", f" seen {s.seen} "),
@@ -52,7 +53,7 @@ def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
         ]
     mem = f" RSS {_short(s.rss)}" + (f" CUDA {_short(s.cuda[0])}" if s.cuda else "") + " "
     return [
-        ("class:toolbar.policy", f" {s.policy}({s.n_sink}) "),
+        ("class:toolbar.policy", f" {s.policy}({s.n_sink}){'+' + str(s.pinned) if s.pinned > s.n_sink else ''} "),
         ("class:toolbar", mem),
         ("class:toolbar.kv", f"KV {_short(s.kv_bytes)} {s.cache_len}/{s.capacity} "),
         ("class:toolbar", f"seen {s.seen} "),
@@ -77,6 +78,8 @@ def stats_table(s: Stats) -> Table:
     t.add_column("value")
     rows = [
         ("policy", f"{s.policy} ({s.n_sink} sinks)" if s.policy == "sink" else s.policy),
+        ("pinned", f"pinned {s.pinned} + window {s.capacity - s.pinned} (the system prompt, sinks included)"
+         if s.pinned > s.n_sink else "-"),
         ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"),
         ("model", human_bytes(s.model_bytes)),
         ("rss", human_bytes(s.rss)),

@@ -60,7 +60,8 @@ class Ledger:
 
     `seen` counts every token ever fed; `evicted` every token a policy dropped; `cleared` every token a `clear`
     (/clear, /load) dropped, which is not an eviction. `start` is the stream index of the first token fed since the
-    last clear: the stream's start as the model sees it. Invariant: len(ids) == len(abs_index)
+    last clear: the stream's start as the model sees it. `pinned`: how many leading slots hold a pinned prefix (the
+    system prompt under `--pin system`), which the sink policy keeps like its sinks. Invariant: len(ids) == len(abs_index)
     == seen - evicted - cleared (the counters keep running across clears so totals stay truthful).
     """
 
@@ -70,6 +71,7 @@ class Ledger:
     evicted: int = 0
     cleared: int = 0
     start: int = 0
+    pinned: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -99,6 +101,7 @@ class Ledger:
         del self.ids[length:]
         del self.abs_index[length:]
         self.seen -= removed
+        self.pinned = min(self.pinned, length)
 
     def clear(self) -> None:
         """Drop everything (counted as cleared, not evicted); the next token fed starts a new stream."""
@@ -106,6 +109,7 @@ class Ledger:
         self.ids.clear()
         self.abs_index.clear()
         self.start = self.seen
+        self.pinned = 0
 
     def holds_stream_start(self) -> bool:
         """True while the first token of the current stream (since the last clear) is still in slot 0: what
@@ -114,14 +118,15 @@ class Ledger:
 
     def state(self) -> dict[str, object]:
         return {"ids": list(self.ids), "abs_index": list(self.abs_index), "seen": self.seen, "evicted": self.evicted,
-                "cleared": self.cleared, "start": self.start}
+                "cleared": self.cleared, "start": self.start, "pinned": self.pinned}
 
     @classmethod
     def from_state(cls, st: dict[str, object]) -> "Ledger":
         """Inverse of `state`; snapshots from before `cleared` / `start` existed read as 0 / the first index."""
         ids, idx = list(st["ids"]), list(st["abs_index"])  # type: ignore[call-overload]
         start = int(st.get("start", idx[0] if idx else 0))  # type: ignore[arg-type]
-        led = cls(ids, idx, int(st["seen"]), int(st["evicted"]), int(st.get("cleared", 0)), start)  # type: ignore[arg-type]
+        led = cls(ids, idx, int(st["seen"]), int(st["evicted"]), int(st.get("cleared", 0)), start,  # type: ignore[arg-type]
+                  int(st.get("pinned", 0)))  # type: ignore[arg-type]
         if len(led.ids) != len(led.abs_index):
             raise ValueError("ledger ids and indices differ in length")
         return led

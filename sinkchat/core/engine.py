@@ -24,6 +24,7 @@ from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
+from sinkchat.core.tokens import IncrementalDecoder, stop_ids
 from sinkchat.core.turns import Conversation
 from sinkchat.model.spec import ModelSpec
 
@@ -34,24 +35,6 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256
 PREVIEW_CHARS = 60
-
-
-class IncrementalDecoder:
-    """Streams text token by token without splitting multi-byte characters (vLLM's prefix/read offsets)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        after = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before) :]
-        return ""
 
 
 class Engine:
@@ -100,7 +83,8 @@ class Engine:
         self.last_logits: torch.Tensor | None = None  # [V] after the last fed token
         self.last_reply_ids: list[int] = []
         self.message_taken_back = False  # the last add_message was interrupted and undone
-        self.stop_ids = _stop_ids(tokenizer, model)
+        self.stop_ids = stop_ids(tokenizer, model)
+        self._pinned_prefix()  # a system prompt too large to pin: one line now, not at the first message
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -157,7 +141,7 @@ class Engine:
     def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
         """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
         c = self.cache_cfg
-        ev = plan_eviction(c.policy, c.n_sink, c.capacity, c.evict_chunk, self.cache.length, incoming)
+        ev = plan_eviction(c.policy, self.pinned_slots(), c.capacity, c.evict_chunk, self.cache.length, incoming)
         if ev is not None:
             yield from self._evict(ev)
 
@@ -194,8 +178,29 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- public API
     @property
     def max_chunk(self) -> int:
-        pinned = self.cache_cfg.n_sink if self.cache_cfg.policy == "sink" else 0
-        return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - pinned))
+        return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - self.pinned_slots()))
+
+    def pinned_slots(self) -> int:
+        """Leading slots the policy never evicts: the sinks, or the pinned system prompt where it is longer (which
+        starts with them: it is the first thing fed). Only the sink policy pins anything."""
+        c = self.cache_cfg
+        return max(c.n_sink, self.ledger.pinned) if c.policy == "sink" else 0
+
+    def _pinned_prefix(self) -> str:
+        """The system block to pin before the next message (`--pin system`), or "" when nothing is to be pinned:
+        only a fresh stream under the sink policy pins, since the prefix must sit right after the sinks. Raises
+        ConfigError when the prompt would leave the conversation too little of the cache, before anything is fed."""
+        c = self.cache_cfg
+        if c.pin != "system" or c.policy != "sink" or self.cache.length or not self.conv.system:
+            return ""
+        block = self.conv.system_block()
+        n = len(self.encode(block)) if block else 0
+        least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
+        if n and c.capacity - n < least:
+            raise ConfigError(f"the system prompt takes {n} tokens; pinned, it would leave {c.capacity - n} of the "
+                              f"{c.capacity}-token cache for the conversation (at least {least} needed): use a larger "
+                              "--cache, a shorter system prompt or --pin none")
+        return block
 
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
@@ -230,8 +235,13 @@ class Engine:
         length, evicted = self.cache.length, self.ledger.evicted
         messages, fed, logits = list(self.conv.messages), self.conv.fed, self.last_logits
         self.message_taken_back = False
+        prefix = self._pinned_prefix()
         delta = self.conv.delta_for(role, content, add_generation_prompt)
         try:
+            if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
+                yield from self.feed(prefix)
+                self.ledger.pinned = self.cache.length
+                delta = delta[len(prefix) :]
             yield from self.feed(delta)
         except BaseException:
             if self.ledger.evicted == evicted:
@@ -324,7 +334,9 @@ class Engine:
         if excess > 0:
             if new.policy == "dense":
                 raise ConfigError(f"the cache holds {self.cache.length} tokens, more than --cache {new.capacity}")
-            pinned = new.n_sink if new.policy == "sink" else 0
+            pinned = max(new.n_sink, self.ledger.pinned) if new.policy == "sink" else 0
+            if new.capacity - pinned < 8:
+                raise ConfigError(f"--cache {new.capacity} cannot hold the {pinned} pinned tokens plus a window")
             events.extend(self._evict(Eviction(pinned, excess)))
         if new.capacity != self.cache.capacity:
             state = self.cache.state()
@@ -332,6 +344,8 @@ class Engine:
             if state:
                 self.cache.load_state(state)
         self.cache_cfg = new
+        if new.pin == "none":
+            self.ledger.pinned = 0  # --pin none: the system prompt becomes evictable like any other turn
         return events
 
     @property
@@ -360,19 +374,3 @@ def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:
     if name == "auto" and not fast:
         return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
-
-def _stop_ids(tokenizer: Any, model: Any) -> set[int]:
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-    for tok in ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok) if hasattr(tokenizer, "convert_tokens_to_ids") else None
-        unk = getattr(tokenizer, "unk_token_id", None)
-        if isinstance(tid, int) and tid >= 0 and tid != unk:
-            ids.add(tid)
-    return ids

@@ -142,6 +142,7 @@ class Stats:
     gauge_uniform: float | None
     holds_start: bool
     decoder: str = ""  # how single tokens are decoded now, e.g. "compiled, kv bfloat16"
+    pinned: int = 0  # leading slots kept forever beyond the sinks' own count (the pinned system prompt)
 
 
 def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stats:
@@ -167,6 +168,7 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         gauge_uniform=g.uniform if g else None,
         holds_start=engine.ledger.holds_stream_start(),
         decoder=getattr(engine, "decoder_status", ""),
+        pinned=engine.ledger.pinned if engine.cache_cfg.policy == "sink" else 0,
     )
 
 
@@ -190,9 +192,12 @@ def eviction_line(ev: Any) -> str:
     return f"⟂ evicted {ev.count} tokens [{ev.first},{ev.last}) ({ev.policy}, {ev.cache_len} left): {ev.preview!r}"
 
 
-def _policy_label(policy: str, n_sink: int) -> str:
-    """`sink(4)`; the naive window and dense pin nothing, so they show no sink count."""
-    return f"{policy}({n_sink})" if policy == "sink" else policy
+def policy_label(policy: str, n_sink: int, pinned: int = 0, capacity: int = 0) -> str:
+    """`sink(4)`, or `sink(4) pinned 212 + window 1836` with a pinned system prompt (212 leading slots, sinks
+    included, kept forever); the naive window and dense pin nothing, so they show no sink count."""
+    if policy != "sink":
+        return policy
+    return f"sink({n_sink}) pinned {pinned} + window {capacity - pinned}" if pinned > n_sink else f"sink({n_sink})"
 
 
 def status_line(s: Stats) -> str:
@@ -200,7 +205,7 @@ def status_line(s: Stats) -> str:
     cuda = f" cuda {human_bytes(s.cuda[0])}" if s.cuda else ""
     gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
     return (
-        f"{_policy_label(s.policy, s.n_sink)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
+        f"{policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
         f"{s.cache_len}/{s.capacity} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
         f"sink {gauge_bar(s.gauge)} {gauge}"
     )

@@ -51,6 +51,17 @@ class Conversation:
         self.fed += delta
         return delta
 
+    def system_block(self) -> str:
+        """The template text of the system message alone (what a conversation's rendering starts with), or "" where
+        the template cannot render it on its own."""
+        if self.system is None:
+            return ""
+        try:
+            return self._render([], False)
+        except Exception:  # templates may insist on a user message (jinja raises their own errors)
+            log.debug("chat template cannot render the system message alone", exc_info=True)
+            return ""
+
     def add_reply(self, text: str) -> None:
         """Record the assistant reply as generated; `text` must be exactly what the model produced (stop tokens
         included as text), because it is now in the cache."""

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from sinkchat.store.logdb import auto_snapshot_path
 from sinkchat.store.sessionlog import NullLog
 from sinkchat.store.snapshot import SnapshotError, load_snapshot, save_snapshot, snapshot_info
-from sinkchat.store.transcript import Turn, get_session, turns
+from sinkchat.store.transcript import LogEvent, Turn, events, get_session, turns
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +93,19 @@ def resume_session(engine: Any, session_log: NullLog | None, session_id: int | N
         raise SnapshotError("no session to resume")
     db = Path(path) if path is not None else getattr(session_log, "path", None)
     try:
-        info, log_turns = get_session(sid, db), turns(sid, db)
+        info, log_turns, log_events = get_session(sid, db), turns(sid, db), events(sid, db)
     except Exception as e:  # LogError / sqlite3.Error: the log is the user's, say it in one line
         raise SnapshotError(f"cannot resume session {sid}: {e}") from None
-    log_turns = [t for t in log_turns if t.role in REPLAY_ROLES]
+    reset = last_reset(log_events)  # turns up to it were cleared (or replaced by a load): never re-feed them
+    log_turns = [t for t in log_turns if t.role in REPLAY_ROLES and t.seq > reset]
     snap, note = auto_snapshot_path(sid, db.parent if db is not None else None), ""
     if snap.is_file():
         try:
             if snapshot_info(snap).get("extra", {}).get("session_id") not in (None, sid):
                 raise SnapshotError(f"{snap} belongs to another session")
+            # automatic snapshots are taken right after a turn is logged, before a command can follow it
+            if reset and int(snapshot_info(snap).get("extra", {}).get("turns_logged", 0)) <= reset:
+                raise SnapshotError("it was taken before the session's last /clear or /load")
             head = load_snapshot(engine, snap)
             after = int(head.get("extra", {}).get("turns_logged", 0))
             rest = [t for t in log_turns if t.seq > after]
@@ -118,6 +122,17 @@ def resume_session(engine: Any, session_log: NullLog | None, session_id: int | N
     chosen = _newest_that_fit(engine, log_turns)
     fed, pending = _replay(engine, chosen, on_event)
     return ResumeResult("rebuild", sid, fed, len(log_turns), pending, note)
+
+
+RESET_COMMANDS = ("/clear", "/load", "--load")  # logged 'command' events after which the earlier turns are gone
+
+
+def last_reset(log_events: list[LogEvent]) -> int:
+    """The turn number after which the session's last /clear or /load happened (0: none): what the cache held
+    before it is not the session's state any more."""
+    seqs = [e.turn_seq for e in log_events if e.kind == "command" and e.text.split()[:1] and
+            e.text.split()[0] in RESET_COMMANDS]
+    return max(seqs, default=0)
 
 
 def _newest_that_fit(engine: Any, items: list[Turn]) -> list[Turn]:

@@ -170,8 +170,8 @@ class SessionLog(NullLog):
         row = (self.id, self.turn_count, kind, self._redact(text), None if detail is None else self._redact(detail),
                int(tokens), time.time())
         self._write(lambda c: c.execute(
-            "INSERT INTO events (session_id, turn_seq, kind, text, detail, tokens, created) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            row))
+            "INSERT INTO events (session_id, turn_seq, kind, text, detail, tokens, created) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)", row))
 
     def set_system(self, text: str | None) -> None:
         """The system prompt the conversation now starts with (set before anything was fed): what a resume that

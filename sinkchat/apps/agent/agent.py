@@ -21,9 +21,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import click
 
+from sinkchat.apps.agent.checkpoint import TaskCheckpoint
+from sinkchat.apps.agent.constrain import ToolCallConstraint, build_constraint
 from sinkchat.apps.agent.protocol import (
     FEW_SHOT, AgentErrorEvent, AgentEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
-    ToolsTokenizer, complete_call, parse_reply, render_system, result_message, task_message, template_has_tools,
+    ToolsTokenizer, complete_call, examples_for, is_example_call, parse_reply, render_system, result_message, task_message, template_has_tools,
 )
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
 from sinkchat.config import ConfigError, data_dir
@@ -62,12 +64,17 @@ class Agent:
     side-effecting call (None = allow all); protocol: 'auto' | 'native' | 'json'; `max_tokens` per reply (None =
     the engine's sampling.max_tokens); `keep_messages`: past this many, engine.conv's bookkeeping is compacted
     (0 = never). Takes over the engine's system prompt if nothing was fed yet, and then (JSON protocol, few_shot)
-    feeds one demonstrated exchange before the first task."""
+    feeds one demonstrated exchange before the first task. `constrain`: mask every token that would leave the
+    tool-call grammar (see constrain.py; off where the engine or tokenizer cannot take it). `fresh_tasks`: each task
+    starts from the cache as it was before the first task (system prompt + example), so a task never sees, and
+    copies, the previous one's reply; skipped once the cache has evicted since then. `require_call`: with the
+    constraint, a task's first reply must be a tool call, not an answer."""
 
     def __init__(self, engine: Any, tools: Toolbox, workspace: Workspace | str | Path | None = None,
                  approve: Approve | None = None, max_result_chars: int | None = None, *, max_tokens: int | None = None,
                  protocol: str = "auto", system_prompt: str | None = None, keep_messages: int = 32,
-                 few_shot: bool = True) -> None:
+                 few_shot: bool = True, constrain: bool = True, fresh_tasks: bool = True,
+                 require_call: bool = True) -> None:
         self.engine, self.tools, self.approve = engine, tools, approve
         self.workspace = workspace if isinstance(workspace, Workspace) or workspace is None else Workspace(workspace)
         if max_result_chars is not None:
@@ -89,27 +96,39 @@ class Agent:
             log.info("the engine already holds a conversation: tools are described in each task message")
         self.primed = not (few_shot and self.own_system and not self.native)
         self.stop = ("</tool_call>",) if self.native else ("\nTool result", "</tool_call>")
+        self.constraint: ToolCallConstraint | None = (
+            build_constraint(engine, list(tools.tools.values()), self.native,
+                             self.workspace.root if self.workspace else None) if constrain else None)
+        self.fresh_tasks = fresh_tasks
+        self.require_call = require_call
+        self.plain_sampling = True  # constrained replies: no repetition penalty (see _sampling)
+        self.checkpoint = TaskCheckpoint()  # where every task starts (fresh_tasks)
+        self._examples_held = 0  # example turns at the head of engine.conv.messages
 
     def run(self, task: str, max_steps: int | None = 10) -> Iterator[AgentEvent | Event]:
         """Work on `task` until the model gives a final answer or `max_steps` steps (None/0 = no limit).
         Every step's tool result (or error) is fed back before the next step; the last one is fed without an
         assistant header, so the next task continues the same conversation cleanly."""
         self.counts.tasks += 1
-        content = task_message(task, self.tools.names, self.native)
+        content = task_message(task, self.tools.names, self.native, reminder=self.constraint is None)
         if not self.own_system:
             content += "\nTool list:\n" + self.tools.describe()
         yield from self._compact()
+        per_task = self.fresh_tasks and hasattr(self.engine, "cache")  # examples ordered for each task (rewound)
+        if self.fresh_tasks:
+            self.checkpoint.restore(self.engine)
         if not self.primed:
-            self.primed = True
-            for role, text in FEW_SHOT:
+            self.primed = not per_task
+            for role, text in examples_for(task) if per_task else FEW_SHOT:
                 yield from self.engine.add_message(role, text, add_generation_prompt=False)
+            self._examples_held = len(FEW_SHOT)  # not counted against keep_messages until compacted away
         yield from self.engine.add_message("user", content)
         step, reason, answer = 0, "max_steps", ""
         while not max_steps or step < max_steps:
             step += 1
             self.counts.steps += 1
             yield StepEvent(step, task)
-            text, why, ntok = yield from self._generate()
+            text, why, ntok = yield from self._generate(first=step == 1)
             yield ModelTextEvent(step, text, why, ntok)
             parsed = parse_reply(text)
             if parsed.kind == "none" and self.native:
@@ -119,7 +138,8 @@ class Agent:
                 reason, answer = "final", parsed.answer
                 break
             result = yield from self._act(step, parsed)
-            role, content = result_message(result.name, result.text, result.ok, self.native)
+            role, content = result_message(result.name, result.text, result.ok, self.native,
+                                           reminder=self.constraint is None)
             yield ToolResultEvent(step, result.name, result.ok, result.text, result.chars, result.truncated,
                                   result.seconds)
             last = bool(max_steps) and step >= max_steps  # type: ignore[operator]
@@ -133,7 +153,8 @@ class Agent:
         last turn, then restart the bookkeeping from the system prompt alone; the next delta is unchanged. Called
         only between turns (after a reply, before the next message), where the rendered history extends `fed`."""
         conv = self.engine.conv
-        if not self.keep_messages or len(conv.messages) <= self.keep_messages or conv.system is None:
+        limit = self.keep_messages + self._examples_held
+        if not self.keep_messages or len(conv.messages) <= limit or conv.system is None:
             return  # without a system message an empty render may not be a prefix (templates add a default one)
         try:
             closing = conv.closing()
@@ -148,12 +169,18 @@ class Agent:
             yield from self.engine.feed(closing)
         conv.messages.clear()
         conv.fed = base
+        self._examples_held = 0
 
-    def _generate(self) -> Iterator[Event]:
+    def _generate(self, first: bool = False) -> Iterator[Event]:
         """Stream one reply; stop as soon as it holds a complete call (a small model rambles on and invents the
         result). The reply is recorded in the conversation even when the caller closes us mid-way."""
         eng = self.engine
-        gen = eng.generate(self.max_tokens, stop=self.stop)
+        if self.constraint is not None:
+            self.constraint.begin(require_call=first and self.require_call)
+            gen = eng.generate(self.max_tokens, stop=self.stop, sampling=self._sampling(),
+                               logits_processors=[self.constraint])
+        else:
+            gen = eng.generate(self.max_tokens, stop=self.stop)
         text, why, n, t0 = "", "length", 0, time.perf_counter()
         try:
             for ev in gen:
@@ -172,6 +199,15 @@ class Agent:
         yield DoneEvent("stop", n, time.perf_counter() - t0, text, tuple(eng.last_reply_ids))
         return text, why, n
 
+    def _sampling(self) -> Any:
+        """The engine's settings without the repetition penalty: an agent's job is to copy names and numbers out of
+        the task and the tool results, which the penalty (1.1 by default, over the last 64 ids) pushes it away from.
+        Measured on the bundled model: "How many lines are in poem.txt?" -> file_stats "4 lines" -> answer "3"."""
+        from dataclasses import replace
+
+        cfg = getattr(self.engine, "sampling", None)
+        return replace(cfg, repetition_penalty=1.0) if cfg is not None and self.plain_sampling else cfg
+
     def _act(self, step: int, parsed: Parsed) -> Iterator[AgentEvent]:
         """Validate, approve and run one parsed reply; anything unusable becomes a failed result."""
         if parsed.kind != "call":
@@ -186,6 +222,10 @@ class Agent:
             self.counts.calls_failed += 1
             yield AgentErrorEvent(step, str(e))
             return self._failed(parsed.name if parsed.name in self.tools else "", str(e))
+        if tool.has_side_effects(kwargs) and not self.native and is_example_call(tool.name, kwargs):
+            self.counts.calls_failed += 1
+            yield AgentErrorEvent(step, f"{tool.name} copied the example")
+            return self._failed(tool.name, "that call is the example's, not your task; do the task you were given")
         if self.approve is not None and tool.has_side_effects(kwargs) and not self.approve(tool.name, kwargs):
             self.counts.calls_failed += 1
             yield AgentErrorEvent(step, f"{tool.name} denied")
@@ -295,10 +335,14 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
 @click.option("--max-result-chars", type=click.IntRange(100, None), default=1500, show_default=True,
               help="cap on each tool result fed to the model")
 @click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
+@click.option("--no-constrain", is_flag=True,
+              help="let the model write anything (default: every reply is forced to be a valid tool call or answer)")
+@click.option("--keep-context", is_flag=True,
+              help="each task sees the earlier tasks' turns (default: each starts from the system prompt and examples)")
 @common_options
 def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
                   tasks_file: str | None, approve: str | None, allow_shell: bool, tools_module: tuple[str, ...],
-                  max_result_chars: int, no_log: bool, **kw: Any) -> None:
+                  max_result_chars: int, no_log: bool, no_constrain: bool, keep_context: bool, **kw: Any) -> None:
     """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line)."""
     from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
 
@@ -316,7 +360,8 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         except ValueError as e:
             raise ConfigError(f"bad tool: {e}") from None
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
-        agent = Agent(engine, tools, ws, make_approver(approve or ("ask" if interactive else "never-shell"), interactive))
+        agent = Agent(engine, tools, ws, make_approver(approve or ("ask" if interactive else "never-shell"), interactive),
+                      constrain=not no_constrain, fresh_tasks=not keep_context)
         metrics = Metrics()
         mbytes = model_bytes(engine.model)
         slog = open_log(engine, "agent", no_log, None, lambda m: click.echo(f"warning: {m}", err=True),
@@ -338,7 +383,14 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         c = agent.counts
         click.echo(f"agent: {c.tasks} task(s), {c.steps} step(s), tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
                    f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
-                   f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}", err=True)
+                   f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
+                   + _constraint_note(agent.constraint), err=True)
+
+
+def _constraint_note(con: ToolCallConstraint | None) -> str:
+    if con is None or not con.tokens:
+        return "; unconstrained"
+    return f"; grammar mask {con.seconds / con.tokens * 1e6:.0f} us/token over {con.tokens} tokens"
 
 
 def _interactive(agent: Agent, display: Display, max_steps: int) -> None:

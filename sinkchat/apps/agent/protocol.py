@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,15 +137,39 @@ def loads_lenient(s: str) -> Any:
         except json.JSONDecodeError:
             pass
         try:
-            return ast.literal_eval(fixed)  # literals only: safe on untrusted text
+            with warnings.catch_warnings():  # "invalid escape sequence" in model text is not our warning to show
+                warnings.simplefilter("ignore")
+                return ast.literal_eval(fixed)  # literals only: safe on untrusted text
         except (ValueError, SyntaxError, MemoryError, RecursionError, TypeError):
             raise first from None
+
+
+def to_json_value(v: Any, depth: int = 0) -> Any:
+    """What `ast.literal_eval` can return, made JSON-safe: sets and tuples become lists, bytes text, complex numbers
+    and anything else their repr, non-string keys strings. A soak recorded `TypeError: Object of type set is not
+    JSON serializable` from a tool name written as a Python set; every value a Parsed carries goes through here."""
+    if depth > 50:
+        return repr(v)[:200]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and v not in (float("inf"), float("-inf")) else repr(v)
+    if isinstance(v, dict):
+        return {k if isinstance(k, str) else repr(k): to_json_value(x, depth + 1) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [to_json_value(x, depth + 1) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return sorted((to_json_value(x, depth + 1) for x in v), key=repr)
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors="replace")
+    return repr(v)
 
 
 def _interpret(obj: Any) -> Parsed | None:
     """A parsed JSON value as a call / final answer, an error, or None when it is not an object at all."""
     if not isinstance(obj, dict):
         return None
+    obj = to_json_value(obj)
     if "function" in obj and isinstance(obj["function"], dict):  # OpenAI shape {"function": {"name", "arguments"}}
         obj = obj["function"]
     name = next((obj[k] for k in NAME_KEYS if k in obj), None)
@@ -168,7 +193,15 @@ def _interpret(obj: Any) -> Parsed | None:
 
 
 def parse_reply(text: str) -> Parsed:
-    """The first tool call or final answer in a reply; malformed JSON and stray shapes become 'error'."""
+    """The first tool call or final answer in a reply; malformed JSON and stray shapes become 'error'. Never raises
+    (fuzzed in tests/test_agent_fuzz.py): an unforeseen failure is an error text for the model too."""
+    try:
+        return _parse(text)
+    except Exception as e:  # noqa: BLE001 - the model is untrusted; a parser bug must not end the loop
+        return Parsed("error", error=f"unreadable reply ({type(e).__name__})")
+
+
+def _parse(text: str) -> Parsed:
     clean = SPECIAL.sub("", text)
     m = re.search(r"<tool_call>(.*?)(?:</tool_call>|$)", clean, re.DOTALL)
     body = m.group(1) if m else clean
@@ -230,35 +263,89 @@ class ToolsTokenizer:
         return self._tok.apply_chat_template(messages, **kw)
 
 
-# One demonstrated exchange, fed as real turns before the first task: a 135M model copies the shape of earlier
-# assistant turns far more reliably than it follows a written instruction.
-FEW_SHOT = [
-    ("user", "Task: Save the sum of 2 and 5 in the notes."),
-    ("assistant", '{"tool": "calculator", "args": {"expression": "2 + 5"}}'),
-    ("user", "Tool result (calculator): 7"),
-    ("assistant", '{"tool": "notes", "args": {"action": "append", "text": "2 + 5 = 7"}}'),
-    ("user", "Tool result (notes): note saved to NOTES.md"),
-    ("assistant", '{"final": "I saved 2 + 5 = 7 in the notes."}'),
+# Demonstrated exchanges, fed as real turns before the first task: a 135M model copies the shape of earlier assistant
+# turns far more reliably than it follows a written instruction. Measured: the old single example (calculator, then
+# `notes append "2 + 5 = 7"`) was copied into unrelated tasks (a stray NOTES.md in the user's workspace, answers "I
+# saved 2 + 5 = 7"). These use files that the user's workspace does not have, so a copied call fails harmlessly
+# (and the agent refuses a side-effecting call identical to an example's, see Agent._act), and they show the
+# pattern the everyday tasks need: one tool that computes, then a final answer that quotes its result.
+EXAMPLES: list[list[tuple[str, str]]] = [
+    [("user", "Task: Find the total of the cost column in bills.csv and write it to cost.txt."),
+     ("assistant", '{"tool": "column_sum", "args": {"path": "bills.csv", "column": "cost"}}'),
+     ("user", "Tool result (column_sum): 57"),
+     ("assistant", '{"tool": "write_file", "args": {"path": "cost.txt", "content": "57"}}'),
+     ("user", "Tool result (write_file): wrote 2 bytes to cost.txt"),
+     ("assistant", '{"final": "57"}')],
+    [("user", "Task: Put the text good morning in greet.txt."),
+     ("assistant", '{"tool": "write_file", "args": {"path": "greet.txt", "content": "good morning"}}'),
+     ("user", "Tool result (write_file): wrote 12 bytes to greet.txt"),
+     ("assistant", '{"final": "done"}')],
+    [("user", "Task: What is the password in keys.txt?"),
+     ("assistant", '{"tool": "read_file", "args": {"path": "keys.txt"}}'),
+     ("user", "Tool result (read_file): user: ann\npassword: tiger7"),
+     ("assistant", '{"final": "tiger7"}')],
+    [("user", "Task: What is 12 times 9?"),
+     ("assistant", '{"tool": "calculator", "args": {"expression": "12 * 9"}}'),
+     ("user", "Tool result (calculator): 108"),
+     ("assistant", '{"final": "108"}')],
+    [("user", "Task: How many lines of events.log contain WARN?"),
+     ("assistant", '{"tool": "count_matches", "args": {"pattern": "WARN", "path": "events.log"}}'),
+     ("user", "Tool result (count_matches): 6"),
+     ("assistant", '{"final": "6"}')],
+    [("user", "Task: What is the smallest price in shop.csv?"),
+     ("assistant", '{"tool": "column_min", "args": {"path": "shop.csv", "column": "price"}}'),
+     ("user", "Tool result (column_min): 4"),
+     ("assistant", '{"final": "4"}')],
+    [("user", "Task: What is the largest price in shop.csv?"),
+     ("assistant", '{"tool": "column_max", "args": {"path": "shop.csv", "column": "price"}}'),
+     ("user", "Tool result (column_max): 38"),
+     ("assistant", '{"final": "38"}')],
+    [("user", "Task: How many words are in story.txt?"),
+     ("assistant", '{"tool": "count_words", "args": {"path": "story.txt"}}'),
+     ("user", "Tool result (count_words): 41"),
+     ("assistant", '{"final": "41"}')],
 ]
+FEW_SHOT = [turn for ex in EXAMPLES for turn in ex]
+
+
+def examples_for(task: str) -> list[tuple[str, str]]:
+    """All of EXAMPLES, the one sharing most words with `task` last: the model copies the nearest example most, so
+    the nearest should be the most similar task (measured: with a fixed order the bundled model answered "What is
+    37 times 43?" with the last example's count_words, and "lines ... contain ERROR" with count_lines)."""
+    words = set(re.findall(r"[a-z]+", task.lower()))
+
+    def score(ex: list[tuple[str, str]]) -> int:
+        return len(words & set(re.findall(r"[a-z]+", ex[0][1].lower())))
+
+    return [turn for ex in sorted(EXAMPLES, key=score) for turn in ex]
+
+
+def is_example_call(name: str, args: dict[str, Any]) -> bool:
+    """Whether a call repeats one of FEW_SHOT's calls exactly (the agent refuses such a side-effecting call)."""
+    examples = [json.loads(t) for r, t in FEW_SHOT if r == "assistant" and '"tool"' in t]
+    return any(e["tool"] == name and e["args"] == args for e in examples)
 
 
 def render_system(template: str, tools_text: str, workspace: str) -> str:
     return template.replace("{tools}", tools_text).replace("{workspace}", workspace)
 
 
-def task_message(task: str, tool_names: list[str], native: bool) -> str:
+def task_message(task: str, tool_names: list[str], native: bool, reminder: bool = True) -> str:
     """The task as fed to the model, with a short reminder of the protocol: in a run of hours the system prompt has
-    long been evicted, so each task restates what the model may call."""
-    if native:
+    long been evicted, so each task restates what the model may call. Without `reminder` (constrained decoding:
+    the grammar is the reminder) the task looks exactly like the demonstrated ones; measured, the bundled model
+    copied the reminder's placeholder as its answer ({"final": "ANSWER"})."""
+    if native or not reminder:
         return f"Task: {task}"
     return (f"Task: {task}\n(Tools: {', '.join(tool_names)}. Call one tool per reply as "
-            '{"tool": "NAME", "args": {...}}; when done, reply {"final": "ANSWER"}.)')
+            '{"tool": "NAME", "args": {...}}; when done, reply {"final": "the answer"}.)')
 
 
-def result_message(name: str, text: str, ok: bool, native: bool) -> tuple[str, str]:
-    """(role, content) for feeding a result back."""
+def result_message(name: str, text: str, ok: bool, native: bool, reminder: bool = True) -> tuple[str, str]:
+    """(role, content) for feeding a result back. `reminder`: after an error, restate the protocol (not needed
+    under constrained decoding, where the bundled model copied its placeholder: {"final": "your answer"})."""
     if native:
         return "tool", text
     head = f"Tool result ({name})" if ok else (f"Tool error ({name})" if name else "Tool error")
-    tail = "" if ok else "\n" + JSON_REMINDER
+    tail = "" if ok or not reminder else "\n" + JSON_REMINDER
     return "user", f"{head}: {text}{tail}"

@@ -89,8 +89,8 @@ class ChatLoop:
         rest = evs[MAX_EVICTION_LINES:]
         if rest:
             n = sum(e.count for e in rest)
-            self.r.info(f"⟂ ... and {len(rest)} more evictions this turn: {n} tokens [{rest[0].first},{rest[-1].last})",
-                        style="dim yellow")
+            span = f"[{rest[0].first},{rest[-1].last})"
+            self.r.info(f"⟂ ... and {len(rest)} more evictions this turn: {n} tokens {span}", style="dim yellow")
 
     # ------------------------------------------------------------------------------------------- actions
     def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:

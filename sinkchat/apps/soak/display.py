@@ -32,8 +32,8 @@ def _line(soak: Any, rec: dict[str, Any]) -> str:
     return (f"[{el / 60:6.1f}m{remain}] steps {rec['steps']} tok {rec['tokens']} evicted {rec['evicted']} | "
             f"rss {human_bytes(rec['rss'])} kv {human_bytes(rec['cache_bytes'])} | dec {f(rec['decode_tok_s'], '.1f')} "
             f"pre {f(rec['prefill_tok_s'], '.0f')} tok/s | p50/p99 {f(rec['p50_ms'], '.0f')}/{f(rec['p99_ms'], '.0f')} ms"
-            f" | ppl {f(rec['ppl'], '.2f')} in {f(rec['ppl_input'], '.2f')} | sink {f(rec['gauge'], '.2f')} | "
-            f"err {rec['errors']} faults {rec['faults']}")
+            f" | ppl {f(rec.get('ppl'), '.2f')} | sink {f(rec.get('gauge'), '.2f')} | "
+            f"done {rec.get('jobs_ok', '-')}/{rec.get('jobs', '-')} | err {rec['errors']} faults {rec['faults']}")
 
 
 class Display:
@@ -67,5 +67,5 @@ class Display:
         s = list(self.soak.samples)
         tput = [r.get("decode_tok_s") or r.get("prefill_tok_s") for r in s]
         body = Text(f"sinkchat soak  {self.soak.progress():.0%} done\n{_line(self.soak, rec)}\n", style="bold")
-        body.append(f"RSS    {spark([r['rss'] for r in s])}\ntok/s  {spark(tput)}\nppl    {spark([r['ppl'] for r in s])}")
+        body.append(f"RSS    {spark([r['rss'] for r in s])}\ntok/s  {spark(tput)}\nppl    {spark([r.get('ppl') for r in s])}")
         self.live.update(body, refresh=True)

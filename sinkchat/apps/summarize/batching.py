@@ -11,7 +11,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
+from sinkchat.apps.summarize.digest import Digest
 from sinkchat.apps.summarize.reader import End, Line
+
+BINARY_MIN_BAD = 3  # a line is binary with at least this many undecodable characters ...
+BINARY_SHARE = 0.25  # ... making up more than this share of it
+
+
+def is_binary(text: str) -> bool:
+    """Binary or mostly undecodable: the reader turned invalid UTF-8 and control bytes into U+FFFD, so a line that
+    is largely U+FFFD is not text. Such lines are skipped (counted as binary) and never reach the model, which would
+    otherwise summarize noise into fiction; a text line with a few bad bytes is still text."""
+    bad = text.count("\ufffd")
+    return bad >= BINARY_MIN_BAD and bad > BINARY_SHARE * len(text)
 
 
 # ------------------------------------------------------------------------------------------------- accounting
@@ -27,6 +39,7 @@ class Period:
     deduped: int = 0
     skipped: int = 0
     truncated: int = 0
+    binary: int = 0  # of the skipped lines, those skipped as binary (never fed)
 
     @property
     def lines(self) -> int:
@@ -65,6 +78,8 @@ class Batcher:
     chunk_summarized: int = 0  # input lines in `chunk` (its repeat markers stand for lines counted as deduped)
     chunk_truncated: int = 0
     last_no: int = 0  # the highest input line number accounted so far, over the whole run
+    digest: Digest = field(default_factory=Digest)  # every accepted line, deduped repeats included
+    run_last_no: int = 0  # the line number of the last repeat in the open run
 
     def add(self, item: Line | End) -> None:
         """Account one item; the lines dropped before it count as skipped."""
@@ -74,6 +89,11 @@ class Batcher:
         if isinstance(item, End):
             return
         self.last_no = item.no
+        if is_binary(item.text):
+            self.period.add("skipped", item.no)
+            self.period.binary += 1
+            self.digest.binary += 1
+            return
         if self.grep is not None and not self.grep.search(item.text):
             self.period.add("filtered", item.no)
             return
@@ -82,6 +102,7 @@ class Batcher:
             return
         if self.dedupe and item.text == self.last_text:
             self.repeats += 1
+            self.run_last_no = item.no
             self.period.add("deduped", item.no)
             return
         self.end_run()
@@ -89,6 +110,7 @@ class Batcher:
         self.period.add("summarized", item.no)
         self.period.truncated += item.truncated
         self._append(item.text)
+        self.digest.add(item.no, item.text)
         self.chunk_summarized += 1
         self.chunk_truncated += item.truncated
 
@@ -114,6 +136,8 @@ class Batcher:
         """The run was stopped: the pending chunk (and an open run of repeats) will never be fed, so its lines count
         as skipped instead of summarized. Returns how many lines that moved."""
         n = self.chunk_summarized
+        if self.repeats and self.last_text is not None:  # the open run stays in the digest (exact counts)
+            self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
         self.unfeed(n, self.chunk_truncated)
         self.chunk, self.chunk_tok, self.chunk_summarized, self.chunk_truncated = [], 0, 0, 0
         self.repeats, self.last_text = 0, None
@@ -123,6 +147,8 @@ class Batcher:
         """Close the current run of repeats (a marker line, like `uniq -c`); called at a summary boundary too."""
         if self.repeats:
             self._append(f"(the line above repeated {self.repeats} more times)")
+            if self.last_text is not None:
+                self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
         self.repeats = 0
         self.last_text = None
 

@@ -32,15 +32,50 @@ class Output:
 
 
 def counts_text(b: dict[str, Any]) -> str:
-    parts = [f"{b['summarized']} summarized"] + [f"{b[k]} {k}" for k in ("filtered", "deduped", "skipped") if b[k]]
+    """The header's line accounting; says how many lines the model read in full when that is not all of them."""
+    parts = [f"{b['summarized']} summarized"] + [f"{b[k]} {k}" for k in ("filtered", "deduped") if b[k]]
+    if b["skipped"]:
+        binary = b.get("binary") or 0
+        parts.append(f"{b['skipped']} skipped" + (f" ({binary} binary)" if binary else ""))
+    full = b.get("lines_in_full")
+    if full is not None and b["summarized"] and full < b["summarized"]:
+        parts.append(f"{full} read in full, {b.get('lines_digest_only', 0)} only through the digest")
     return f"{b['lines']} lines: " + ", ".join(parts)
 
 
+def summary_text(b: dict[str, Any]) -> str:
+    """The prose, or why there is none; under it how many of the model's sentences were dropped (and for which
+    unsupported claims), and whether the summary was written by code from the digest."""
+    summary = b["summary"]
+    if not summary:
+        binary = b.get("binary") or 0
+        summary = f"(skipped {binary} binary lines; nothing to summarize)" if binary else "(no lines to summarize)"
+    dropped = b.get("dropped") or []
+    notes = []
+    if dropped:
+        n = len(dropped)
+        notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary"
+                     + (": unsupported by the log: " + ", ".join(b["unsupported"]) if b.get("unsupported") else
+                        ": unfinished"))
+    elif b.get("unsupported"):
+        notes.append("unsupported by the log: " + ", ".join(b["unsupported"]))
+    if b.get("prose") == "digest":
+        notes.append("summary written from the digest")
+    elif b.get("prose") == "model+digest":
+        notes.append(f"{len(b.get('added') or [])} sentence(s) added from the digest")
+    if notes:
+        summary += "\n[" + "; ".join(notes) + "]"
+    return summary
+
+
 def render_block(b: dict[str, Any], fmt: str) -> str:
-    """One summary block in the chosen format (jsonl: exactly one line)."""
+    """One summary block in the chosen format (jsonl: exactly one line). The zero-line end-of-run marker is shown
+    only in JSONL (a text reader needs no empty block)."""
     if fmt == "jsonl":
         return json.dumps(b, ensure_ascii=False) + "\n"
-    summary = b["summary"] or "(no lines to summarize)"
+    if not b["lines"] and b["final"]:
+        return ""
+    summary = summary_text(b)
     final = " (final)" if b["final"] else ""
     if fmt == "markdown":
         return (f"### {b['time']} · lines {b['first_line']}–{b['last_line']}{final}\n\n"

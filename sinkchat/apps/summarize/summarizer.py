@@ -12,7 +12,9 @@ its next chunk or token boundary (never inside a model call), and `finish_stoppe
 fed as skipped and asks only about what the cache already holds, so a process manager's grace period is enough.
 
 The plumbing around the model lives in reader.py (reader thread, queue), batching.py (filters, dedupe, batching,
-accounting) and output.py (output blocks); the command itself (options, signals, exit codes) in command.py.
+accounting), answer.py (window budget, asking, rollback), guard.py (what the summary may show as fact: unsupported
+sentences dropped, the digest's incidents stated by code) and output.py (output blocks); the command itself
+(options, signals, exit codes) in command.py.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import time
 from datetime import datetime
 from typing import Any, Callable, TextIO
 
+from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask, lines_in_cache,
+                                            settle_conversation)
 from sinkchat.apps.summarize.batching import Batcher, Period
+from sinkchat.apps.summarize.digest import render
+from sinkchat.apps.summarize.factcheck import Support
 from sinkchat.apps.summarize.output import Output, fill
 from sinkchat.apps.summarize.reader import End, Item, Line, Notice
 
@@ -99,24 +105,6 @@ def _term_width() -> int:
         return 120
 
 
-def settle_conversation(engine: Any, keep: int) -> None:
-    """Close the last turn in the cache and trim the conversation to its last `keep` messages, so its memory and
-    the cost of templating the next turn stay flat however long the log runs. The cache is not touched beyond the
-    closing text (it already holds, or has evicted, everything before)."""
-    conv = engine.conv
-    try:
-        closing = conv.closing()
-        if closing is None:
-            return  # a template that rewrites history: leave it to the conversation's own fallback
-        if closing:
-            for _ in engine.feed(closing):
-                pass
-            conv.fed += closing
-        conv.trim(keep)
-    except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone
-        log.debug("conversation not trimmed: %s", e)
-
-
 class Summarizer:
     """The consumer: takes items off the queue, feeds chunks, asks for a summary every N lines / T seconds."""
 
@@ -141,6 +129,19 @@ class Summarizer:
         self.halt = halt if halt is not None else threading.Event()
         self.stopping = False  # writing the final summary after a stop: no more Interrupted
         status.line = self.status_text
+        self.budget = Budget.for_engine(engine, prompt, max_tokens)  # see answer.py: lines + question + answer fit
+        self.fed_chunks: list[tuple[int, int, int]] = []  # this period's chunks: absolute token span, lines
+        self.period_text: list[str] = []  # this period's fed text, the fact check's support
+        self.period_tokens = 0
+        self.retry = True  # regenerate once when a summary claims something the lines do not say
+        self.last_final = False
+        self.told_fit = False
+        self.q: Any = None
+        if not self.budget.fits:
+            log.warning("window %d too small to fit log lines beside the question (%s)", self.budget.capacity,
+                        self.budget)
+            status.notice(f"the window (--cache {self.budget.capacity}) cannot hold the log lines beside the "
+                          "question and answer: summaries will come partly from evicted lines (see lines_in_cache)")
 
     def _next_due(self) -> float:
         return time.monotonic() + self.interval if self.interval > 0 else float("inf")
@@ -206,48 +207,91 @@ class Summarizer:
         text = self.batcher.take_chunk()
         if text is None:
             return
+        start = self.engine.ledger.seen
         try:
             self._events(self.engine.add_message("user", text, add_generation_prompt=False))
         except BaseException:
             if self.engine.message_taken_back:
                 self.batcher.unfeed(lines, truncated)
             raise
+        self.fed_chunks.append((start, self.engine.ledger.seen, lines))
+        self.period_tokens += self.engine.ledger.seen - start
+        self.period_text.append(text)
         settle_conversation(self.engine, keep=1)
+
+    def over_budget(self) -> bool:
+        """The pending chunk would push this period past what the window holds beside the question and answer:
+        ask now (more often than --every / --interval), before the first lines are evicted."""
+        if not self.budget.fits or not self.batcher.chunk:
+            return False
+        over = self.period_tokens + self.batcher.chunk_tok + TEMPLATE_TOKENS >= self.budget.raw
+        if over and not self.told_fit:
+            self.told_fit = True
+            self.status.notice(f"a question holds about {self.budget.raw} tokens of log lines: summarizing more "
+                               "often than --every / --interval so the model reads every line in full")
+        return over
+
+    def end_is_next(self) -> bool:
+        """The input's End is already queued: the summary due now is the final one (one block, marked final)."""
+        q = self.q
+        if q is None:
+            return False
+        with q.mutex:
+            return bool(q.queue) and isinstance(q.queue[0], End) and not q.queue[0].skipped_before
 
     def boundary(self) -> None:
         """After an item: summarize when N lines or the interval are reached, else feed a full chunk."""
         p = self.batcher.period
-        if p.lines and ((self.every and p.lines >= self.every) or time.monotonic() >= self.due):
-            self.summarize()
+        if p.lines and ((self.every and p.lines >= self.every) or time.monotonic() >= self.due or self.over_budget()):
+            if not self.end_is_next():
+                self.summarize()
         elif self.batcher.full:
             self.feed_chunk()
 
     def summarize(self, final: bool = False) -> None:
-        """Ask the model about the lines since the last summary and print one block."""
+        """Ask the model about the lines since the last summary (with their exact digest) and print one block."""
         self.batcher.end_run()
         self.feed_chunk()
         p = self.batcher.period
-        text = ""
-        if p.summarized:
-            why = "the summarizer was stopped before it fed them" if self.stopping else \
-                "they came faster than they could be read"
-            note = f" {p.skipped} lines were skipped because {why}." if p.skipped else ""
-            question = fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
-                            summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
-                            note=note)
-            self._events(self.engine.add_message("user", question))
+        digest = self.batcher.digest.take()
+        ans = Answer()
+        if p.summarized or (self.stopping and digest["lines"]):
+            question = self.question(p, digest)
             t0 = time.perf_counter()
-            try:
-                text = self._events(self.engine.generate(self.max_tokens)).strip()
-            finally:
-                self.engine.conv.add_reply(self.engine.reply_text())
-            self.slog.turn("user", question)
-            self.slog.turn("assistant", text, len(self.engine.last_reply_ids), time.perf_counter() - t0,
-                           cache_len=self.engine.cache.length)
+            support = Support(self.period_text, digest, context=question)
+            ans = ask(self.engine, self._events, question, support, self.max_tokens, retry=self.retry,
+                      digest=digest)
+            self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
+            self.slog.turn("assistant", ans.text, len(self.engine.last_reply_ids),
+                           time.perf_counter() - t0 - ans.question_seconds, cache_len=self.engine.cache.length)
             settle_conversation(self.engine, keep=2)
-        self.emit(self.batcher.take_period(), text, final)
+            if ans.dropped:
+                why = f" (unsupported: {', '.join(ans.unsupported)})" if ans.unsupported else " (unfinished)"
+                self.status.notice(f"lines {p.first_line}-{p.last_line}: dropped {len(ans.dropped)} sentence(s) of "
+                                   f"the summary{why}" + ("; written from the digest" if ans.prose == "digest" else ""))
+        in_full = lines_in_cache(self.engine.ledger, self.fed_chunks)
+        extra = {"lines_in_full": in_full, "lines_digest_only": max(0, digest["lines"] - p.deduped - in_full),
+                 "unsupported": ans.unsupported, "regenerated": ans.regenerated, "summary_cut": ans.cut,
+                 "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "digest": digest}
+        self.fed_chunks, self.period_text, self.period_tokens = [], [], 0
+        if p.binary:
+            self.status.notice(f"lines {p.first_line}-{p.last_line}: skipped {p.binary} binary lines")
+        self.emit(self.batcher.take_period(), ans.text, final, extra)
 
-    def emit(self, p: Period, text: str, final: bool) -> None:
+    def question(self, p: Period, digest: dict[str, Any]) -> str:
+        """The question: prompts/summarize.txt filled with the line range, counts, notes and the digest text."""
+        why = "the summarizer was stopped before it fed them" if self.stopping else \
+            "they came faster than they could be read"
+        other = p.skipped - p.binary
+        note = f" {other} lines were skipped because {why}." if other else ""
+        if p.binary:
+            note += f" {p.binary} binary (non-text) lines were skipped and are not shown."
+        text = render(digest, lambda t: len(self.engine.encode(t)), self.budget.digest) if self.budget.digest else ""
+        return fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
+                    summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
+                    binary=p.binary, note=note, digest=text)
+
+    def emit(self, p: Period, text: str, final: bool, extra: dict[str, Any] | None = None) -> None:
         from sinkchat.core.metrics import rss_bytes
 
         led, cache = self.engine.ledger, self.engine.cache
@@ -257,12 +301,13 @@ class Summarizer:
             "filtered": p.filtered, "deduped": p.deduped, "skipped": p.skipped, "truncated": p.truncated,
             "tokens_fed": led.seen - self.mark[0], "tokens_evicted": led.evicted - self.mark[1],
             "kv_bytes": cache.nbytes, "cache_len": cache.length, "capacity": self.engine.cache_cfg.capacity,
-            "rss": rss_bytes(), "final": final, "summary": text,
+            "rss": rss_bytes(), "final": final, "summary": text, "binary": p.binary, **(extra or {}),
         }
-        self.slog.metrics({k: v for k, v in block.items() if k != "summary"})
+        self.slog.metrics({k: v for k, v in block.items() if k not in ("summary", "digest")})
         self.slog.flush()
         self.mark = (led.seen, led.evicted)
-        for k in ("summarized", "filtered", "deduped", "skipped", "truncated"):
+        self.last_final = final
+        for k in ("summarized", "filtered", "deduped", "skipped", "truncated", "binary"):
             setattr(self.totals, k, getattr(self.totals, k) + getattr(p, k))
         self.summaries += 1
         self.due = self._next_due()
@@ -273,6 +318,7 @@ class Summarizer:
     # ------------------------------------------------------------------------------------------------ loops
     def run(self, q: "queue.Queue[Item]") -> None:
         """Until the input ends: take lines as they come, feed idle chunks, summarize on time."""
+        self.q = q
         while True:
             self.check_stop()
             wait = min(self.due - time.monotonic(), self.status.every, STOP_POLL)
@@ -326,6 +372,9 @@ class Summarizer:
         self.batcher.end_run()
         if self.batcher.period.lines:
             self.summarize(final=True)
+        elif self.summaries and not self.last_final:  # a consumer of the JSONL sees where the run ended
+            last = self.batcher.last_no
+            self.emit(Period(first_line=last + 1, last_line=last), "", True, {"lines_in_full": 0})
         self.status.done()
         if self.totals.lines == 0 and not self.error:
             self.status.notice("no input lines; nothing to summarize")

@@ -147,12 +147,14 @@ def build_default_tools(workspace: Workspace | str | os.PathLike[str], allow_she
                         extra: list[Callable[..., Any]] | None = None) -> Toolbox:
     """The built-in tools confined to `workspace` (shell only when allowed), plus `extra` functions. A path must
     name an existing folder (WorkspaceError otherwise); pass `Workspace(path, create=True)` to make one."""
-    from sinkchat.apps.agent.tools import calculator, clock, list_dir, notes, read_file, search_text, shell, write_file
+    from sinkchat.apps.agent.tools import (
+        calculator, clock, file_stats, list_dir, notes, read_file, search_text, shell, write_file,
+    )
 
     ws = workspace if isinstance(workspace, Workspace) else Workspace(workspace)
     box = Toolbox(max_result_chars=max_result_chars)
     fns = [clock.clock, calculator.calculator, list_dir.list_dir, read_file.read_file, write_file.write_file,
-           search_text.search_text, notes.notes]
+           search_text.search_text, *file_stats.TOOLS, notes.notes]
     if allow_shell:
         fns.append(shell.shell)
     for fn in fns + list(extra or []):

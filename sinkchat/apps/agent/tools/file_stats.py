@@ -1,0 +1,117 @@
+"""Counting and column tools: numbers computed by a tool, not by the model.
+
+Why: on the task suite (benchmarks/agent_tasks.py) the bundled 135M model read the right file but could not count its
+lines or add a CSV column from the text (0 of 3 everyday tasks right). With one combined `file_stats` tool
+("poem.txt: 4 lines, 26 words, 126 characters") it called the tool right but copied the wrong number (the last one:
+126 for "how many lines"). So each tool answers one question with one number, and is named after the question
+(`count_lines`, `column_sum`, ...): the model picks a tool by its name's overlap with the task, and copies a lone
+number reliably. Files are read up to SCAN_BYTES, like search_text.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+
+from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.workspace import Workspace, looks_binary
+
+SCAN_BYTES = 1024 * 1024
+
+
+def _text(path: str, workspace: Workspace) -> str:
+    real = workspace.resolve(path, kind="file")
+    fd = workspace.open_regular(real, os.O_RDONLY)
+    try:
+        data = os.read(fd, SCAN_BYTES)
+    finally:
+        os.close(fd)
+    if looks_binary(data):
+        raise ToolError(f"{path} is not a text file")
+    return data.decode("utf-8", errors="replace")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
+
+
+def _column(path: str, column: str, workspace: Workspace) -> list[float]:
+    text = _text(path, workspace)
+    rows = list(csv.DictReader(io.StringIO(text)))
+    key = next((k for k in (rows[0] if rows else {}) if k and k.strip().lower() == column.strip().lower()), None)
+    if key is None:
+        header = text.splitlines()[0] if text else ""
+        raise ToolError(f"{path} has no column {column!r}; its columns are: {header[:200]}")
+    values = []
+    for r in rows:
+        try:
+            values.append(float(str(r.get(key, "")).strip()))
+        except ValueError:
+            continue
+    if not values:
+        raise ToolError(f"column {key!r} of {path} holds no numbers")
+    return values
+
+
+def count_lines(path: str, *, workspace: Workspace) -> str:
+    """How many lines a file has.
+
+    Args:
+        path: file path relative to the workspace
+    """
+    return _num(len(_text(path, workspace).splitlines()))
+
+
+def count_words(path: str, *, workspace: Workspace) -> str:
+    """How many words a file has.
+
+    Args:
+        path: file path relative to the workspace
+    """
+    return _num(len(_text(path, workspace).split()))
+
+
+def count_matches(pattern: str, path: str, *, workspace: Workspace) -> str:
+    """How many lines of a file contain a text (case-insensitive).
+
+    Args:
+        pattern: the text to look for
+        path: file path relative to the workspace
+    """
+    rx = re.compile(re.escape(pattern), re.IGNORECASE)
+    return _num(sum(1 for line in _text(path, workspace).splitlines() if rx.search(line)))
+
+
+def column_sum(path: str, column: str, *, workspace: Workspace) -> str:
+    """The sum (total) of a column of a CSV file.
+
+    Args:
+        path: CSV file path relative to the workspace
+        column: the column name
+    """
+    return _num(sum(_column(path, column, workspace)))
+
+
+def column_max(path: str, column: str, *, workspace: Workspace) -> str:
+    """The largest (maximum) value of a column of a CSV file.
+
+    Args:
+        path: CSV file path relative to the workspace
+        column: the column name
+    """
+    return _num(max(_column(path, column, workspace)))
+
+
+def column_min(path: str, column: str, *, workspace: Workspace) -> str:
+    """The smallest (minimum) value of a column of a CSV file.
+
+    Args:
+        path: CSV file path relative to the workspace
+        column: the column name
+    """
+    return _num(min(_column(path, column, workspace)))
+
+
+TOOLS = [count_lines, count_words, count_matches, column_sum, column_max, column_min]

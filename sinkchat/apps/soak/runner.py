@@ -1,0 +1,275 @@
+"""The run loop of `sinkchat soak`: steps a scenario on the one persistent cache until a limit, folding what it yields
+into samples, and stops cleanly on SIGTERM or Ctrl-C.
+
+A scenario is an object whose `step(engine)` yields engine events (plus `Fault`s it handled and one `Outcome`: did
+the step do its job) for one unit of work: a chat turn, an agent task, a summary, a block of streamed text. An
+`NllTap` on the engine scores every token fed through the live cache; the runner folds the events and those scores
+into per-interval figures (the NLL sum and count of the interval is that sample's perplexity bin), writes
+one record per `--sample-every` seconds to DIR/metrics.jsonl (flushed and fsynced, so a killed run can still be
+judged with `sinkchat soak report DIR`) and to the session log, and survives whatever a step raises: the engine rolls
+a broken forward back, so the cache stays consistent and the next step just runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from sinkchat.apps.soak.display import Display
+from sinkchat.apps.soak.records import Recorder
+from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome
+from sinkchat.apps.soak.tap import NllTap
+from sinkchat.core.events import GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
+from sinkchat.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_ERRORS = 25  # a step failing this often in a row is a crash, not a fault
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the engine's rollback (which catches BaseException) keeps the cache sane."""
+
+
+@dataclass
+class Interval:
+    """Figures folded from the events between two samples."""
+
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)  # seconds per decoded token
+    prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
+    gauges: list[float] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)  # NLL of every token fed through the cache (the NllTap's)
+
+    def fold(self, ev: Any) -> None:
+        if isinstance(ev, TokenEvent):
+            self.decode_tokens += 1
+            self.decode_seconds += ev.seconds
+            self.latencies.append(ev.seconds)
+        elif isinstance(ev, PrefillEvent):
+            self.prefill_tokens += ev.tokens
+            self.prefill_seconds += ev.seconds
+            if ev.tokens:
+                self.prefill_latencies.append(ev.seconds / ev.tokens)
+        elif isinstance(ev, GaugeEvent):
+            self.gauges.append(ev.share)
+
+
+def _rate(n: float, s: float) -> float | None:
+    return round(n / s, 3) if s > 0 else None
+
+
+def _nll_bin(nll: list[float]) -> tuple[float, int]:
+    vals = [v for v in nll if math.isfinite(v)]
+    return sum(vals), len(vals)
+
+
+def _cache_ptrs(cache: Any) -> int | None:
+    """A fingerprint of the cache buffers' addresses: it changes when a buffer is reallocated (grown, replaced)."""
+    try:
+        return hash(tuple((layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers
+                          if getattr(layer, "keys", None) is not None)) & 0xFFFFFFFF
+    except Exception:  # noqa: BLE001 - a cache of another shape: no fingerprint
+        return None
+
+
+class Soak:
+    """The loop: steps the scenario until a limit, samples every `sample_every` seconds, counts faults."""
+
+    def __init__(self, engine: Any, scenario: Any, recorder: Recorder, *, sample_every: float,
+                 duration: float | None = None, tokens: int | None = None, steps: int | None = None,
+                 on_sample: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.engine, self.scenario, self.rec = engine, scenario, recorder
+        self.sample_every, self.duration, self.max_tokens, self.max_steps = sample_every, duration, tokens, steps
+        self.on_sample = on_sample or (lambda r: None)
+        self.tap = NllTap(engine)
+        self.t0 = time.monotonic()
+        self.next_sample = self.t0 + sample_every
+        self.seen0, self.evicted0 = engine.ledger.seen, engine.ledger.evicted
+        self.iv = Interval()
+        self.steps = self.errors = self.faults = 0
+        self.attempts = self.faulted_steps = 0  # steps started; steps with at least one fault or error
+        self.jobs = self.jobs_ok = 0  # steps judged by their Outcome; those that did their job
+        self.step_faulted = False
+        self.fatal: BaseException | None = None  # a UserError that ended the run
+        self.fault_kinds: dict[str, int] = {}
+        self.samples: deque[dict[str, Any]] = deque(maxlen=120)  # for the live sparklines
+
+    @property
+    def tokens(self) -> int:
+        return self.engine.ledger.seen - self.seen0
+
+    def limit_reached(self) -> str | None:
+        if self.duration is not None and time.monotonic() - self.t0 >= self.duration:
+            return "duration"
+        if self.max_tokens is not None and self.tokens >= self.max_tokens:
+            return "tokens"
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            return "steps"
+        return None
+
+    def progress(self) -> float:
+        """Fraction done by the nearest limit (0 when unlimited)."""
+        fr = [0.0]
+        if self.duration:
+            fr.append((time.monotonic() - self.t0) / self.duration)
+        if self.max_tokens:
+            fr.append(self.tokens / self.max_tokens)
+        if self.max_steps:
+            fr.append(self.steps / self.max_steps)
+        return min(1.0, max(fr))
+
+    @property
+    def slog(self) -> Any:
+        return getattr(self.scenario, "slog", None)
+
+    def error(self, kind: str, exc: BaseException | None = None, detail: str = "") -> None:
+        self.errors += 1
+        self.step_faulted = True
+        msg = detail or (f"{type(exc).__name__}: {exc}" if exc else kind)
+        log.warning("soak error (%s): %s", kind, msg)
+        self.rec.write({"kind": "error", "elapsed": round(time.monotonic() - self.t0, 3), "error": kind,
+                        "detail": msg[:2000], "trace": traceback.format_exc()[-4000:] if exc else None})
+        self._log_event("error", f"{kind}: {msg[:2000]}")
+
+    def _log_event(self, kind: str, text: str) -> None:
+        if self.slog is not None:
+            try:
+                self.slog.event(kind, text)
+            except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason to stop the soak
+                log.warning("session log: %s", e)
+
+    def _check_tap(self) -> None:
+        for detail in self.tap.take_nonfinite():
+            self.error("nonfinite_logits", detail=detail)
+
+    def fold(self, ev: Any) -> None:
+        if isinstance(ev, Fault):
+            if ev.error:
+                self.error(ev.kind, detail=ev.detail)
+            else:
+                self.faults += 1
+                self.step_faulted = True
+                self.fault_kinds[ev.kind] = self.fault_kinds.get(ev.kind, 0) + 1
+                log.info("handled fault (%s): %s", ev.kind, ev.detail)
+                self.rec.write({"kind": "fault", "elapsed": round(time.monotonic() - self.t0, 3), "fault": ev.kind,
+                                "detail": ev.detail[:300]})
+                self._log_event("fault", f"{ev.kind}: {ev.detail[:300]}")
+        elif isinstance(ev, Outcome):
+            self.jobs += 1
+            self.jobs_ok += bool(ev.ok)
+            if not ev.ok:
+                self.rec.write({"kind": "job", "elapsed": round(time.monotonic() - self.t0, 3), "ok": False,
+                                "detail": ev.detail[:300]})
+            self._log_event("job", f"{'done' if ev.ok else 'NOT done'}: {ev.detail[:300]}")
+        else:
+            self.iv.fold(ev)
+        self._check_tap()
+        if time.monotonic() >= self.next_sample:
+            self.sample()
+
+    def sample(self) -> dict[str, Any]:
+        now = time.monotonic()
+        iv, self.iv = self.iv, Interval()
+        self.next_sample = max(self.next_sample + self.sample_every, now + 0.5 * self.sample_every)
+        eng = self.engine
+        self._check_tap()
+        iv.nll.extend(self.tap.drain())
+        nll_sum, nll_n = _nll_bin(iv.nll)
+        cuda = cuda_bytes()
+        input_ppl = round(math.exp(nll_sum / nll_n), 4) if nll_n else None
+        lat = iv.latencies or iv.prefill_latencies  # decode latency; per-token prefill latency for stream
+        rec = {
+            "kind": "sample", "t": round(time.time(), 3), "elapsed": round(now - self.t0, 3), "steps": self.steps,
+            "tokens": self.tokens, "evicted": eng.ledger.evicted - self.evicted0, "cache_len": eng.cache.length,
+            "ledger_len": len(eng.ledger), "capacity": eng.cache_cfg.capacity, "cache_bytes": eng.cache.nbytes,
+            "cache_ptrs": _cache_ptrs(eng.cache), "rss": rss_bytes(), "cuda": cuda[0] if cuda else None,
+            "cuda_peak": cuda[1] if cuda else None,
+            "decode_tok_s": _rate(iv.decode_tokens, iv.decode_seconds),
+            "prefill_tok_s": _rate(iv.prefill_tokens, iv.prefill_seconds),
+            "p50_ms": round(1000 * percentile(lat, 50), 3) if lat else None,
+            "p99_ms": round(1000 * percentile(lat, 99), 3) if lat else None,
+            "gauge": round(sum(iv.gauges) / len(iv.gauges), 4) if iv.gauges else None,
+            "ppl": input_ppl, "nll_sum": round(nll_sum, 4), "nll_n": nll_n,
+            "errors": self.errors, "faults": self.faults, "attempts": self.attempts,
+            "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,
+        }
+        self.rec.write(rec)
+        self.samples.append(rec)
+        self.on_sample(rec)
+        return rec
+
+    def run(self) -> str:
+        """Step until a limit; returns the end reason. Ctrl-C / SIGTERM propagate (the caller records them)."""
+        consecutive = 0
+        while True:
+            reason = self.limit_reached()
+            if reason:
+                return reason
+            gen = self.scenario.step(self.engine)
+            self.attempts += 1
+            self.step_faulted = False
+            try:
+                for ev in gen:
+                    self.fold(ev)
+                    if self.limit_reached():
+                        break
+                else:
+                    self.steps += 1
+                consecutive = 0
+            except InputExhausted:
+                return "input exhausted"
+            except UserError as e:  # the settings cannot work (e.g. a cache too small for the agent's prompt):
+                self.error("step", e)  # no use retrying 25 times; the command ends with the message
+                self.fatal = e
+                return "crashed"
+            except Exception as e:  # noqa: BLE001 - count, log, keep going: that is the point of a soak
+                self.error("step", e)
+                consecutive += 1
+                recover = getattr(self.scenario, "recover", None)
+                if recover:
+                    recover(self.engine, e)
+                if consecutive >= MAX_CONSECUTIVE_ERRORS:
+                    return "crashed"
+            finally:
+                gen.close()
+                self._check_tap()
+                self.faulted_steps += self.step_faulted
+                self.step_faulted = False
+            if time.monotonic() >= self.next_sample:
+                self.sample()
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def run_until_stopped(soak: Soak) -> str:
+    """Run the soak with the live display; returns the end reason. SIGTERM ends it like Ctrl-C, with a last
+    sample (and then an end record), so a stopped run can still be judged."""
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        with Display(soak) as disp:
+            soak.on_sample = disp.update
+            try:
+                reason = soak.run()
+            except Terminated:
+                reason = "terminated"
+            except KeyboardInterrupt:
+                reason = "interrupted"
+            for sig in (signal.SIGTERM, signal.SIGINT):  # shutdown takes seconds: more signals must not
+                signal.signal(sig, signal.SIG_IGN)  # tear the records or the report
+            soak.sample()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return reason

@@ -1,0 +1,69 @@
+"""The recorded series of a soak run as numbers: the finite values of a field over elapsed time, their robust slope,
+the first and last windows of the steady state, and the perplexity bins. Shared by the criteria and the report."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+MIN_BIN_TOKENS = 8  # tokens a sample must have scored to count as a perplexity bin
+
+
+def num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def series(samples: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(elapsed, value) for the samples where `key` holds a finite number."""
+    out = []
+    for s in samples:
+        t, v = num(s.get("elapsed")), num(s.get(key))
+        if t is not None and v is not None:
+            out.append((t, v))
+    return out
+
+
+def slope_per_hour(points: list[tuple[float, float]], max_points: int = 300) -> float | None:
+    """Theil-Sen slope (median of pairwise slopes) per hour: a leak is a steady trend, while allocator noise and
+    transient spikes (a big logits buffer) would swing a least-squares fit on a short run."""
+    if len(points) < 3:
+        return None
+    step = max(1, len(points) // max_points)
+    pts = points[::step]
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(pts) for b in pts[i + 1 :] if b[0] > a[0]]
+    return statistics.median(slopes) * 3600.0 if slopes else None
+
+
+def windows(points: list[tuple[float, float]]) -> tuple[list[float], list[float]] | None:
+    """Values in the first and the last window of the steady state: an hour, or a quarter of a shorter span."""
+    if len(points) < 2:
+        return None
+    t0, t1 = points[0][0], points[-1][0]
+    w = min(3600.0, 0.25 * (t1 - t0))
+    first = [v for t, v in points if t <= t0 + w]
+    last = [v for t, v in points if t >= t1 - w]
+    return first, last
+
+
+def drift(samples: list[dict[str, Any]], key: str) -> tuple[float, float] | None:
+    pts = series(samples, key)
+    win = windows(pts)
+    if win is None:
+        return None
+    return statistics.median(win[0]), statistics.median(win[1])
+
+
+def throughput_key(samples: list[dict[str, Any]]) -> str:
+    """Decode tok/s where the scenario generates; prefill tok/s for the stream scenario (no decoding)."""
+    return "decode_tok_s" if any((num(s.get("decode_tok_s")) or 0) > 0 for s in samples) else "prefill_tok_s"
+
+
+def ppl_bins(samples: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
+    """(elapsed, mean NLL, tokens) of each sample that scored >= MIN_BIN_TOKENS tokens fed through the cache."""
+    out = []
+    for s in samples:
+        t, tot, n = num(s.get("elapsed")), num(s.get("nll_sum")), num(s.get("nll_n"))
+        if t is not None and tot is not None and n is not None and n >= MIN_BIN_TOKENS:
+            out.append((t, tot / n, int(n)))
+    return out

@@ -1,0 +1,199 @@
+"""The exact digest of the lines since the last summary: log templates with counts, computed by code.
+
+Why: a 135M model reading ~25 raw lines cannot count, and it invents failures. Every accepted line (deduped repeats
+included) goes through Drain3 (a maintained log-template miner: a fixed-depth parse tree, no training, offline),
+so the digest says exactly which kinds of lines came, how many of each, their first/last timestamps, the severity
+words found and the values that vary per template. It goes into the JSONL record beside the prose (`digest`), into
+the question (rendered within a token budget) and into the fact check as support.
+
+Timestamps are cut off before mining (they would otherwise become a `<*>` in front of every template) and kept per
+template as first/last. The lines of one summary period are bounded (the window or --every), so keeping their
+tokens for exact parameter values costs bounded memory; past MAX_TOKENS_KEPT per template the values are marked
+as a sample (`values_exact: false`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_KEPT = 2000  # token lists kept per template per period, for exact parameter values
+MAX_VALUES = 8  # values listed per parameter slot (the distinct count is always exact)
+
+_TS_PATTERNS = [
+    re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"),  # ISO / dpkg
+    re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2}"),  # syslog
+    re.compile(r"\[(\d{2}/[A-Z][a-z]{2}/\d{4}:\d{2}:\d{2}:\d{2} [+-]\d{4})\]"),  # common/combined log format
+    re.compile(r"\d{4}-\d{2}-\d{2}\s+\d{2}:\d{2}:\d{2}"),  # anywhere (apt history "Start-Date: ...")
+]
+
+# canonical severity key -> word pattern; a match glued to an identifier (libgpg-error-dev, stderr) does not count
+_SEVERITY_WORDS = {
+    "fatal": r"fatal(?:ly)?", "panic": r"panic(?:s|ked)?", "critical": r"crit(?:ical)?", "emergency": r"emerg(?:ency)?",
+    "error": r"err(?:or|ors|ored)?", "fail": r"fail(?:s|ed|ure|ures|ing)?", "warning": r"warn(?:ing|ings|ed)?",
+    "denied": r"den(?:ied|y|ies)", "timeout": r"time(?:d)?[ -]?outs?", "oom": r"oom|out of memory",
+    "killed": r"kill(?:ed|s)?", "segfault": r"segfault|segmentation fault", "refused": r"refused",
+    "unreachable": r"unreachable", "abort": r"abort(?:ed|s)?", "corrupt": r"corrupt(?:ed|ion)?",
+    "disk full": r"no space left|disk (?:is )?full", "crash": r"crash(?:ed|es)?", "unable": r"unable|cannot|can't", "invalid": r"invalid", "unauthorized": r"unauthori[sz]ed",
+}
+SEVERITY_RE = re.compile(
+    r"(?<![\w./-])(?:" + "|".join(f"(?P<{re.sub(r'[^a-z]', '_', k)}>{p})" for k, p in _SEVERITY_WORDS.items())
+    + r")(?![\w/-])(?!\.\w)", re.IGNORECASE)
+_GROUP_TO_KEY = {re.sub(r"[^a-z]", "_", k): k for k in _SEVERITY_WORDS}
+HTTP_5XX_RE = re.compile(r"\"\s+(5\d\d)\s+(?:\d+|-)")  # access log: status after the quoted request
+
+
+def split_timestamp(line: str) -> tuple[str | None, str]:
+    """(timestamp text or None, the line without it) for the common log timestamp shapes."""
+    for pat in _TS_PATTERNS:
+        m = pat.search(line)
+        if m:
+            ts = m.group(1) if pat.groups else m.group(0)
+            return ts, (line[: m.start()] + line[m.end():]).strip()
+    return None, line.strip()
+
+
+def severities(text: str) -> Counter[str]:
+    """Canonical severity keys found in `text` (an HTTP 5xx status counts as an error)."""
+    found: Counter[str] = Counter()
+    for m in SEVERITY_RE.finditer(text):
+        found[_GROUP_TO_KEY[m.lastgroup or ""]] += 1
+    if HTTP_5XX_RE.search(text):
+        found["error"] += 1
+    return found
+
+
+@dataclass
+class _Template:
+    """Per-period aggregate of one Drain cluster."""
+
+    count: int = 0
+    first_line: int = 0
+    last_line: int = 0
+    first_ts: str | None = None
+    last_ts: str | None = None
+    severity: Counter[str] = field(default_factory=Counter)
+    token_lists: list[tuple[str, ...]] = field(default_factory=list)
+
+
+def _new_miner() -> Any:
+    """A Drain3 miner with an explicit config (without one it looks for drain3.ini in the working directory)."""
+    from drain3 import TemplateMiner
+    from drain3.template_miner_config import TemplateMinerConfig
+
+    cfg = TemplateMinerConfig()
+    cfg.profiling_enabled = False
+    cfg.drain_sim_th = 0.5
+    cfg.drain_depth = 4
+    cfg.drain_max_clusters = 5000  # LRU-bounded over a run that never ends
+    return TemplateMiner(config=cfg)
+
+
+class Digest:
+    """Templates, counts, timestamps, severities and parameter values of the lines since the last summary.
+
+    One Drain3 miner lives for the whole run (templates learned early keep matching later), while the counts are
+    per period: `take()` returns the period's record and starts a new one."""
+
+    def __init__(self) -> None:
+        self.miner = _new_miner()
+        self.templates: dict[int, _Template] = {}
+        self.lines = 0
+        self.binary = 0
+        self.first_ts: str | None = None
+        self.last_ts: str | None = None
+        self.severity: Counter[str] = Counter()
+
+    def add(self, no: int, text: str, count: int = 1) -> None:
+        """Account input line `no` (`count` identical lines ending there, for a closed run of repeats)."""
+        ts, content = split_timestamp(text)
+        result = self.miner.add_log_message(content or "(empty line)")
+        t = self.templates.setdefault(result["cluster_id"], _Template(first_line=no - count + 1))
+        t.count += count
+        t.last_line = no
+        if ts:
+            t.first_ts = t.first_ts or ts
+            t.last_ts = ts
+            self.first_ts = self.first_ts or ts
+            self.last_ts = ts
+        sev = severities(text)
+        for k, v in sev.items():
+            t.severity[k] += v * count
+            self.severity[k] += v * count
+        if len(t.token_lists) < MAX_TOKENS_KEPT:
+            t.token_lists.extend([tuple((content or "(empty line)").split())] * min(count, MAX_TOKENS_KEPT))
+        self.lines += count
+
+    def record(self) -> dict[str, Any]:
+        """The period's digest as plain JSON data: templates ordered by severity, then count."""
+        clusters = {c.cluster_id: c for c in self.miner.drain.clusters}
+        out = []
+        for cid, t in self.templates.items():
+            cluster = clusters.get(cid)
+            template = cluster.get_template() if cluster is not None else "(template evicted)"
+            item: dict[str, Any] = {"template": template, "count": t.count, "first_line": t.first_line,
+                                    "last_line": t.last_line}
+            if t.first_ts:
+                item["first_ts"], item["last_ts"] = t.first_ts, t.last_ts
+            if t.severity:
+                item["severity"] = dict(t.severity)
+            params, exact = _params(template, t.token_lists, t.count)
+            if params:
+                item["params"] = params
+                if not exact:
+                    item["values_exact"] = False
+            out.append(item)
+        out.sort(key=lambda x: (-sum(x.get("severity", {}).values()), -x["count"], x["first_line"]))
+        return {"lines": self.lines, "templates": out, "first_ts": self.first_ts, "last_ts": self.last_ts,
+                "severity": dict(self.severity), "binary": self.binary}
+
+    def take(self) -> dict[str, Any]:
+        """The record of this period, and a fresh period (the miner and its templates carry on)."""
+        rec = self.record()
+        self.templates, self.lines, self.binary = {}, 0, 0
+        self.first_ts = self.last_ts = None
+        self.severity = Counter()
+        return rec
+
+
+def _params(template: str, token_lists: list[tuple[str, ...]], count: int) -> tuple[list[dict[str, Any]], bool]:
+    """Per `<*>` slot: the most common values and the exact number of distinct ones."""
+    slots = [i for i, tok in enumerate(template.split()) if tok == "<*>"]
+    if not slots:
+        return [], True
+    n = len(template.split())
+    counters = [Counter[str]() for _ in slots]
+    for toks in token_lists:
+        if len(toks) == n:
+            for c, i in zip(counters, slots):
+                c[toks[i]] += 1
+    params = [{"values": [v for v, _ in c.most_common(MAX_VALUES)], "distinct": len(c)} for c in counters if c]
+    return params, len(token_lists) >= count
+
+
+def render(rec: dict[str, Any], count_tokens: Callable[[str], int], budget: int) -> str:
+    """The digest as short text for the question, cut to `budget` tokens (templates in the record's order, so the
+    severe and frequent ones survive a cut). Says how many templates did not fit."""
+    head = f"{rec['lines']} lines"
+    if rec.get("first_ts"):
+        head += f", {rec['first_ts']} to {rec['last_ts']}"
+    sev = rec.get("severity") or {}
+    head += "; severity words: " + (", ".join(f"{k} x{v}" for k, v in sev.items()) if sev else "none") + "."
+    parts, used = [head], count_tokens(head)
+    temps = rec.get("templates", [])
+    for i, t in enumerate(temps):
+        vals = "; ".join(", ".join(p["values"][:3]) + (f" and {p['distinct'] - 3} more" if p["distinct"] > 3 else "")
+                         for p in t.get("params", []))
+        line = f"- {t['count']} lines \"{t['template'].replace('<*>', '*')}\"" + (f" (* = {vals})" if vals else "")
+        cost = count_tokens(line) + 1
+        if used + cost > budget:
+            parts.append(f"(+{len(temps) - i} more kinds of lines)")
+            break
+        parts.append(line)
+        used += cost
+    return "\n".join(parts)
