@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe-sinks": ("sinkchat.apps.evals.demo", "probe_sinks_command"),
     "bench": ("sinkchat.apps.evals.bench", "bench_command"),
     "summarize": ("sinkchat.apps.summarize.command", "summarize_command"),
-    "agent": ("sinkchat.apps.agent.agent", "agent_command"),
+    "agent": ("sinkchat.apps.agent.command", "agent_command"),
     "soak": ("sinkchat.apps.soak.command", "soak_command"),
     "logs": ("sinkchat.apps.logs", "logs_command"),
 }

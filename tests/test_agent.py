@@ -107,7 +107,10 @@ def test_few_shot_exchange_is_fed_once_before_the_first_task(ws):
     list(agent.run("two", 2))
     assert [(r, c) for r, c, _ in eng.fed[: len(FEW_SHOT)]] == FEW_SHOT
     assert [c for _, c, _ in eng.fed[len(FEW_SHOT):]][0].startswith("Task: one")
-    assert sum(c.startswith("Task:") for _, c, _ in eng.fed) == 3  # the example's task + the two real ones
+    from sinkchat.apps.agent.protocol import EXAMPLES
+
+    # the examples' tasks (re-fed before each task, most similar last) + the two real ones
+    assert sum(c.startswith("Task:") for _, c, _ in eng.fed) == len(EXAMPLES) + 2
 
 
 def test_side_effects_need_approval(ws):
@@ -231,7 +234,7 @@ def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
 
     tok = bundled.tokenizer
     model = tiny_model(vocab_size=len(tok), max_pos=4096)
-    eng = Eng(model, tok, CacheConfig(capacity=128, n_sink=4, evict_chunk=16),
+    eng = Eng(model, tok, CacheConfig(capacity=128, n_sink=4, evict_chunk=16, pin="none"),  # the tools' prompt > 128
               SamplingConfig(temperature=1.0, max_tokens=6, seed=1))
     agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)), tmp_path / "ws", max_result_chars=200)
     evictions, max_len, n = 0, 0, 0
@@ -250,7 +253,10 @@ def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
     assert evictions > 50 and eng.ledger.evicted > 10 * 128
     assert max_len <= 128 and eng.cache.length <= 128
     assert eng.ledger.holds_stream_start()  # the sinks still hold the very first tokens
-    assert len(eng.conv.messages) <= agent.keep_messages + 2  # bookkeeping stays bounded too
+    from sinkchat.apps.agent.protocol import FEW_SHOT
+
+    # bookkeeping stays bounded too (the examples are held until the first compaction; 200 steps unbounded: ~400)
+    assert len(eng.conv.messages) <= agent.keep_messages + len(FEW_SHOT) + 4
     assert (tmp_path / "ws" / "NOTES.md").read_text().count("step") >= 10
 
 
@@ -258,12 +264,12 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     """The command end to end (tiny random model, so it is quick): plain lines, status line, summary."""
     from click.testing import CliRunner
 
-    import sinkchat.apps.agent.agent as agent_mod
+    import sinkchat.apps.agent.command as agent_mod
     from sinkchat.core.engine import Engine
     from sinkchat.config import CacheConfig, SamplingConfig
 
     def fake_open(settings, system=None, progress=None):
-        return Engine(tiny_model(vocab_size=len(bundled.tokenizer)), bundled.tokenizer, CacheConfig(capacity=96),
+        return Engine(tiny_model(vocab_size=len(bundled.tokenizer)), bundled.tokenizer, CacheConfig(capacity=96, pin="none"),
                       SamplingConfig(temperature=1.0, max_tokens=4, seed=0))
 
     monkeypatch.setattr(agent_mod, "open_engine", fake_open)
@@ -318,7 +324,7 @@ def test_cli_missing_workspace_is_a_one_line_error_unless_asked(tmp_path, monkey
     the model never loaded; --create-workspace creates it (and --help says so)."""
     from click.testing import CliRunner
 
-    import sinkchat.apps.agent.agent as agent_mod
+    import sinkchat.apps.agent.command as agent_mod
 
     monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: pytest.fail("the model must not load"))
     missing = tmp_path / "typo" / "ws"

@@ -25,7 +25,7 @@ import pytest
 
 from fakes import tiny_model
 
-MODES = {"chat": "sinkchat.apps.chat.repl", "ppl": "sinkchat.apps.evals.ppl", "agent": "sinkchat.apps.agent.agent",
+MODES = {"chat": "sinkchat.apps.chat.repl", "ppl": "sinkchat.apps.evals.ppl", "agent": "sinkchat.apps.agent.command",
          "summarize": "sinkchat.apps.summarize.command", "soak": "sinkchat.apps.soak.command"}
 TINY = ["--quant", "none", "--threads", "1"]
 

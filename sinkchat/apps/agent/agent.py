@@ -1,4 +1,4 @@
-"""`sinkchat agent`: a tool-using loop that runs unbounded on the Engine's one persistent cache.
+"""The agent: a tool-using loop that runs unbounded on the Engine's one persistent cache.
 
 Thoughts, tool calls and tool results all go through `engine.add_message` / `engine.generate`: nothing is ever
 re-encoded, memory stays flat, and when the cache is full the oldest steps leave it with visible EvictionEvents. The
@@ -9,17 +9,11 @@ writes ends as a tool result or an error text fed back to it, never as an except
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
-
-import click
+from typing import Any, Callable, Iterator
 
 from sinkchat.apps.agent.checkpoint import TaskCheckpoint
 from sinkchat.apps.agent.constrain import ToolCallConstraint, build_constraint
@@ -27,17 +21,13 @@ from sinkchat.apps.agent.protocol import (
     FEW_SHOT, AgentErrorEvent, AgentEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
     ToolsTokenizer, complete_call, examples_for, is_example_call, parse_reply, render_system, result_message, task_message, template_has_tools,
 )
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
-from sinkchat.config import ConfigError, data_dir
-from sinkchat.apps.agent.display import Display, _abridge
+from sinkchat.bootstrap import read_prompt
 from sinkchat.core.events import DoneEvent, Event, TokenEvent
-from sinkchat.apps.agent.log import AgentLog
-from sinkchat.apps.runlog import open_log
 from sinkchat.apps.agent.tools.schema import ToolError
-from sinkchat.apps.agent.tools.toolbox import ToolResult, Toolbox, build_default_tools, cap_text, load_tools_module
-from sinkchat.apps.agent.tools.workspace import Workspace, WorkspaceError
+from sinkchat.apps.agent.tools.toolbox import ToolResult, Toolbox, build_default_tools, cap_text
+from sinkchat.apps.agent.tools.workspace import Workspace
 
-__all__ = ["Agent", "AgentCounts", "AgentEvent", "build_default_tools", "Workspace", "Toolbox", "agent_command"]
+__all__ = ["Agent", "AgentCounts", "AgentEvent", "build_default_tools", "Workspace", "Toolbox"]
 
 log = logging.getLogger(__name__)
 
@@ -243,185 +233,3 @@ class Agent:
 
 
 # ------------------------------------------------------------------------------------------------------ display
-def make_approver(mode: str, interactive: bool) -> Approve | None:
-    if mode == "auto":
-        return None
-    if mode == "never-shell":
-        return lambda name, args: name != "shell"
-
-    def ask(name: str, args: dict[str, Any]) -> bool:
-        if not interactive:
-            log.warning("--approve ask without a terminal: denied %s (use --approve auto)", name)
-            return False
-        return click.confirm(f"allow {name} {_abridge(repr(args), 300)}?", default=False, err=True)
-
-    return ask
-
-
-def task_source(task: str | None, tasks_file: str | None, forever: bool) -> Iterable[str]:
-    """TASK, then the lines of --tasks FILE (or stdin lines); with --forever cycle through them without end."""
-
-    def lines() -> Iterator[str]:
-        if task:
-            yield task
-        if tasks_file:
-            try:
-                fh = sys.stdin if tasks_file == "-" else open(tasks_file, encoding="utf-8", errors="replace")
-            except OSError as e:
-                raise click.ClickException(f"cannot read {tasks_file}: {e.strerror}") from None
-            with fh if fh is not sys.stdin else contextlib.nullcontext():
-                yield from (ln.strip() for ln in fh if ln.strip() and not ln.lstrip().startswith("#"))
-
-    if not forever:
-        return lines()
-    return _cycle(lines)
-
-
-def _cycle(make: Callable[[], Iterator[str]]) -> Iterator[str]:
-    seen = []
-    for t in make():
-        seen.append(t)
-        yield t
-    if not seen:
-        raise click.UsageError("--forever needs a TASK, --tasks FILE or task lines on stdin")
-    yield from itertools.cycle(seen)
-
-
-class WorkspaceUsageError(click.ClickException):
-    """A workspace that cannot be used: one line and exit 2 (a usage mistake; click's UsageError would add the usage
-    text around it)."""
-
-    exit_code = 2
-
-
-def open_workspace(path: str | None, create: bool) -> Workspace:
-    """--workspace DIR must exist unless --create-workspace; without --workspace, a fresh folder under the data dir.
-    Checked before the log or the model is opened, so a mistyped path creates nothing (no folder, no log)."""
-    if path is None:
-        return Workspace(data_dir() / "workspaces" / time.strftime(f"%Y%m%d-%H%M%S-{uuid.uuid4().hex[:6]}"),
-                         create=True)
-    try:
-        return Workspace(path, create=create)
-    except WorkspaceError as e:
-        hint = "" if create or Path(path).expanduser().exists() else " (pass --create-workspace to create it)"
-        raise WorkspaceUsageError(f"{e}{hint}") from None
-
-
-def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
-    """The functions of every --tools-module file; a broken file is a ConfigError (exit 2)."""
-    extra: list[Callable[..., Any]] = []
-    for path in paths:
-        try:
-            extra += load_tools_module(path)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    return extra
-
-
-@click.command("agent")
-@click.argument("task", required=False)
-@click.option("--workspace", type=click.Path(file_okay=False), default=None,
-              help="existing folder the file tools are confined to (default: a fresh folder under the data dir)")
-@click.option("--create-workspace", is_flag=True,
-              help="create the --workspace folder (and its parents) if it is missing, instead of refusing")
-@click.option("--max-steps", type=click.IntRange(0, None), default=10, show_default=True, help="steps per task (0 = no limit)")
-@click.option("--forever", is_flag=True, help="keep cycling through the tasks (TASK, --tasks FILE or stdin lines)")
-@click.option("--tasks", "tasks_file", type=click.Path(dir_okay=False, allow_dash=True), default=None,
-              help="file with one task per line ('-' = stdin)")
-@click.option("--approve", type=click.Choice(["ask", "auto", "never-shell"]), default=None,
-              help="before side-effecting calls: ask (default on a terminal), auto, never-shell (default otherwise)")
-@click.option("--allow-shell", is_flag=True, help="offer the shell tool (NOT confined to the workspace)")
-@click.option("--tools-module", multiple=True, type=click.Path(dir_okay=False), help="extra tools: a .py file (repeatable)")
-@click.option("--max-result-chars", type=click.IntRange(100, None), default=1500, show_default=True,
-              help="cap on each tool result fed to the model")
-@click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
-@click.option("--no-constrain", is_flag=True,
-              help="let the model write anything (default: every reply is forced to be a valid tool call or answer)")
-@click.option("--keep-context", is_flag=True,
-              help="each task sees the earlier tasks' turns (default: each starts from the system prompt and examples)")
-@common_options
-def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
-                  tasks_file: str | None, approve: str | None, allow_shell: bool, tools_module: tuple[str, ...],
-                  max_result_chars: int, no_log: bool, no_constrain: bool, keep_context: bool, **kw: Any) -> None:
-    """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line)."""
-    from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
-
-    opts = pop_common(kw)
-    setup_logging(opts["verbose"] or 0)
-    interactive = sys.stdin.isatty()
-    with user_errors():
-        settings = build_settings(opts)
-        if task is None and tasks_file is None and not interactive:
-            tasks_file = "-"
-        extra = load_extra_tools(tools_module)
-        ws = open_workspace(workspace, create_workspace)
-        try:
-            tools = build_default_tools(ws, allow_shell, max_result_chars, extra)
-        except ValueError as e:
-            raise ConfigError(f"bad tool: {e}") from None
-        engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
-        agent = Agent(engine, tools, ws, make_approver(approve or ("ask" if interactive else "never-shell"), interactive),
-                      constrain=not no_constrain, fresh_tasks=not keep_context)
-        metrics = Metrics()
-        mbytes = model_bytes(engine.model)
-        slog = open_log(engine, "agent", no_log, None, lambda m: click.echo(f"warning: {m}", err=True),
-                        extra={"workspace": str(ws.root), "tools": tools.names})
-        display = Display(engine, metrics, sys.stdout.isatty(), mbytes, AgentLog(slog, engine))
-        click.echo(f"workspace: {ws.root}  tools: {', '.join(tools.names)}", err=True)
-        rss0 = rss_bytes()
-        try:
-            if task is None and tasks_file is None:
-                _interactive(agent, display, max_steps)
-            else:
-                for t in task_source(task, tasks_file, forever):
-                    for ev in agent.run(t, max_steps or None):
-                        display(ev)
-        except KeyboardInterrupt:
-            display.line("interrupted", "red")
-        finally:
-            slog.close()
-        c = agent.counts
-        click.echo(f"agent: {c.tasks} task(s), {c.steps} step(s), tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
-                   f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
-                   f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
-                   + _constraint_note(agent.constraint), err=True)
-
-
-def _constraint_note(con: ToolCallConstraint | None) -> str:
-    if con is None or not con.tokens:
-        return "; unconstrained"
-    return f"; grammar mask {con.seconds / con.tokens * 1e6:.0f} us/token over {con.tokens} tokens"
-
-
-def _interactive(agent: Agent, display: Display, max_steps: int) -> None:
-    """Each line typed is a task; Ctrl-C stops the running task, Ctrl-D leaves."""
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
-
-    from sinkchat.apps.render import live_stats, toolbar_fragments
-
-    def toolbar() -> Any:  # the same live status bar as `sinkchat chat`
-        return toolbar_fragments(live_stats(agent.engine, display.metrics, display.model_nbytes))
-
-    try:
-        data_dir().mkdir(parents=True, exist_ok=True)
-        history: Any = FileHistory(str(data_dir() / "agent-history"))
-    except OSError:
-        history = None
-    session: PromptSession[str] = PromptSession(history=history, bottom_toolbar=toolbar, refresh_interval=0.5)
-    while True:
-        try:
-            line = session.prompt("task> ").strip()
-        except KeyboardInterrupt:
-            continue
-        except EOFError:
-            return
-        if not line:
-            continue
-        if line in ("/quit", "/exit"):
-            return
-        try:
-            for ev in agent.run(line, max_steps or None):
-                display(ev)
-        except KeyboardInterrupt:
-            display.line("task interrupted", "red")
