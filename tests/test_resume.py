@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,15 +21,23 @@ def run_chat(args, stdin, home, timeout=300):
     return subprocess.run(BASE + args, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _cache_line(stderr: str) -> str:
+    """The /stats row that says how many tokens the cache holds ("cache  39/96 tokens, 2.1 MiB KV")."""
+    return next(ln.split()[1] for ln in stderr.splitlines() if ln.startswith("cache "))
+
+
 def test_save_then_load_gives_the_same_next_reply(tmp_path):
-    a = run_chat([], "Name a color.\nName a city.\n/save snap1\nName a fruit.\n", tmp_path)
+    """The loaded cache is the saved one (same fill, same next answer, whole and in JSONL so a multi-line reply
+    counts), and it is not what an empty cache gives: a restore that lost the context fails the fill check."""
+    a = run_chat(["--format", "jsonl"], "Name a color.\nName a city.\n/save snap1\n/stats\nName a fruit.\n", tmp_path)
     assert a.returncode == 0, a.stderr[-1500:]
-    replies_a = [r for r in a.stdout.split("\n") if r.strip()]
     assert (tmp_path / "snapshots" / "snap1.safetensors").is_file()
-    b = run_chat(["--load", "snap1"], "Name a fruit.\n", tmp_path)
+    b = run_chat(["--format", "jsonl", "--load", "snap1"], "/stats\nName a fruit.\n", tmp_path)
     assert b.returncode == 0, b.stderr[-1500:]
-    replies_b = [r for r in b.stdout.split("\n") if r.strip()]
-    assert replies_b and replies_b[-1] == replies_a[-1]
+    saved, loaded = _cache_line(a.stderr), _cache_line(b.stderr)
+    assert saved == loaded and int(saved.split("/")[0]) > 20  # both turns are in the cache, not only the system
+    answer = [json.loads(ln)["answer"] for ln in a.stdout.splitlines()][-1]
+    assert json.loads(b.stdout.splitlines()[-1])["answer"] == answer and answer.strip()
 
 
 def test_load_at_start_takes_a_json_transcript_too(tmp_path):

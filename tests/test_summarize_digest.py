@@ -308,3 +308,24 @@ def test_the_question_turn_is_logged_with_its_tokens_and_feed_time():
     (q, _), (a, _) = turns
     assert q[0] == "user" and q[2] > 0 and q[3] > 0.0  # tokens fed for the question, seconds spent feeding them
     assert a[0] == "assistant" and a[1] == "Packages were unpacked."
+
+
+def test_the_labelled_slice_through_the_summarizer_with_a_model_that_invents_and_omits():
+    """The eval's labelled set, a small slice, through the real Summarizer on a tiny model whose every reply invents
+    a failure and names no real incident (the worst a small model does): nothing invented may reach a clean log's
+    summaries, and every injected incident must be named."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import summarize_eval as ev
+
+    lie = "The backup job failed with a fatal error on host db-9."
+    runs = []
+    for name, lines in (("syslog", ev.syslog_lines(60)), ("access", ev.access_lines(60))):
+        for clean in (True, False):
+            log, labels = (lines, []) if clean else ev.inject(lines, every=20)
+            s, eng, out, _ = _fit_summarizer([lie] * 400, capacity=1024)
+            _run(s, log)
+            blocks = [json.loads(l) for l in out.getvalue().splitlines()]
+            runs.append({"clean": clean, "lines": len(log), "labels": labels, "blocks": blocks})
+    f = ev.score(runs)
+    assert f["incidents"] >= 4 and f["clean_lines"] == 120
+    assert f["invented_per_10k"] == 0.0 and f["recall_prose"] == 1.0 and f["cut_share"] == 0.0, f
