@@ -15,13 +15,7 @@ void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int 
             _mm512_storeu_ps(o + i + h, _mm512_fmadd_ps(b, _mm512_loadu_ps(cs + i + h), _mm512_mul_ps(a, _mm512_loadu_ps(sn + i + h))));
         }
     }
-    for (; i < h; i++) {
-        float a = k[i], b = k[i + h];
-        o[i] = fmaf(a, cs[i], -(b * sn[i]));
-        o[i + h] = fmaf(b, cs[i + h], a * sn[i + h]);
-    }
-    if (o != k)
-        for (int j = rot; j < D; j++) o[j] = k[j];
+    sc_rot_lanes(k, o, cs, sn, i, rot, D);
 }
 
 void sc_put_bf16(uint16_t* p, const float* src, int D) {

@@ -162,6 +162,19 @@ void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int 
 void sc_put_bf16(uint16_t* p, const float* src, int D);  // round to nearest even, as torch; NaN stays NaN
 void sc_get_bf16(float* dst, const uint16_t* p, int D);
 
+// The scalar rotate-half of lanes [from, rot/2) of one row, then the copy of dims past rot (o may be k): the whole of
+// the reference's sc_rot_row, and the SIMD one's tail, so both round the same way (fmaf over one rounded product).
+static inline void sc_rot_lanes(const float* k, float* o, const float* cs, const float* sn, int from, int rot, int D) {
+    int h = rot / 2;
+    for (int i = from; i < h; i++) {
+        float a = k[i], b = k[i + h];
+        o[i] = fmaf(a, cs[i], -(b * sn[i]));
+        o[i + h] = fmaf(b, cs[i + h], a * sn[i + h]);
+    }
+    if (o != k)
+        for (int j = rot; j < D; j++) o[j] = k[j];
+}
+
 static inline uint16_t sc_to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
     uint32_t u;
     memcpy(&u, &f, 4);

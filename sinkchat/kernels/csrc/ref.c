@@ -116,14 +116,7 @@ int sc_q8_mm(sc_arena* a, const float* x, int M, int K, int N, const sc_q8_block
 }
 
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D) {
-    int h = rot / 2;
-    for (int i = 0; i < h; i++) {
-        float a = k[i], b = k[i + h];
-        o[i] = fmaf(a, cs[i], -(b * sn[i]));
-        o[i + h] = fmaf(b, cs[i + h], a * sn[i + h]);
-    }
-    if (o != k)
-        for (int j = rot; j < D; j++) o[j] = k[j];
+    sc_rot_lanes(k, o, cs, sn, 0, rot, D);
 }
 
 void sc_put_bf16(uint16_t* p, const float* src, int D) {
