@@ -64,6 +64,16 @@ class SinkGauge:
         for h in self._handles:
             h.remove()
 
+    def probs(self, cache: SinkKVCache, i: int) -> torch.Tensor:
+        """Layer i's attention probabilities [B, H_kv, G, L] of the captured query, rotated to its in-cache position
+        L-1, against the cached keys: what attention computed for the last token fed."""
+        L = cache.length
+        q = self.queries[i].reshape(1, self.n_heads, 1, self.head_dim)  # [B, H, 1, D]
+        q = self.rope.rotate(q, L - 1).float()
+        keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
+        qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
+        return torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * self.scales[i], dim=-1)
+
     def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
         """Attention share of the last fed token on slots [0, n), from the queries captured in the last forward."""
         L = cache.length
@@ -77,13 +87,8 @@ class SinkGauge:
                               uniform=min(n, L) / L, n=min(n, L), holds_start=holds_start)
         n = min(n, L)
         per_layer, recent = [], []
-        for i, attn in enumerate(self.attn):
-            q = self.queries[i].reshape(1, self.n_heads, 1, self.head_dim)  # [B, H, 1, D]
-            q = self.rope.rotate(q, L - 1).float()  # the token sat at in-cache position L-1
-            keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
-            qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
-            scale = self.scales[i]
-            probs = torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, dim=-1)  # [B, H_kv, G, L]
+        for i in range(len(self.attn)):
+            probs = self.probs(cache, i)  # [B, H_kv, G, L]
             per_layer.append(float(probs[..., :n].sum(-1).mean()))
             recent.append(float(probs[..., L - n :].sum(-1).mean()))
         self.queries = [None] * len(self.attn)

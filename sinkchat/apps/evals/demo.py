@@ -61,23 +61,12 @@ def stream_policy(engine: Any, ids: list[int], policy: str, capacity: int, n_sin
 def attention_rows(engine: Any) -> list[Any]:
     """Per layer: attention probabilities [L] (mean over heads) of the last token fed while the gauge was armed.
 
-    The same recomputation as SinkGauge.measure (captured query, rotated to its in-cache position, against the cached
-    keys) but keeping every slot, so the demo can read single positions and the recent tail per layer."""
-    import torch
-
+    `SinkGauge.probs`, as the gauge's own measurement uses it, but keeping every slot, so the demo can read single
+    positions and the recent tail per layer."""
     gauge, cache = engine.gauge, engine.cache
-    L = cache.length
-    if L == 0 or any(q is None for q in gauge.queries):
+    if cache.length == 0 or any(q is None for q in gauge.queries):
         return []
-    rows = []
-    for i, attn in enumerate(gauge.attn):
-        q = gauge.rope.rotate(gauge.queries[i].reshape(1, gauge.n_heads, 1, gauge.head_dim), L - 1).float()
-        qg = q.view(1, gauge.n_kv, gauge.n_heads // gauge.n_kv, gauge.head_dim)  # [B, H_kv, G, D]
-        keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
-        scale = float(getattr(attn, "scaling", gauge.head_dim**-0.5))
-        probs = torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * scale, dim=-1)
-        rows.append(probs.mean(dim=(0, 1, 2)))  # [L]
-    return rows
+    return [gauge.probs(cache, i).mean(dim=(0, 1, 2)) for i in range(len(gauge.attn))]  # per layer [L]
 
 
 def dense_with_gauge(engine: Any, ids: list[int], chunk: int, n: int, from_pos: int,
