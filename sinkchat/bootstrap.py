@@ -27,7 +27,7 @@ COMMON = [
     click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
     click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None, help="what the KV cache stores: auto = bfloat16 with a fast decode step [env SINKCHAT_KV_DTYPE; default auto]"),
     click.option("--decoder", type=click.Choice(DECODERS), default=None, help="single-token decoding: auto = the native C step (AVX-512 VNNI), else the torch step compiled in the background; native; compiled / eager = torch step and kernels; hf = the transformers forward [env SINKCHAT_DECODER; default auto]"),
-    click.option("--threads", type=click.IntRange(0, 256), default=None, help="torch threads [env SINKCHAT_THREADS; default 1]"),
+    click.option("--threads", type=click.IntRange(0, 256), default=None, help="threads for the native kernels (a persistent pool, results identical at any count) and torch [env SINKCHAT_THREADS; default 0 = the physical cores]"),
     click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
     click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),
     click.option("--pin", type=click.Choice(PINS), default=None, help="what the sink policy also keeps forever: system = the system prompt (and the agent's tool definitions), shown as 'pinned N' in the status; none = only the sinks [env SINKCHAT_PIN; default system]"),

@@ -37,7 +37,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
                         "torch step compiled in the background), native, compiled (torch step and kernels, wait "
                         "for the compile), eager (torch step and kernels, never compiled) or hf (the transformers "
                         "forward, the reference)"),
-    "SINKCHAT_THREADS": ("1", "torch threads (1 is fastest on a loaded 2-core box; 0 = torch default)"),
+    "SINKCHAT_THREADS": ("0", "threads for sinkchat's kernels and torch (0 = one per physical core this process may "
+                         "run on)"),
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),
     "SINKCHAT_SINKS": ("4", "number of pinned attention-sink tokens"),
     "SINKCHAT_PIN": ("system", "what else the sink policy keeps forever after the sinks: system (the system prompt, "
@@ -97,6 +98,49 @@ def env(name: str, cast: Callable[[str], Any] = str) -> Any:
         raise ConfigError(f"{name}={raw!r} is not a valid value ({ENV_SETTINGS[name][1]})") from None
 
 
+def physical_cores() -> int:
+    """The physical cores this process may run on: the CPUs of its affinity mask, counted once per (package, core)
+    pair, so SMT siblings, which share a core's load ports and caches, count once (the decode step is bound by memory
+    traffic; a second thread on the same core adds wake-ups, not bandwidth). From sysfs, else /proc/cpuinfo; where
+    neither says, every CPU in the mask (os.cpu_count() without one)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    for ids in (_sysfs_cores, _cpuinfo_cores):
+        try:
+            cores = ids()
+        except (OSError, ValueError):
+            continue
+        mine = {cores[c] for c in cpus if c in cores}
+        if mine and all(c in cores for c in cpus):
+            return len(mine)
+    return max(1, len(cpus))
+
+
+def _sysfs_cores() -> dict[int, tuple[str, str]]:
+    """CPU number -> (package, core) from /sys/devices/system/cpu/cpuN/topology."""
+    out = {}
+    for d in Path("/sys/devices/system/cpu").glob("cpu[0-9]*"):
+        topo = d / "topology"
+        out[int(d.name[3:])] = ((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip())
+    return out
+
+
+def _cpuinfo_cores() -> dict[int, tuple[str, str]]:
+    """CPU number -> (physical id, core id) from /proc/cpuinfo (x86 lists both per processor)."""
+    out, cur = {}, {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines() + [""]:
+        key, _, val = line.partition(":")
+        if key.strip():
+            cur[key.strip()] = val.strip()
+        elif cur:
+            if {"processor", "physical id", "core id"} <= cur.keys():
+                out[int(cur["processor"])] = (cur["physical id"], cur["core id"])
+            cur = {}
+    return out
+
+
 def opt_int(raw: str) -> int | None:
     return int(raw) if str(raw).strip() else None
 
@@ -107,7 +151,7 @@ class ModelConfig:
     quant: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    threads: int = 1
+    threads: int = 0  # 0: physical_cores()
     kv_dtype: str = "auto"
     decoder: str = "auto"
 
@@ -124,6 +168,11 @@ class ModelConfig:
             raise ConfigError(f"--decoder must be one of {', '.join(DECODERS)}, not {self.decoder!r}")
         if self.threads < 0:
             raise ConfigError("--threads must be >= 0")
+
+    @property
+    def resolved_threads(self) -> int:
+        """--threads, or for 0 (the default) the physical cores."""
+        return self.threads or physical_cores()
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,41 @@ from sinkchat.model.loader import LoadError, load
 
 
 def test_bundled_loads_from_cached_conversion(bundled):
+    """The converted folder holds small files only (config, tokenizer, the tensor table) and at most the packed
+    model: never an fp32 copy of the weights."""
+    from sinkchat.model import gguf_convert, gguf_packed
+
     assert bundled.source.endswith(".gguf")
-    assert "sinkchat-converted.json" in {p.name for p in __import__("pathlib").Path(bundled.path).iterdir()}
+    folder = Path(bundled.path)
+    assert gguf_convert.is_done(folder)
+    big = {p.name for p in folder.iterdir() if p.stat().st_size > 5_000_000}
+    assert big <= {gguf_packed.WEIGHTS}, big
+    if (folder / gguf_packed.WEIGHTS).exists():  # packed: about the GGUF's size, not 4 bytes a weight
+        assert (folder / gguf_packed.WEIGHTS).stat().st_size < 1.5 * Path(bundled.source).stat().st_size
     cfg = bundled.model.config
     assert cfg.num_hidden_layers == 30 and cfg.num_key_value_heads == 3
+
+
+def test_the_packed_gguf_model_computes_with_the_files_own_weights(bundled):
+    """q4 from the GGUF holds the Q4_1 linears and the Q8_0 table as the file stores them: the packed weights equal
+    the fp32 dequantization (`--quant none`) bit for bit, q/k rows included (llama.cpp's row permutation undone
+    alike on both paths)."""
+    from sinkchat.model import int4
+    from sinkchat.model.int8g import Int8GLinear
+
+    q4 = load(ModelConfig(quant="q4", threads=1))
+    a, b = q4.model.model.layers, bundled.model.model.layers
+    for name in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj"):
+        for i in (0, 29):
+            lin = a[i].get_submodule(name)
+            assert isinstance(lin, int4.Int4Linear)
+            w = lin.rows(torch.arange(lin.out_features))  # the packed integers and fp16 scales, d·q + m in fp32
+            torch.testing.assert_close(w, b[i].get_submodule(name).weight, rtol=0, atol=0)
+    table = q4.model.get_output_embeddings()
+    assert isinstance(table, Int8GLinear) and q4.model.get_input_embeddings().table is table  # tied: one copy
+    ids = torch.tensor([0, 5, 49151, 1000])
+    want = bundled.model.get_input_embeddings()(ids)
+    torch.testing.assert_close(q4.model.get_input_embeddings()(ids), want, rtol=0, atol=0)
 
 
 def test_nf4_quantizes_most_linear_weights(bundled_nf4):
@@ -59,8 +90,21 @@ def test_q4_swaps_every_decoder_linear_and_keeps_the_logits(bundled):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.94
 
 
+@pytest.fixture(scope="module")
+def bundled_folder(bundled, tmp_path_factory) -> str:
+    """The bundled model as a Hugging Face folder (fp32 safetensors), for the folder loading path."""
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("bundled-folder")
+    bundled.model.config.save_pretrained(d)
+    bundled.model.generation_config.save_pretrained(d)
+    state = {k: v.contiguous() for k, v in bundled.model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return str(d)
+
+
 @pytest.mark.parametrize("kernels", ["torch", "native"])
-def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, kernels):
+def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, bundled_folder, kernels):
     """The low-memory path (skeleton on meta, tensors read one by one, packed as read) must build exactly the model
     that loading everything in fp32 and quantizing afterwards builds: any weight it skipped or mis-assigned (a
     norm left at its init value, an untied head) changes the logits."""
@@ -74,7 +118,7 @@ def test_streamed_q4_load_equals_quantizing_the_full_model(bundled, kernels):
         pytest.skip(f"native kernels: {native.unsupported(native.variant())}")
     full = copy.deepcopy(bundled.model)
     quantize_q4(full, kernels)
-    streamed, frac = load_q4(bundled.path, bundled.model.config, torch.float32, kernels)
+    streamed, frac = load_q4(bundled_folder, bundled.model.config, torch.float32, kernels)
     assert frac == 1.0
     assert streamed.lm_head.table is streamed.model.embed_tokens.table
     ids = bundled.tokenizer("Attention sinks keep streaming models stable.", return_tensors="pt").input_ids

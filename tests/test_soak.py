@@ -255,6 +255,10 @@ def test_agent_soak_on_the_bundled_model(tmp_path):
     verdicts = {v.name: v for v in write_report(out, plots=False)}
     for name in ("cache bounded", "errors", "crashes", "ran as planned"):
         assert verdicts[name].status == "PASS", verdicts[name]
+    # the agent's tool calls are counted in every sample and judged (whatever the share, it is a verdict, not n/a)
+    assert all("tool_calls_ok" in s and "interval_tool_calls_failed" in s for s in samples)
+    assert end["tool_calls_ok"] + end["tool_calls_failed"] > 0
+    assert verdicts["agent valid-call share"].status in ("PASS", "FAIL")
     statuses = {v.status for v in verdicts.values()}
     want = 3 if "FAIL" in statuses else 4 if "INCOMPLETE" in statuses else 5 if "SHORT" in statuses else 0
     assert p.returncode == want, p.stdout + p.stderr[-2000:]

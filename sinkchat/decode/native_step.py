@@ -6,9 +6,13 @@ torch each costs a dispatch (~5-10 us), through transformers' forward ~14 ms a t
 their arithmetic costs, and one ctypes call per token replaces dynamo's guards and inductor's build (no compiler
 stack in the process: ~85 MB less RSS than the compiled step, and no 1.5-minute first build).
 
-Same math as `fastdecode.decode_one` and transformers' forward (RMSNorm, rotate-half RoPE at the in-cache slot,
+Same math as `torch_step.decode_one` and transformers' forward (RMSNorm, rotate-half RoPE at the in-cache slot,
 GQA softmax attention over slots <= pos, SiLU MLP), with attention in fp32 over K/V stored as the cache's dtype
-(fp32 or bf16). Tests stream tiny Llama and Qwen2 models through it and through transformers and compare.
+(fp32 or bf16). Beyond the torch step: each linear may be q4 (`Int4Linear`), q8g (`Int8GLinear`), or the K-quants'
+q4k / q8k (`Int4KLinear`, `Int8KLinear`: tests/test_qk.py), as a GGUF of mixed types loads; Qwen3's per-head q/k
+RMSNorm; partial rotary; Phi-3's fused qkv_proj / gate_up_proj, passed to C as row-group views of the fused weights
+(no copy). Tests stream tiny Llama, Qwen2 (tests/test_native.py), Qwen3,
+Mistral and Phi-3 (tests/test_native_archs.py) models through it and through transformers and compare.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from typing import Any
 import torch
 
 from sinkchat.model import int4
+from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.intk import Int4KLinear, Int8KLinear
 from sinkchat.kernels import native
-from sinkchat.decode.torch_step import unsupported_reason
 from sinkchat.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -29,16 +34,84 @@ log = logging.getLogger(__name__)
 # the order `sc_step` reads each layer's (weights, scales, bias) triples in (csrc/step.c)
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
             "mlp.up_proj", "mlp.down_proj")
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # Phi-3: parts in this order along the rows
+_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3}  # csrc/kernels.h: SC_LIN_Q4, SC_LIN_Q8G, SC_LIN_Q4K, SC_LIN_Q8K
+_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear)  # one class per layout above
 
 
 def why_not(model: Any, spec: ModelSpec) -> str | None:
     """Why `NativeStep` cannot run this model (None: it can): the kernels, the spec's shape, the packed weights."""
-    reason = native.why_unavailable() or spec.fast_step_refusal(native=True) or unsupported_reason(model, "native")
-    if reason:
-        return reason
-    if getattr(model.model.norm, "weight", None) is None:
+    return native.why_unavailable() or spec.fast_step_refusal(native=True) or _weights_refusal(model, spec)
+
+
+def _is_native(lin: Any) -> bool:
+    return isinstance(lin, _PACKED) and lin.kernels == "native"
+
+
+def _weights_refusal(model: Any, spec: ModelSpec) -> str | None:
+    """Why the model's modules are not what `sc_step` reads: fp32 norms on the CPU, every linear packed for the
+    native kernels (q4, q8g, q4k or q8k), fused projections splittable at 16-row boundaries, q/k norms of one head's
+    width."""
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers"):
+        return "no decoder stack"
+    weight = getattr(getattr(base, "norm", None), "weight", None)
+    if weight is None:
         return "final norm without weight"
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return "not fp32 on the CPU"
+    if any(name not in _LINEARS and name not in _FUSED for name in spec.linears):
+        return f"linears {spec.linears}"
+    for layer in base.layers:
+        lins = [layer.get_submodule(name) for name in spec.linears]
+        if not all(_is_native(lin) for lin in lins):
+            return "linears not all packed for the native kernels (q4, q8g, q4k or q8k)"
+        if hasattr(layer.self_attn, "sinks"):
+            return "attention variant (learned sinks)"
+        if spec.norm.qk_norm and not all(_per_head_norm(getattr(layer.self_attn, n, None), spec)
+                                         for n in ("q_norm", "k_norm")):
+            return "q/k norms not RMSNorms of one head's width with the model's eps"
+    if "mlp.gate_up_proj" in spec.linears and spec.inter % native.RG:
+        return f"fused gate_up split at {spec.inter}, not a multiple of {native.RG} rows"
     return None
+
+
+def _per_head_norm(norm: Any, spec: ModelSpec) -> bool:
+    """A q/k norm `sc_step` computes: a weight of head_dim, and the eps of the layer norms (Model.eps serves both)."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return weight is not None and weight.numel() == spec.head_dim and eps is not None and float(eps) == spec.norm.eps
+
+
+def _parts(layer: Any, spec: ModelSpec) -> list[tuple[Any, int, int]]:
+    """The 7 linears `sc_step` reads for one layer, in `_LINEARS` order, as (module, first row, rows): a fused
+    module (Phi-3's qkv_proj, gate_up_proj) gives one part per projection, rows [first, first + rows) of it."""
+    hd, kvd = spec.n_heads * spec.head_dim, spec.n_kv * spec.head_dim
+    rows = {"self_attn.q_proj": hd, "self_attn.k_proj": kvd, "self_attn.v_proj": kvd, "mlp.gate_proj": spec.inter,
+            "mlp.up_proj": spec.inter}
+    out: dict[str, tuple[Any, int, int]] = {}
+    for name in spec.linears:
+        mod = layer.get_submodule(name)
+        if name in _FUSED:
+            first = 0
+            for part in _FUSED[name]:
+                out[part] = (mod, first, rows[part])
+                first += rows[part]
+            if first != mod.out_features:
+                raise ValueError(f"{name}: {mod.out_features} rows, expected {first}")
+        else:
+            out[name] = (mod, 0, mod.out_features)
+    return [out[name] for name in _LINEARS]
+
+
+def _rows_of(lin: Any, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weights, scales, fp32 bias or None) of rows [first, first + n) of a packed linear: views of its row groups
+    (the weight blocks, qw or hw, and sw are [N/16, ...], so a 16-row-aligned split is a contiguous view, no copy)."""
+    g0, g1 = first // native.RG, (first + n) // native.RG
+    bias = None if lin.bias is None else lin.bias.detach()[first : first + n].float().contiguous()  # C reads fp32
+    weights = lin.hw if lin.layout == "q8k" else lin.qw
+    return weights[g0:g1], lin.sw[g0:g1], bias
 
 
 class NativeStep:
@@ -55,10 +128,10 @@ class NativeStep:
         layers = base.layers
         self.n_layers = spec.n_layers
         self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
-        self.embed = model.get_input_embeddings()
+        self.embed = model.get_input_embeddings()  # called as a module: an Int8Embedding or any other lookup
         head = model.get_output_embeddings()
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
-        self.head = None if table is not None else head  # e.g. an untied fp32 lm_head: applied here in torch
+        self.head = None if table is not None else head  # an fp32 / q4 / q8g lm_head: applied here in torch
         self.vocab = table.num_embeddings if table is not None else spec.vocab
         # keep every tensor the struct points into alive for the step's lifetime
         self._keep: list[torch.Tensor] = [
@@ -67,16 +140,19 @@ class NativeStep:
             torch.stack([layer.post_attention_layernorm.weight.detach().float() for layer in layers]).contiguous(),
             base.norm.weight.detach().float().contiguous(),
         ]
-        ptrs = []
+        qk = [self._stack([layer.self_attn.get_submodule(n).weight for layer in layers]) if spec.norm.qk_norm else None
+              for n in ("q_norm", "k_norm")]
+        ptrs, types = [], []
         for layer in layers:
-            for name in _LINEARS:
-                lin = layer.get_submodule(name)
-                bias = None if lin.bias is None else lin.bias.detach().float().contiguous()  # C reads fp32
-                self._keep += [lin.qw, lin.sw] + ([] if bias is None else [bias])  # what the pointers point into
-                ptrs += [lin.qw.data_ptr(), lin.sw.data_ptr(), None if bias is None else bias.data_ptr()]
+            for lin, first, n in _parts(layer, spec):
+                parts = _rows_of(lin, first, n)
+                self._keep += [t for t in parts if t is not None]  # what the pointers point into
+                ptrs += [t.data_ptr() if t is not None else None for t in parts]
+                types.append(_LIN_TYPE[lin.layout])
         if table is not None:
             self._keep += [table.hw, table.scale]
         self._lin = (ctypes.c_void_p * len(ptrs))(*ptrs)
+        self._types = (ctypes.c_int * len(types))(*types)
         self._m = native.StepModel(
             n_layers=self.n_layers, dim=spec.dim, n_heads=self.n_heads, n_kv=self.n_kv,
             head_dim=self.head_dim, inter=spec.inter,
@@ -85,9 +161,17 @@ class NativeStep:
             inv_freq=self._keep[0].data_ptr(), norm_in=self._keep[1].data_ptr(), norm_post=self._keep[2].data_ptr(),
             norm_final=self._keep[3].data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
             table=None if table is None else table.hw.data_ptr(),
-            table_scale=None if table is None else table.scale.data_ptr())
+            table_scale=None if table is None else table.scale.data_ptr(),
+            q_norm=None if qk[0] is None else qk[0].data_ptr(), k_norm=None if qk[1] is None else qk[1].data_ptr(),
+            lin_type=ctypes.cast(self._types, ctypes.c_void_p), rot=spec.layers[0].rope.rot_dim)
         self._out = self._m.vocab if table is not None else spec.dim
         self._kv: tuple[Any, ...] = ()
+
+    def _stack(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """fp32 [L, D] of per-layer norm weights, kept alive with the step."""
+        t = torch.stack([w.detach().float() for w in weights]).contiguous()
+        self._keep.append(t)
+        return t
 
     @classmethod
     def for_model(cls, model: Any, spec: ModelSpec) -> "NativeStep | None":

@@ -27,20 +27,25 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 2  # csrc/kernels.h: SC_ABI_VERSION
+ABI = 5  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+#          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads))
 KEY_VERSION = 3  # part of the cached library's name: bump to rebuild every cached copy (3: two variants, handshake)
 CSRC = Path(__file__).parent / "csrc"
 HEADERS = ("kernels.h", "simd.h")
-SOURCES = {"simd": ("matmul.c", "attend.c", "step.c", "api.c"), "ref": ("ref.c", "step.c", "api.c")}
+SHARED = ("linear.c", "step.c", "pool.c", "api.c")  # both builds: the jobs, the step, the pool, the entry points
+SOURCES = {"simd": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "ref": ("ref.c", *SHARED)}
 VARIANT_ID = {"ref": 0, "simd": 1}  # csrc/kernels.h: SC_VARIANT_*
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so the scalar reference and the vector code
 # round at the same places (ref.c) and the tests can hold them bit-exact. -fvisibility=hidden: only SC_API exports.
-_COMMON = ("-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-std=gnu11")
+_COMMON = ("-shared", "-fPIC", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-std=gnu11")
 CFLAGS = {"simd": ("-O3", "-march=native", *_COMMON), "ref": ("-O2", *_COMMON)}
 RG = 16  # output rows per register (the layouts' row interleave)
 QB = 32  # weights per quant block
+QK = 256  # weights per K-quant super-block (csrc/kernels.h: SC_QK)
+Q4K_SCALES = 2 * RG * 2 + 2 * 8 * RG  # sc_q4k_scales: fp16 d, dmin [16]; uint8 sc, mn [8][16]
+Q8K_SCALES = 2 * RG * 2 + 2 * 16 * RG  # sc_q8k_scales: fp16 d, dmin [16]; int8 sc, uint8 mn [16][16]
 
-P, I, Z = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_long
 
 
 class NativeABIError(RuntimeError):
@@ -54,18 +59,28 @@ class StepModel(ctypes.Structure):
                                              "kv_bf16")]
     _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
     _fields_ += [(n, ctypes.c_void_p) for n in ("inv_freq", "norm_in", "norm_post", "norm_final", "lin", "table",
-                                                 "table_scale")]
+                                                 "table_scale", "q_norm", "k_norm", "lin_type")]
+    _fields_ += [("rot", ctypes.c_int)]
 
 
 # Every function in csrc/kernels.h's SC_EXPORTS: name -> (restype, argtypes). Returns: 0, or SC_ENOMEM (-1) /
 # SC_EWORK (-2); the sc_*_work functions return bytes.
 API: dict[str, tuple[Any, list[Any]]] = {
-    "sc_q4_work": (Z, [I, I]),  # (M, K)
-    "sc_q8_work": (Z, [I, I]),
+    "sc_q4_work": (Z, [I, I, I]),  # (M, K, threads: <= 0 the pool's size)
+    "sc_q8_work": (Z, [I, I, I]),
+    "sc_q8g_work": (Z, [I, I, I]),
+    "sc_q4k_work": (Z, [I, I, I]),
+    "sc_q8k_work": (Z, [I, I, I]),
+    "sc_set_threads": (I, [I]),  # (n: 0 / 1 no pool) -> the pool's size now
+    "sc_set_grain": (L, [L]),  # (bytes: a job under it runs on the caller alone; < 0 only asks) -> the previous
+    "sc_set_deal": (I, [I]),  # (1: deal each job's chunks to every thread, 0: claimed; < 0 only asks) -> previous
     "sc_step_work": (Z, [P, I]),  # (model, cap)
     "sc_quant": (I, [P, I, I, P, P, P]),  # (x, M, K, xq, dx, sx)
     "q4_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
     "q8_matmul": (I, [P, I, I, I, P, P, P, P, Z]),  # (x, M, K, N, hw, ws, y, work, work_size)
+    "q8g_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, hw, sw, bias, y, work, work_size)
+    "q4k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
+    "q8k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, hw, sw, bias, y, work, work_size)
     "sc_attend": (I, [P, P, P, P, I, I, I, P, P, P]),  # (model, q, K, V, cap, pos, n_gauge, out, gauge, scores)
     "sc_step": (I, [P, P, I, I, P, P, I, P, P, P, P, Z]),  # (model, x, pos, n_gauge, keys, values, cap, out,
     #                                                        queries, gauge, work, work_size)
@@ -78,14 +93,16 @@ _HANDSHAKE: dict[str, tuple[Any, list[Any]]] = {
     "sc_sizeof": (ctypes.c_long, [ctypes.c_char_p]),
     "sc_offsetof": (ctypes.c_long, [ctypes.c_char_p]),
     "sc_signature": (ctypes.c_char_p, [ctypes.c_char_p]),
+    "sc_threads": (I, []),  # the pool's size: no arguments, so outside sc_signature's table
 }
-_CODES = {I: "i", Z: "z", ctypes.c_float: "f", P: "p", ctypes.c_char_p: "p"}
+_CODES = {I: "i", L: "l", Z: "z", ctypes.c_float: "f", P: "p", ctypes.c_char_p: "p"}
 
 
 def layouts() -> dict[str, int]:
     """The sizes Python assumes for the structs and blocks it shares with C (`sc_sizeof` must agree)."""
     return {"Model": ctypes.sizeof(StepModel), "sc_q4_block": QB * RG // 2, "sc_q4_scales": 2 * RG * 2,
-            "sc_q8_block": QB * RG}
+            "sc_q8_block": QB * RG, "sc_q8g_scales": 4 * RG * 2, "sc_q4k_scales": Q4K_SCALES,
+            "sc_q8k_scales": Q8K_SCALES}
 
 
 def signature(restype: Any, argtypes: list[Any]) -> str:

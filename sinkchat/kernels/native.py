@@ -27,6 +27,10 @@ rotation and the eviction; to float rounding for attention: tests/test_kernels.p
 Scratch memory is the caller's (ggml's work buffers): each C kernel takes a work buffer of the size its
 `sc_*_work` function gives, and this binding keeps one per thread (`threading.local`: concurrent callers never
 share one), grown to the next power of two when a call needs more and then reused, so no call allocates.
+
+Threads: each library keeps a pool of worker threads (csrc/pool.c) that `set_threads(n)` sizes in every variant
+(the loader calls it with `--threads`); the matmuls, the decode step's attention and the eviction split across it,
+and give the same bits at any thread count. The work sizes count one piece of scratch per thread.
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ from typing import Any
 
 import torch
 
-from sinkchat.kernels.abi import QB, RG, NativeABIError, StepModel  # noqa: F401  (StepModel, RG: the binding's API)
+from sinkchat.kernels.abi import QB, QK, RG, NativeABIError, StepModel  # noqa: F401  (StepModel, RG, QK: the API)
 from sinkchat.kernels import abi
+from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native.pack_q4, native.pack_q8g, ...)
+    pack_q4, pack_q4_dm, pack_q4k, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q8_rows, q8g_unpack,
+    q8k_unpack)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +147,24 @@ def load_error(which: str | None = None) -> str | None:
     return _load(which or variant())[1]
 
 
+_threads = 1  # set_threads(): the pool size of every loaded variant
+_LOADED: dict[str, Any] = {}  # variant -> its library, once loaded
+
+
+def set_threads(n: int) -> int:
+    """Run the kernels on `n` threads, the caller included (0 or 1: no pool), in every variant loaded now and any
+    loaded later (csrc/pool.c: sc_set_threads). Returns the count the pool has (fewer if threads could not start)."""
+    global _threads
+    _threads = max(1, int(n))
+    got = [int(lib.sc_set_threads(_threads)) for lib in list(_LOADED.values())]
+    return min(got, default=_threads)
+
+
+def threads() -> int:
+    """The thread count `set_threads` last asked for (1 until then)."""
+    return _threads
+
+
 @functools.lru_cache(maxsize=None)
 def _load(which: str) -> tuple[Any | None, str | None]:
     from sinkchat.config import cache_dir
@@ -154,7 +179,10 @@ def _load(which: str) -> tuple[Any | None, str | None]:
             log.warning("native %s kernels did not compile: %s", which, err.splitlines()[-1])
             return None, f"compile failed: {err}"
     try:
-        return abi.open_library(out, which), None
+        lib = abi.open_library(out, which)
+        lib.sc_set_threads(_threads)
+        _LOADED[which] = lib
+        return lib, None
     except NativeABIError as e:
         log.warning("native %s kernels refused: %s", which, e)
         return None, f"refused: {e}"
@@ -193,9 +221,14 @@ def work_buffer(nbytes: int) -> tuple[int, int]:
     return buf.data_ptr(), buf.numel()
 
 
-@functools.lru_cache(maxsize=4096)
 def _work_size(lib: Any, fn: str, m: int, k: int) -> int:
-    return int(getattr(lib, fn)(m, k))
+    """Bytes of scratch kernel `fn` needs for m x k inputs on the current thread count."""
+    return _sized(lib, fn, m, k, _threads)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sized(lib: Any, fn: str, m: int, k: int, threads: int) -> int:
+    return int(getattr(lib, fn)(m, k, threads))
 
 
 def _check_rc(rc: int, what: str) -> None:
@@ -262,6 +295,60 @@ def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.T
     return y
 
 
+def q8g_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q8g` weights (w = d·q + m per 16 along K), plus bias [N] if given."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = hw.shape[0] * RG
+    if hw.shape[1:] != (k // QB, QB // 4, RG, 4) or k % QB or hw.dtype != torch.uint8 or not hw.is_contiguous():
+        raise ValueError(f"q8g weights {tuple(hw.shape)} do not fit x {tuple(x.shape)}")
+    if sw.shape != (n // RG, k // QB, 2, 2, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
+        raise ValueError(f"q8g scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
+    if bias is not None:
+        bias = bias.float().contiguous()
+        if bias.numel() != n:
+            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
+    lib = _lib()
+    ptr, size = work_buffer(_work_size(lib, "sc_q8g_work", m, k))
+    y = torch.empty(m, n)
+    _check_rc(lib.q8g_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
+                             size), "q8g_matmul")
+    return y
+
+
+def _k_matmul(fn: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+              block: tuple[int, ...], scales: int) -> torch.Tensor:
+    """q4k / q8k: x [M, K] fp32 -> [M, N] fp32 through weight blocks `w` [N/16, K/32, *block] and K-quant scales
+    `sw` uint8 [N/16, K/256, scales] (layouts.pack_q4k / pack_q8k), plus bias [N] if given."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = w.shape[0] * RG
+    if w.shape[1:] != (k // QB, *block) or k % QK or w.dtype != torch.uint8 or not w.is_contiguous():
+        raise ValueError(f"{fn[:3]} weights {tuple(w.shape)} do not fit x {tuple(x.shape)} (K % {QK} == 0)")
+    if sw.shape != (n // RG, k // QK, scales) or sw.dtype != torch.uint8 or not sw.is_contiguous():
+        raise ValueError(f"{fn[:3]} scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
+    if bias is not None:
+        bias = bias.float().contiguous()
+        if bias.numel() != n:
+            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
+    lib = _lib()
+    ptr, size = work_buffer(_work_size(lib, f"sc_{fn[:3]}_work", m, k))
+    y = torch.empty(m, n)
+    _check_rc(getattr(lib, fn)(x.data_ptr(), m, k, n, w.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
+                               size), fn)
+    return y
+
+
+def q4k_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q4k` weights (Q4_K: w = (d·sc_j)·q − dmin·mn_j per 32), + bias."""
+    return _k_matmul("q4k_matmul", x, qw, sw, bias, (4, RG, 4), abi.Q4K_SCALES)
+
+
+def q8k_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q8k` weights (Q5_K / Q6_K: w = (d·sc_j)·q − dmin·mn_j per 16)."""
+    return _k_matmul("q8k_matmul", x, hw, sw, bias, (QB // 4, RG, 4), abi.Q8K_SCALES)
+
+
 def q8_matmul(x: torch.Tensor, hw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] fp32 -> [M, Vpadded] fp32 through a `pack_q8` table with per-row scales `scale` [Vpadded]."""
     x = x.float().contiguous()
@@ -292,38 +379,3 @@ def quantize_activations(x: torch.Tensor, which: str | None = None) -> tuple[tor
         raise RuntimeError(f"native kernels unavailable: {load_error(which)}")
     lib.sc_quant(x.data_ptr(), m, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
     return xq, dx, sx
-
-
-# ---- layouts -------------------------------------------------------------------------------------------------------
-def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int [N, K] in 0..15, scale / zero [N, K/32] in torch's convention (w = (q - 8)·scale + zero) -> the
-    kernel's layout (csrc/kernels.h: sc_q4_block, sc_q4_scales): qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s,
-    row r, byte t: q[r, 8s+t] low nibble, q[r, 8s+4+t] high nibble) and sw fp16 [N/16, K/32, 2, 16] (d = scale,
-    m = zero - 8·scale: w = d·q + m).
-
-    fp16, as ggml's Q4_1 stores d and m, so a Q4_1 GGUF is held exactly. Not bf16 (torch's kernel's choice): m is a
-    block's minimum, ~8 steps from zero, and bf16's 8-bit mantissa shifted every weight of a block by up to 1.5%
-    of a step, the same way (+0.8% perplexity on the bundled model, measured)."""
-    n, k = q.shape
-    qq = q.to(torch.uint8).reshape(n // RG, RG, k // QB, 4, 2, 4)  # [g, r, b, s, half, t]: k = 32b + 8s + 4half + t
-    qw = (qq[..., 0, :] | (qq[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, s, r, t]
-    d, m = scale.to(torch.float16), (zero.double() - 8 * scale.double()).to(torch.float16)
-    sw = torch.stack([d, m], -1).reshape(n // RG, RG, k // QB, 2).permute(0, 2, 3, 1).contiguous()  # [g, b, 2, r]
-    return qw, sw
-
-
-def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4] (csrc/kernels.h: sc_q8_block [V/16][K/32]), padded to a
-    multiple of 16 rows with q = 0 (stored 128; their scale is 0, so they project to 0 and are cut off)."""
-    v, k = q.shape
-    pad = (-v) % RG
-    u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
-    if pad:
-        u = torch.cat([u, torch.full((pad, k), 128, dtype=torch.uint8)])
-    return u.reshape(-1, RG, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-
-
-def q8_rows(hw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Rows `ids` [...] of a `pack_q8` table as int16 [..., K] (embedding lookups read the head's one copy)."""
-    rows = hw[ids // RG, :, ids % RG, :]  # [..., K/4, 4]
-    return rows.reshape(*ids.shape, -1).to(torch.int16) - 128

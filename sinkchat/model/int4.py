@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 GROUP = 32
 COMPUTE_DTYPE = torch.bfloat16
+_PACK_ROWS = 64  # torch's CPU int4 pack interleaves output rows in self-contained blocks of 64 (torch_step.PACK_ROWS)
 
 
 def available() -> bool:
@@ -65,6 +66,8 @@ class Int4Linear(nn.Module):
     `kernels`: "native" keeps the weights in sinkchat's own VNNI layout (`native.pack_q4`, int8 activations),
     "torch" in torch's int4pack layout (bf16 activations); both hold the same q, scale and zero."""
 
+    layout = "q4"
+
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype = COMPUTE_DTYPE, kernels: str = "torch") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -72,16 +75,45 @@ class Int4Linear(nn.Module):
         self.kernels = kernels
         q, scale, zero = quantize(linear.weight.data.float())
         if kernels == "native":
-            qw, sw = native.pack_q4(q, scale, zero)
-            self.register_buffer("qw", qw)  # uint8 [N/16, K/32, 4, 16, 4]
-            self.register_buffer("sw", sw)  # fp16 [N/16, K/32, 2, 16]
+            self._set_native(*native.pack_q4(q, scale, zero))
         else:
-            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # uint8 [N, K/2]
-            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
-            self.register_buffer("scales_zeros", sz.to(compute_dtype))
-        bias = linear.bias
+            self._set_torch(q, scale, zero)
+        self._set_bias(linear.bias)
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None,
+                    kernels: str = "native", compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+        """Weights given as w = d·q + m (a GGUF's Q4_1 blocks): q [N, K] in 0..15, d and m fp32 [N, K/32], bias [N]
+        or None. "native" stores fp16(d) and fp16(m) (each rounded once: exact for a Q4_1 file); "torch" converts
+        to its (scale = d, zero = m + 8·d) convention in bf16, as `Int4Linear(linear)` does."""
+        n, k = q.shape
+        if n % 16 or k % GROUP or d.shape != (n, k // GROUP) or m.shape != (n, k // GROUP):
+            raise ValueError(f"q4 weights {tuple(q.shape)}, d {tuple(d.shape)}, m {tuple(m.shape)}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = k, n
+        self.compute_dtype, self.kernels = compute_dtype, kernels
+        if kernels == "native":
+            self._set_native(*native.pack_q4_dm(q, d, m))
+        else:
+            self._set_torch(q.to(torch.int32), d.double(), m.double() + 8 * d.double())
+        self._set_bias(bias)
+        return self
+
+    def _set_native(self, qw: torch.Tensor, sw: torch.Tensor) -> None:
+        self.register_buffer("qw", qw)  # uint8 [N/16, K/32, 4, 16, 4]
+        self.register_buffer("sw", sw)  # fp16 [N/16, K/32, 2, 16]
+
+    def _set_torch(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))  # uint8 [N, K/2]
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+        self.register_buffer("scales_zeros", sz.to(self.compute_dtype))
+
+    def _set_bias(self, bias: torch.Tensor | None) -> None:
+        if isinstance(bias, nn.Parameter):
+            bias = bias.data
         if bias is not None:  # the native kernel adds an fp32 bias itself
-            bias = bias.data.float().clone() if kernels == "native" else bias.data.clone()
+            bias = bias.detach().float().clone() if self.kernels == "native" else bias.detach().clone()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N]
@@ -100,6 +132,26 @@ class Int4Linear(nn.Module):
             return self.forward(torch.eye(self.in_features)).T - (0 if self.bias is None else self.bias[:, None])
         eye = torch.eye(self.in_features, dtype=self.compute_dtype)
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_zeros).float().T
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of the weight, fp32 [..., K]: an embedding lookup into a table stored as q4. Native: the
+        rows' nibbles and fp16 scales unpacked directly (d·q + m, exact). Torch: torch's pack is opaque but for its
+        64-row blocks, so the kernel reads back only the blocks the ids fall in (as `dequantized` does, bf16)."""
+        flat = ids.reshape(-1).long()  # [n]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids outside 0..{self.out_features - 1}")
+        if self.kernels == "native":
+            out = native.q4_unpack(self.qw, self.sw, flat)  # [n, K]
+        else:
+            out = torch.empty(flat.numel(), self.in_features)
+            eye = torch.eye(self.in_features, dtype=self.compute_dtype)
+            for blk in torch.unique(flat // _PACK_ROWS).tolist():
+                lo, hi = blk * _PACK_ROWS, min(self.out_features, (blk + 1) * _PACK_ROWS)
+                sz = self.scales_zeros[:, lo:hi].contiguous()
+                w = torch._weight_int4pack_mm_for_cpu(eye, self.packed[lo:hi], GROUP, sz).float().T  # [hi-lo, K]
+                sel = (flat // _PACK_ROWS) == blk
+                out[sel] = w[flat[sel] - lo]
+        return out.reshape(*ids.shape, self.in_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, asym int4, "

@@ -1,29 +1,27 @@
-"""Load the model and tokenizer: bundled GGUF, local folder or Hugging Face id; 4-bit through bitsandbytes.
+"""Load the model and tokenizer: bundled GGUF, any llama.cpp GGUF, local folder or Hugging Face id.
 
-A GGUF file is converted once into a safetensors folder under the user cache dir, keyed by the file's hash, because
-transformers' GGUF path re-dequantizes and rebuilds the tokenizer on every load (~20 s for the bundled model).
+A GGUF's weights go straight into the kernels' packed layouts, in the file's own values (`gguf_load`); its
+tokenizer and config are converted once into a small folder under the user cache dir (`gguf_convert`), and the
+packed model is cached beside them (`gguf_packed`). Folders and hub ids load through transformers, then are
+quantized (q4: sinkchat's int4; nf4 / int8: bitsandbytes).
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from sinkchat.config import ModelConfig, cache_dir
+from sinkchat.config import ModelConfig
 from sinkchat.errors import UserError
 from sinkchat.model.spec import ModelSpec, attention_shape, check_config, max_positions, native_head_dim_ok
+from sinkchat.model import gguf_convert
 from sinkchat.model.heap import lean_heap
 
 log = logging.getLogger(__name__)
@@ -35,7 +33,6 @@ BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # k/v in fp32 has 23.6 ppl vs 25.0 all-NF4 vs 19.8 fp32 on 2,048 tokens of alice29).
 KEEP_FULL_PRECISION = ("k_proj", "v_proj")
 BLOCKSIZE = 32
-CONVERT_VERSION = 1
 
 
 class LoadError(UserError, RuntimeError):
@@ -71,77 +68,16 @@ def bundled_gguf() -> Path:
     return path
 
 
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def convert_gguf(path: Path, progress: Progress) -> Path:
-    """Convert a GGUF into a cached safetensors folder once; later calls return the folder at once."""
-    progress(f"hashing {path.name}")
-    digest = file_hash(path)[:20]
-    out = cache_dir() / "models" / f"{path.stem}-{digest}"
-    if (out / "sinkchat-converted.json").is_file():
-        return out
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        raise LoadError("loading a .gguf file needs the `gguf` package: pip install gguf") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two sinkchat processes starting at once convert once, not twice
-        if not (out / "sinkchat-converted.json").is_file():
-            progress(f"converting {path.name} (once; cached in {out.parent})")
-            _convert_into(path, out, digest)
-    return out
-
-
-def _convert_into(path: Path, out: Path, digest: str) -> None:
-    """Dequantize the GGUF with transformers and write config + safetensors + tokenizer, atomically (temp + rename)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # transformers' GGUF reader draws its own tqdm bar on stderr; we report progress ourselves
-    with warnings.catch_warnings(), open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-        warnings.simplefilter("ignore")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
-    try:
-        cfg = model.config
-        if hasattr(cfg, "quantization_config"):
-            del cfg.quantization_config
-        cfg.save_pretrained(tmp)
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if getattr(cfg, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        tok.save_pretrained(tmp)
-        (tmp / "sinkchat-converted.json").write_text(
-            json.dumps({"source": str(path), "sha256_prefix": digest, "version": CONVERT_VERSION})
-        )
-        if out.exists():  # a half-written folder from a crash (no marker): replace it
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def resolve_source(name: str | None, progress: Progress) -> tuple[str, str]:
     """Return (source as asked, loadable folder or hub id)."""
     if not name:
         gg = bundled_gguf()
-        return str(gg), str(convert_gguf(gg, progress))
+        return str(gg), str(gguf_convert.prepare(gg, progress))
     p = Path(name).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise LoadError(f"model file not found: {p}")
-        return name, str(convert_gguf(p.resolve(), progress))
+        return str(p.resolve()), str(gguf_convert.prepare(p.resolve(), progress))
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise LoadError(f"{p} is not a model folder (no config.json) nor a .gguf file")
@@ -299,13 +235,29 @@ def quiet_libraries() -> None:
         pass
 
 
-def set_threads(threads: int) -> None:
-    """Pin torch's intra-op threads. 1 is the default: on a busy 2-core box a second OpenMP thread can make every op
-    ~30x slower (spinning waits), and this model is too small to gain from two."""
+def set_threads(threads: int) -> int:
+    """Run on `threads` threads (0: `config.physical_cores()`): the native kernels' pool (csrc/pool.c, whose waiting
+    threads sleep, so a busy neighbour core costs it no spinning), and torch's intra-op threads. Torch gets them only
+    when its OpenMP threads wait passively (OMP_WAIT_POLICY=PASSIVE, which `sinkchat` sets before torch loads, and
+    this does too if torch is not loaded yet): with libgomp's default spinning, on a 2-core box with the other core
+    busy, every torch op ran ~30x slower at 2 threads (shared/FIELD-NOTES.md). Otherwise torch keeps 1. Returns the
+    count used."""
+    import sys
+
+    from sinkchat.config import physical_cores
+
+    n = threads if threads > 0 else physical_cores()
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    if threads > 0:
-        torch.set_num_threads(threads)
+    from sinkchat.kernels import native
+
+    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+    torch.set_num_threads(n if passive else 1)
+    native.set_threads(n)
+    log.info("threads: %d (kernels), %d (torch)", n, torch.get_num_threads())
+    return n
 
 
 def q4_kernels(decoder: str, config: Any = None) -> str:
@@ -318,6 +270,39 @@ def q4_kernels(decoder: str, config: Any = None) -> str:
     if decoder == "auto" and config is not None and not native_head_dim_ok(attention_shape(config)[2]):
         return "torch"
     return native.resolve("auto")
+
+
+def _load_gguf(gguf: Path, folder: Path, config: Any, quant: str, kernels: str, progress: Progress
+               ) -> tuple[Any, float]:
+    """A GGUF's weights: packed in the file's own values for q4 (from the packed cache when there is one), else in
+    fp32 for the other --quant modes (which quantize it themselves)."""
+    from sinkchat.model import gguf_load, gguf_packed
+
+    table = gguf_convert.tensor_table(folder)
+    arch = gguf_convert.architecture(folder)
+    if quant != "q4":
+        model = gguf_load.skeleton(config)
+        gguf_load.load_float(model, gguf, table, arch)
+        return _finish(model, folder), 0.0
+    model = gguf_packed.load(config, folder, kernels)
+    if model is not None:
+        progress("loaded the packed model from the cache")
+        return _finish(model, folder), 1.0
+    progress(f"packing {gguf.name} for the {kernels} kernels (once; cached)")
+    model = gguf_load.skeleton(config)
+    frac = gguf_load.load_weights(model, gguf, table, arch, kernels, progress)
+    gguf_packed.save(model, folder, kernels)
+    return _finish(model, folder), frac
+
+
+def _finish(model: Any, folder: Path) -> Any:
+    gguf_convert.apply_rope_freqs(model, folder)
+    model.eval()
+    model.requires_grad_(False)
+    from sinkchat.model.q4load import load_generation_config
+
+    load_generation_config(model, str(folder))
+    return model
 
 
 def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None
@@ -351,11 +336,14 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     streamed = None
+    gguf = Path(source) if source.endswith(".gguf") else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tokenizer = AutoTokenizer.from_pretrained(src)
-            if quant == "q4":
+            if gguf is not None:
+                streamed = _load_gguf(gguf, Path(src), config, quant, kernels, progress)
+            elif quant == "q4":
                 from sinkchat.model.q4load import load_q4
 
                 streamed = load_q4(src, config, dtype, kernels)
@@ -367,7 +355,8 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
         raise LoadError(f"'{source}' is not a supported causal LM: {str(e).splitlines()[0][:200]}") from None
     if streamed is not None:
         model, frac = streamed
-        progress("loaded straight into q4 (asymmetric int4, group 32)")
+        if gguf is not None and quant != "q4":
+            frac = _quantize(model, quant, dtype, device, progress, kernels)
     else:
         model.eval()
         model.requires_grad_(False)

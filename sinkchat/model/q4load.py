@@ -23,7 +23,8 @@ from torch import nn
 from sinkchat.model import int4
 log = logging.getLogger(__name__)
 
-DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+          "U8": torch.uint8, "I8": torch.int8}
 
 
 class FileRows:
@@ -142,12 +143,12 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype, kernels: str = "torch"
             mod.bias = nn.Parameter(mod.bias.data.float(), requires_grad=False)
     model.eval()
     model.requires_grad_(False)
-    _load_generation_config(model, folder)
+    load_generation_config(model, folder)
     int4.quantize_tied_table(model, kernels)  # a tied table not streamed above (no-op when it was)
     return model, packed / max(1, total)
 
 
-def _load_generation_config(model: nn.Module, folder: str) -> None:
+def load_generation_config(model: nn.Module, folder: str) -> None:
     """from_pretrained reads generation_config.json (stop ids live there for some models); from_config does not."""
     if (Path(folder) / "generation_config.json").is_file():
         from transformers import GenerationConfig

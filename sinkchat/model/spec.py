@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 # context, which in-cache positions never exceed), so a shift by -n is the exact inverse of a shift by +n.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 # model types both fast decode steps (native C and torch) implement; others decode through transformers' forward
-FAST_STEP_TYPES = ("llama", "qwen2")
+FAST_STEP_TYPES = ("llama", "qwen2", "mistral")
+# the native C step also runs per-head q/k RMSNorm (Qwen3), partial rotary and fused qkv / gate_up linears (Phi-3)
+NATIVE_STEP_TYPES = (*FAST_STEP_TYPES, "qwen3", "phi3")
 NATIVE_HEAD_DIM_MULTIPLE = 16  # the C attention sums 16 lanes at a time
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
@@ -152,18 +154,30 @@ class ModelSpec:
 
     def fast_step_refusal(self, native: bool) -> str | None:
         """Why the fast decode steps (native C when `native`, else the torch step) cannot take this model's shape
-        (None: they can; whether its weights are packed for them is the step's own check)."""
-        if self.model_type not in FAST_STEP_TYPES:
-            return f"model type {self.model_type!r} (fast step: {', '.join(FAST_STEP_TYPES)})"
+        (None: they can; whether its weights are packed for them is the step's own check). The native step runs
+        q/k norms, partial rotary and fused projections; the torch step (`torch_step.decode_one`) none of them."""
+        types = NATIVE_STEP_TYPES if native else FAST_STEP_TYPES
+        if self.model_type not in types:
+            return f"model type {self.model_type!r} ({'native' if native else 'torch'} fast step: {', '.join(types)})"
         if self.act != "silu":
             return f"activation {self.act}"
-        if self.norm.qk_norm or self.norm.sandwich or self.norm.unit_offset:
+        if self.norm.sandwich or self.norm.unit_offset or (self.norm.qk_norm and not native):
             return "norm variant"
-        if any(layer.window for layer in self.layers) or self.attn_softcap or self.final_softcap:
+        if not native and (self.layers[0].rope.rot_dim != self.head_dim or any("qkv" in n or "gate_up" in n
+                                                                               for n in self.linears)):
+            return "partial rotary or fused projections (the native step runs them)"
+        if self.attn_softcap or self.final_softcap or self.sliding_window_bites():
             return "attention variant"
         if native and not native_head_dim_ok(self.head_dim):
             return f"head dim {self.head_dim} (the C attention takes multiples of {NATIVE_HEAD_DIM_MULTIPLE})"
         return None
+
+    def sliding_window_bites(self) -> bool:
+        """Whether some layer's window can hide cached tokens from a query. Not for a model whose every layer slides
+        (Mistral): `context_limit` caps the cache at the window, so each layer attends to the whole cache, as the
+        fast steps do. (A mix of sliding and full layers is refused by `refusal` already.)"""
+        windows = [layer.window for layer in self.layers if layer.window]
+        return bool(windows) and len(windows) < len(self.layers)
 
     def rope(self, layer: int = 0) -> "Rope":
         """The torch-side rotation helper for `layer` (fp32 inverse frequencies)."""

@@ -131,10 +131,7 @@ def _start_record(engine: Any, scenario: str, sample_every: float, limits: dict[
 
 def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:
     """The end record, then close; a run that read no text or lost records is an error, not a verdict."""
-    rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3),
-               "steps": soak.steps, "tokens": soak.tokens, "errors": soak.errors, "faults": soak.faults,
-               "fault_kinds": soak.fault_kinds, "attempts": soak.attempts, "faulted_steps": soak.faulted_steps,
-               "jobs": soak.jobs, "jobs_ok": soak.jobs_ok})
+    rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3), **soak.totals()})
     soak.tap.detach()
     rec.close()
     if soak.fatal is not None:

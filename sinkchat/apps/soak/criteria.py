@@ -5,11 +5,12 @@ exactly as a finished one, and the verdict logic is testable on synthetic series
 warm-up (allocators, lazy cache allocation and the first cache fill make the first minutes unrepresentative); the
 drift criteria compare a window at the start of the steady state with a window at its end.
 
-Every criterion judges what the run did, and each can fail (tests/test_soak.py builds a run that fails each one):
-a verdict is PASS, FAIL, SHORT (the run is too short to judge it: counts as not passing when a --duration was
-asked for) or n/a (the criterion does not apply, e.g. no CUDA). The run as a whole (`overall`) is FAIL when any
-criterion failed, else INCOMPLETE when it was stopped before its planned end, else INCONCLUSIVE when a timed run
-was too short to judge a criterion, else PASS; EXIT_CODES maps those to the command's exit status.
+Every criterion judges what the run did, and each can fail (tests/test_soak.py and test_soak_agent.py build a run
+that fails each one): a verdict is PASS, FAIL, SHORT (the run is too short to judge it: counts as not passing when a
+--duration was asked for) or n/a (the criterion does not apply, e.g. no CUDA, no tool calls, or a run under 20
+minutes for the success-stability row). The run as a whole (`overall`) is FAIL when any criterion failed, else
+INCOMPLETE when it was stopped before its planned end, else INCONCLUSIVE when a timed run was too short to judge a
+criterion, else PASS; EXIT_CODES maps those to the command's exit status.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ EXIT_CODES = {"PASS": 0, "FAIL": EXIT_FAIL, "INCOMPLETE": EXIT_INCOMPLETE, "INCO
 PLANNED_ENDS = ("duration", "tokens", "steps", "input exhausted")  # end reasons that are the run's planned end
 MIN_RSS_SAMPLES = 6  # steady-state samples needed before an RSS slope is judged at all
 MIN_PPL_BINS = 3  # perplexity bins needed in each of the first and the last window
+SUCCESS_WINDOW_S = 600.0  # the success-stability row compares the first and the last this many seconds
+MIN_WINDOW_JOBS = 5  # judged steps needed in each of those windows
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def evaluate(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thre
     steady = [s for s in samples if (num(s.get("elapsed")) or 0.0) >= warm] or samples
     return [_rss_verdict(steady, th), _cache_verdict(samples, header), _throughput_verdict(steady, th),
             _ppl_verdict(steady, th), _latency_verdict(steady, th), _jobs_verdict(samples, end, th, header),
+            _valid_calls_verdict(samples, end, th, header), _success_stability_verdict(samples, th, header),
             _errors_verdict(samples, end, th), _fault_share_verdict(samples, end, th), _crash_verdict(end),
             _completion_verdict(end, header)]
 
@@ -211,6 +215,68 @@ def _jobs_verdict(samples: list[dict[str, Any]], end: dict[str, Any] | None, th:
         return Verdict(name, "no step finished", limit, "FAIL")
     share = (ok or 0) / jobs
     return Verdict(name, f"{ok}/{jobs} ({share:.0%})", limit, "PASS" if share >= th.min_done else "FAIL")
+
+
+def _valid_calls_verdict(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thresholds,
+                         header: dict[str, Any]) -> Verdict:
+    """The agent's tool calls: the share that were valid (a known tool, arguments matching its schema) and ran
+    without error, against --min-valid-calls. An agent run with no valid call fails whatever else happened: its
+    tasks cannot have been done with the tools (before the calls were grammar-constrained, a 120 s soak made 0 valid
+    calls and passed every other row). A scenario that calls no tools records no counts: n/a."""
+    scenario = str(header.get("scenario"))
+    name, limit = "agent valid-call share", f">= {th.min_valid_calls:.0%} of calls valid and ran ok"
+    ok, failed = _last_count(samples, end, "tool_calls_ok"), _last_count(samples, end, "tool_calls_failed")
+    if ok is None or failed is None:
+        why = "not recorded (a run from an older version)" if scenario == "agent" else f"{scenario}: no tool calls"
+        return Verdict(name, why, limit, "n/a")
+    total, invalid = ok + failed, _last_count(samples, end, "tool_calls_invalid")
+    if total == 0:
+        return Verdict(name, "no tool call made", limit, "FAIL")
+    share = ok / total
+    val = f"{ok}/{total} ({share:.1%})"
+    if invalid is not None:
+        val += f"; failed: {invalid} rejected, {failed - invalid} tool errors"
+    if ok == 0:
+        return Verdict(name, f"no valid call: {val}", limit, "FAIL")
+    return Verdict(name, val, limit, "PASS" if share >= th.min_valid_calls else "FAIL")
+
+
+def _window_counts(samples: list[dict[str, Any]]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(jobs, jobs ok) in the first SUCCESS_WINDOW_S seconds and in the last ones, from the running counts of the
+    samples; None when the counts were not recorded or no sample falls in the first window. Both windows end (or
+    start) at a sample, so each covers at most SUCCESS_WINDOW_S seconds."""
+    pts = [(t, int(j), int(k)) for s in samples
+           if (t := num(s.get("elapsed"))) is not None and (j := num(s.get("jobs"))) is not None
+           and (k := num(s.get("jobs_ok"))) is not None]
+    first = [p for p in pts if p[0] <= SUCCESS_WINDOW_S]
+    if not pts or not first:
+        return None
+    t_end, j_end, k_end = pts[-1]
+    base = next(p for p in pts if p[0] >= t_end - SUCCESS_WINDOW_S)
+    return (first[-1][1], first[-1][2]), (j_end - base[1], k_end - base[2])
+
+
+def _success_stability_verdict(samples: list[dict[str, Any]], th: Thresholds, header: dict[str, Any]) -> Verdict:
+    """Quality on a long loop: the share of judged steps done right in the last 10 minutes against the first 10
+    ("stable quality on long agent loops", measured). A run under 20 minutes is not judged (n/a, never PASS); a
+    window with fewer than MIN_WINDOW_JOBS judged steps is SHORT."""
+    unit = JOB_UNITS.get(str(header.get("scenario")), "steps done")
+    mins = SUCCESS_WINDOW_S / 60
+    name = f"success stability: {unit}"
+    limit = f"last {mins:g} min within {th.max_success_drift * 100:g} points of first {mins:g} min"
+    span = max((num(s.get("elapsed")) or 0.0 for s in samples), default=0.0)
+    if span < 2 * SUCCESS_WINDOW_S:
+        return Verdict(name, f"not judged (run < {2 * mins:g} min: {span / 60:.1f} min)", limit, "n/a")
+    win = _window_counts(samples)
+    if win is None:
+        return Verdict(name, "not recorded (no counts in the first window)", limit, "n/a")
+    (j1, k1), (j2, k2) = win
+    if min(j1, j2) < MIN_WINDOW_JOBS:
+        return Verdict(name, f"too few steps judged: {j1} first, {j2} last (need {MIN_WINDOW_JOBS} each)", limit,
+                       "SHORT")
+    a, b = k1 / j1, k2 / j2
+    val = f"{a:.0%} -> {b:.0%} ({(b - a) * 100:+.1f} points; {k1}/{j1} first, {k2}/{j2} last)"
+    return Verdict(name, val, limit, "PASS" if abs(b - a) <= th.max_success_drift + 1e-9 else "FAIL")
 
 
 def _errors_verdict(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thresholds) -> Verdict:

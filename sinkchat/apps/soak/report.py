@@ -1,5 +1,6 @@
-"""Plots and report.md for a soak run directory (metrics.jsonl written by `sinkchat soak`, records.py): the run
-judged by the criteria (criteria.py), its closing figures and one PNG per recorded series."""
+"""Plots, report.md and report.json for a soak run directory (metrics.jsonl written by `sinkchat soak`,
+records.py): the run judged by the criteria (criteria.py), its closing figures and one PNG per recorded series.
+report.json holds the same verdicts and figures for scripts (CI, the README's closing notes)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import click
 
 from sinkchat.apps.soak.criteria import MIB, Verdict, evaluate, overall, warmup_seconds
 from sinkchat.apps.soak.records import load_run
-from sinkchat.apps.soak.series import num, series
+from sinkchat.apps.soak.series import num, series, with_call_shares
 from sinkchat.apps.soak.thresholds import Thresholds, recorded_thresholds
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ SERIES = {  # file name -> (title, [(field, label)], unit scale, unit)
     "errors": ("errors and faults", [("errors", "errors"), ("faults", "faults"), ("faulted_steps", "faulted steps")],
                1, ""),
     "jobs": ("steps that did their job", [("jobs", "judged"), ("jobs_ok", "done right")], 1, ""),
+    "valid_calls": ("agent tool calls valid and ran ok", [("valid_call_share", "run so far"),
+                                                          ("interval_valid_call_share", "per interval")], 0.01, "%"),
     "cuda": ("CUDA memory", [("cuda", "allocated"), ("cuda_peak", "peak")], MIB, "MiB"),
 }
 
@@ -40,11 +43,29 @@ def figures(samples: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
         return (pts[0][1], pts[-1][1]) if pts else (None, None)
 
     return {k: ends(k) for k in ("rss", "cache_bytes", "cache_len", "decode_tok_s", "prefill_tok_s", "ppl", "gauge",
-                                 "tokens", "evicted", "p50_ms", "p99_ms", "jobs", "jobs_ok", "faulted_steps")}
+                                 "tokens", "evicted", "p50_ms", "p99_ms", "jobs", "jobs_ok", "faulted_steps",
+                                 "tool_calls_ok", "tool_calls_failed")}
 
 
-def plot_all(directory: Path, samples: list[dict[str, Any]], warm: float) -> list[str]:
-    """One PNG per series that has data; returns the file names written."""
+PlotLines = list[tuple[str, list[tuple[float, float]]]]
+
+
+def plot_data(samples: list[dict[str, Any]]) -> dict[str, tuple[str, PlotLines, float, str]]:
+    """What each PNG shows: file name -> (title, [(label, [(elapsed, value)])], unit scale, unit), for the series
+    that have data (derived ones, like the valid-call share, included)."""
+    rows = with_call_shares(samples)
+    out = {}
+    for name, (title, keys, scale, yunit) in SERIES.items():
+        lines = [(label, series(rows, key)) for key, label in keys]
+        lines = [(label, pts) for label, pts in lines if pts]
+        if lines:
+            out[name] = (title, lines, scale, yunit)
+    return out
+
+
+def plot_all(directory: Path, samples: list[dict[str, Any]], warm: float, th: Thresholds | None = None) -> list[str]:
+    """One PNG per series that has data (plot_data); returns the file names written. The valid-call plot shows
+    the --min-valid-calls line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,14 +74,13 @@ def plot_all(directory: Path, samples: list[dict[str, Any]], warm: float) -> lis
     span = max((num(s.get("elapsed")) or 0.0 for s in samples), default=0.0)
     div, unit = (3600.0, "h") if span > 7200 else (60.0, "min")
     written = []
-    for name, (title, keys, scale, yunit) in SERIES.items():
-        lines = [(label, series(samples, key)) for key, label in keys]
-        lines = [(label, pts) for label, pts in lines if pts]
-        if not lines:
-            continue
+    for name, (title, lines, scale, yunit) in plot_data(samples).items():
         fig, ax = plt.subplots(figsize=(8, 3.6))
         for label, pts in lines:
             ax.plot([t / div for t, _ in pts], [v / scale for _, v in pts], marker=".", ms=3, label=label)
+        if name == "valid_calls" and th is not None:
+            ax.axhline(th.min_valid_calls / scale, color="red", ls="--", lw=1, label="threshold")
+            ax.set_ylim(-5, 105)
         if warm > 0:
             ax.axvspan(0, warm / div, color="grey", alpha=0.15, label="warm-up")
         ax.set_xlabel(f"elapsed ({unit})")
@@ -108,8 +128,28 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
     return "\n".join(out)
 
 
+def render_json(header: dict[str, Any], samples: list[dict[str, Any]], end: dict[str, Any] | None,
+                verdicts: list[Verdict], th: Thresholds, plots: list[str]) -> str:
+    """report.json: the overall word, every verdict row, the closing figures and totals, the thresholds."""
+    totals = {k: v for k, v in (end or {}).items() if k not in ("kind",)}
+    doc = {"overall": overall(verdicts, header), "scenario": header.get("scenario"),
+           "verdicts": [asdict(v) for v in verdicts],
+           "figures": {k: {"first": a, "last": b} for k, (a, b) in figures(samples).items() if a is not None},
+           "end": totals or None, "samples": len(samples), "thresholds": asdict(th), "plots": plots}
+    return json.dumps(doc, indent=1, default=str) + "\n"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    try:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {path}: {e.strerror}") from None
+
+
 def write_report(directory: str | Path, th: Thresholds | None = None, plots: bool = True) -> list[Verdict]:
-    """Judge the run in `directory`, write report.md (and PNGs); return the verdicts."""
+    """Judge the run in `directory`, write report.md, report.json (and PNGs); return the verdicts."""
     d = Path(directory)
     header, samples, end = load_run(d)
     th = th or recorded_thresholds(header)
@@ -117,16 +157,11 @@ def write_report(directory: str | Path, th: Thresholds | None = None, plots: boo
     names: list[str] = []
     if plots and samples:
         try:
-            names = plot_all(d, samples, warmup_seconds(samples, th))
+            names = plot_all(d, samples, warmup_seconds(samples, th), th)
         except Exception as e:  # noqa: BLE001 - a plotting failure must not lose the verdicts
             log.warning("plots failed: %s", e)
-    text = render_markdown(header, samples, end, verdicts, th, names)
-    try:
-        tmp = d / ".report.md.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(d / "report.md")
-    except OSError as e:
-        raise click.ClickException(f"cannot write {d / 'report.md'}: {e.strerror}") from None
+    _write_atomic(d / "report.md", render_markdown(header, samples, end, verdicts, th, names))
+    _write_atomic(d / "report.json", render_json(header, samples, end, verdicts, th, names))
     return verdicts
 
 

@@ -4,10 +4,11 @@ into samples, and stops cleanly on SIGTERM or Ctrl-C.
 A scenario is an object whose `step(engine)` yields engine events (plus `Fault`s it handled and one `Outcome`: did
 the step do its job) for one unit of work: a chat turn, an agent task, a summary, a block of streamed text. An
 `NllTap` on the engine scores every token fed through the live cache; the runner folds the events and those scores
-into per-interval figures (the NLL sum and count of the interval is that sample's perplexity bin), writes
-one record per `--sample-every` seconds to DIR/metrics.jsonl (flushed and fsynced, so a killed run can still be
-judged with `sinkchat soak report DIR`) and to the session log, and survives whatever a step raises: the engine rolls
-a broken forward back, so the cache stays consistent and the next step just runs.
+into per-interval figures (the NLL sum and count of the interval is that sample's perplexity bin; a scenario that
+calls tools adds the running and per-interval counts of its valid and failed calls), writes one record per
+`--sample-every` seconds to DIR/metrics.jsonl (flushed and fsynced, so a killed run can still be judged with
+`sinkchat soak report DIR`) and to the session log, and survives whatever a step raises: the engine rolls a broken
+forward back, so the cache stays consistent and the next step just runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from sinkchat.apps.soak.display import Display
 from sinkchat.apps.soak.records import Recorder
-from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome
+from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome, ToolCall
 from sinkchat.apps.soak.tap import NllTap
 from sinkchat.core.events import GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
@@ -95,19 +96,25 @@ class Soak:
         self.tap = NllTap(engine)
         self.t0 = time.monotonic()
         self.next_sample = self.t0 + sample_every
-        self.seen0, self.evicted0 = engine.ledger.seen, engine.ledger.evicted
+        self.evicted0 = engine.ledger.evicted
         self.iv = Interval()
         self.steps = self.errors = self.faults = 0
         self.attempts = self.faulted_steps = 0  # steps started; steps with at least one fault or error
         self.jobs = self.jobs_ok = 0  # steps judged by their Outcome; those that did their job
         self.step_faulted = False
+        self.processed = 0  # tokens fed or generated, counted from the events (see `tokens`)
+        self.calls_tools = bool(getattr(scenario, "calls_tools", False))
+        self.calls = {"ok": 0, "failed": 0, "invalid": 0}  # ToolCalls: ran ok / did not / rejected before running
+        self.calls_at_sample = dict(self.calls)
         self.fatal: BaseException | None = None  # a UserError that ended the run
         self.fault_kinds: dict[str, int] = {}
         self.samples: deque[dict[str, Any]] = deque(maxlen=120)  # for the live sparklines
 
     @property
     def tokens(self) -> int:
-        return self.engine.ledger.seen - self.seen0
+        """Tokens processed: prefilled plus generated, from the events. Not the ledger's `seen`, which goes back
+        down when the agent rewinds the cache to its checkpoint before each task."""
+        return self.processed
 
     def limit_reached(self) -> str | None:
         if self.duration is not None and time.monotonic() - self.t0 >= self.duration:
@@ -165,6 +172,9 @@ class Soak:
                 self.rec.write({"kind": "fault", "elapsed": round(time.monotonic() - self.t0, 3), "fault": ev.kind,
                                 "detail": ev.detail[:300]})
                 self._log_event("fault", f"{ev.kind}: {ev.detail[:300]}")
+        elif isinstance(ev, ToolCall):
+            self.calls["ok" if ev.ok else "failed"] += 1
+            self.calls["invalid"] += not ev.valid
         elif isinstance(ev, Outcome):
             self.jobs += 1
             self.jobs_ok += bool(ev.ok)
@@ -174,6 +184,7 @@ class Soak:
             self._log_event("job", f"{'done' if ev.ok else 'NOT done'}: {ev.detail[:300]}")
         else:
             self.iv.fold(ev)
+            self.processed += ev.tokens if isinstance(ev, PrefillEvent) else int(isinstance(ev, TokenEvent))
         self._check_tap()
         if time.monotonic() >= self.next_sample:
             self.sample()
@@ -204,10 +215,32 @@ class Soak:
             "errors": self.errors, "faults": self.faults, "attempts": self.attempts,
             "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,
         }
+        rec.update(self._call_counts())
         self.rec.write(rec)
         self.samples.append(rec)
         self.on_sample(rec)
         return rec
+
+    def _call_counts(self) -> dict[str, int]:
+        """The tool-call fields of a sample (none for a scenario that calls no tools): running totals and the
+        interval's own counts, so the report can plot the valid-call share both ways."""
+        if not self.calls_tools:
+            return {}
+        c, prev = self.calls, self.calls_at_sample
+        self.calls_at_sample = dict(c)
+        return {"tool_calls_ok": c["ok"], "tool_calls_failed": c["failed"], "tool_calls_invalid": c["invalid"],
+                "interval_tool_calls_ok": c["ok"] - prev["ok"],
+                "interval_tool_calls_failed": c["failed"] - prev["failed"]}
+
+    def totals(self) -> dict[str, Any]:
+        """The running counts the end record carries (the tool-call ones only for a scenario that calls tools)."""
+        out: dict[str, Any] = {"steps": self.steps, "tokens": self.tokens, "errors": self.errors,
+                               "faults": self.faults, "fault_kinds": self.fault_kinds, "attempts": self.attempts,
+                               "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok}
+        if self.calls_tools:
+            out.update({"tool_calls_ok": self.calls["ok"], "tool_calls_failed": self.calls["failed"],
+                        "tool_calls_invalid": self.calls["invalid"]})
+        return out
 
     def run(self) -> str:
         """Step until a limit; returns the end reason. Ctrl-C / SIGTERM propagate (the caller records them)."""

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import click
 
-from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, finite, recover
+from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ToolCall, finite, recover
 from sinkchat.core.events import TokenEvent
 from sinkchat.store.sessionlog import NullLog
 
@@ -40,10 +40,11 @@ class AgentScenario:
     there. File names come from a small fixed set, so the workspace stays bounded however long the soak runs (a file
     a task is to write is removed first, so an old copy cannot pass for new work). The model's malformed calls and
     failed tools are faults the agent feeds back (counted, expected from a small model); only an exception out of
-    the loop is an error."""
+    the loop is an error. Every step that did not end the task yields a `ToolCall` (the valid-call share)."""
 
     name = "agent"
     unit = "tasks done right"
+    calls_tools = True  # the runner records tool_calls_ok / tool_calls_failed in every sample
     recover = staticmethod(recover)
     slog: Any = NullLog()
 
@@ -148,6 +149,7 @@ class AgentScenario:
                 reported = ev.step
                 yield Fault("agent_error", ev.message[:300])
             elif isinstance(ev, ToolResultEvent):
+                yield ToolCall(ev.name, ev.ok, valid=ev.step != reported)
                 if not ev.ok and ev.step != reported:
                     yield Fault("tool_failed", f"{ev.name}: {ev.text[:300]}")
             elif isinstance(ev, TokenEvent) and engine.last_logits is not None and not finite(engine.last_logits):

@@ -67,3 +67,21 @@ def ppl_bins(samples: list[dict[str, Any]]) -> list[tuple[float, float, int]]:
         if t is not None and tot is not None and n is not None and n >= MIN_BIN_TOKENS:
             out.append((t, tot / n, int(n)))
     return out
+
+
+def _share(ok: Any, failed: Any) -> float | None:
+    a, b = num(ok), num(failed)
+    return a / (a + b) if a is not None and b is not None and a + b > 0 else None
+
+
+def with_call_shares(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples with the agent's valid-call share added, for the plot: `valid_call_share` over the run so far
+    and `interval_valid_call_share` over each sample's own interval (absent where no call was counted, so an
+    interval without calls is a gap, not a 0%)."""
+    out = []
+    for s in samples:
+        extra = {"valid_call_share": _share(s.get("tool_calls_ok"), s.get("tool_calls_failed")),
+                 "interval_valid_call_share": _share(s.get("interval_tool_calls_ok"),
+                                                     s.get("interval_tool_calls_failed"))}
+        out.append({**s, **{k: v for k, v in extra.items() if v is not None}})
+    return out

@@ -3,9 +3,11 @@
 Each scenario's `step(engine)` does one unit of work and yields engine events, `Fault`s it detected and handled (an
 empty or undecodable reply, a tool that failed, non-finite logits) and one `Outcome`: whether the step did its job
 (chat: a reply was produced; agent: the task was done right, e.g. the file it asked for exists with the right
-content; summarize: a non-empty, complete summary; stream: the block went in). Anything a step raises is counted
-by the runner as an error; `recover` puts the engine back in a usable state afterwards. Scenarios log their turns
-to the session log (`slog`) the way the chat, agent and summarize apps do.
+content; summarize: a non-empty, complete summary; stream: the block went in). A scenario whose model calls tools
+(agent) also yields one `ToolCall` per call it attempted, so the soak reports the share of valid calls over time
+besides the tasks' outcomes. Anything a step raises is counted by the runner as an error; `recover` puts the engine
+back in a usable state afterwards. Scenarios log their turns to the session log (`slog`) the way the chat, agent and
+summarize apps do.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ class Outcome:
 
     ok: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model attempted (one per agent step that did not end the task). `ok`: the agent accepted
+    it and the tool ran without error; `valid`: the agent accepted it (a known tool, arguments matching its schema,
+    not denied), whether or not the tool then failed. A malformed reply, or one with neither a call nor an answer,
+    is an attempt that is neither."""
+
+    name: str
+    ok: bool
+    valid: bool
 
 
 class InputExhausted(Exception):

@@ -20,6 +20,8 @@ class Thresholds:
     max_errors: int = 0
     min_done: float = 0.8  # min share of steps that did their job (replies, tasks done right, summaries, blocks)
     max_fault_share: float = 0.5  # max share of steps with at least one handled fault or error
+    min_valid_calls: float = 0.9  # agent: min share of its tool calls that were valid and ran ok
+    max_success_drift: float = 0.10  # max change of the job-done share, last 10 minutes vs first 10 (20 min runs)
     warmup_s: float | None = None  # default: 10% of the run, at most 10 minutes
 
 
@@ -38,6 +40,12 @@ THRESHOLD_FLAGS = [
                       "written with the right content, right numbers), complete summaries, stream blocks fed [0.8]"),
     click.option("--max-fault-share", "max_fault_share", type=click.FloatRange(0, 1), default=None,
                  help="max share of steps with a handled fault or an error [0.5]"),
+    click.option("--min-valid-calls", "min_valid_calls", type=click.FloatRange(0, 1), default=None,
+                 help="agent: min share of its tool calls that were valid (known tool, arguments matching the "
+                      "schema) and ran without error; a run with no valid call fails [0.9]"),
+    click.option("--max-success-drift", "max_success_drift", type=click.FloatRange(0, 1), default=None,
+                 help="max change of the share of steps done right, last 10 minutes vs first 10 (judged on runs "
+                      "of 20 minutes or more) [0.10]"),
     click.option("--warmup", "warmup_s", type=click.FloatRange(0), default=None,
                  help="seconds excluded at the start [a tenth of the run, at most 600]"),
 ]

@@ -3,43 +3,52 @@
 
 #include "kernels.h"
 
-// ---- work sizes: each runs its kernel's own carving (kernels.h: sc_take_q4 / sc_take_xq) over a counting arena -
-size_t sc_q4_work(int M, int K) {
-    sc_arena a = sc_measure();
-    sc_xq x;
-    float* acc;
-    sc_take_q4(&a, M, K, &x, &acc);
-    return sc_measured(&a);
-}
+// ---- work sizes: each runs its kernel's own carving (linear.c: sc_lin_work) over a counting arena -------------
+// `threads`: how many threads' scratch to hold (prefill accumulators, 16 KB each); <= 0: the pool's size. A kernel
+// given less runs on as many threads as its buffer holds scratch for (never fewer than one).
+static int slots_of(int threads) { return threads > 0 ? threads : sc_threads(); }
 
-size_t sc_q8_work(int M, int K) {
-    sc_arena a = sc_measure();
-    sc_xq x;
-    sc_take_xq(&a, M, K, &x);
-    return sc_measured(&a);
-}
+size_t sc_q4_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q4, M, K, slots_of(threads)); }
+size_t sc_q8_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_TABLE, M, K, slots_of(threads)); }
+size_t sc_q8g_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q8G, M, K, slots_of(threads)); }
+size_t sc_q4k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q4K, M, K, slots_of(threads)); }
+size_t sc_q8k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q8K, M, K, slots_of(threads)); }
 
 // ---- kernels ---------------------------------------------------------------------------------------------------
-// Each takes the caller's work buffer of at least its sc_*_work bytes (or NULL: allocated and freed here).
+// Each takes the caller's work buffer of at least its sc_*_work bytes for one thread (or NULL: allocated and freed
+// here, for the pool's size).
+static int run_lin(const sc_lin* l, const float* x, int M, int K, void* work, size_t work_size) {
+    sc_arena a;
+    void* own;
+    int rc = sc_work_open(work, work_size, sc_lin_work(l->type, M, K, work ? 1 : sc_threads()), &a, &own);
+    if (!rc) rc = sc_lin_mm(&a, l, x, M, K);
+    free(own);
+    return rc;
+}
 
 int q4_matmul(const float* x, int M, int K, int N, const sc_q4_block* qw, const sc_q4_scales* sw, const float* bias,
               float* y, void* work, size_t work_size) {
-    sc_arena a;
-    void* own;
-    int rc = sc_work_open(work, work_size, sc_q4_work(M, K), &a, &own);
-    if (!rc) rc = sc_q4_mm(&a, x, M, K, N, qw, sw, bias, y);
-    free(own);
-    return rc;
+    return run_lin(&(sc_lin){SC_LIN_Q4, N, qw, sw, bias, y}, x, M, K, work, work_size);
 }
 
 int q8_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const float* ws, float* y, void* work,
               size_t work_size) {
-    sc_arena a;
-    void* own;
-    int rc = sc_work_open(work, work_size, sc_q8_work(M, K), &a, &own);
-    if (!rc) rc = sc_q8_mm(&a, x, M, K, N, hw, ws, y);
-    free(own);
-    return rc;
+    return run_lin(&(sc_lin){SC_LIN_TABLE, N, hw, ws, NULL, y}, x, M, K, work, work_size);
+}
+
+int q8g_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const sc_q8g_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q8G, N, hw, sw, bias, y}, x, M, K, work, work_size);
+}
+
+int q4k_matmul(const float* x, int M, int K, int N, const sc_q4_block* qw, const sc_q4k_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q4K, N, qw, sw, bias, y}, x, M, K, work, work_size);
+}
+
+int q8k_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const sc_q8k_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q8K, N, hw, sw, bias, y}, x, M, K, work, work_size);
 }
 
 // The activation quantizer alone: xq [M][K], dx and sx [M][K/32] are the caller's.
@@ -60,7 +69,10 @@ long sc_sizeof(const char* type) {
     } t[] = {{"Model", sizeof(Model)},
              {"sc_q4_block", sizeof(sc_q4_block)},
              {"sc_q4_scales", sizeof(sc_q4_scales)},
-             {"sc_q8_block", sizeof(sc_q8_block)}};
+             {"sc_q8_block", sizeof(sc_q8_block)},
+             {"sc_q8g_scales", sizeof(sc_q8g_scales)},
+             {"sc_q4k_scales", sizeof(sc_q4k_scales)},
+             {"sc_q8k_scales", sizeof(sc_q8k_scales)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(type, t[i].name)) return (long)t[i].size;
     return -1;
@@ -73,7 +85,8 @@ long sc_offsetof(const char* field) {
         size_t at;
     } t[] = {F(n_layers), F(dim),        F(n_heads),  F(n_kv),      F(head_dim),   F(inter),     F(vocab),
              F(kv_bf16),  F(eps),        F(scaling),  F(rope_scale), F(inv_freq),  F(norm_in),   F(norm_post),
-             F(norm_final), F(lin),      F(table),    F(table_scale)};
+             F(norm_final), F(lin),      F(table),    F(table_scale), F(q_norm),  F(k_norm),    F(lin_type),
+             F(rot)};
 #undef F
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(field, t[i].name)) return (long)t[i].at;
@@ -81,8 +94,8 @@ long sc_offsetof(const char* field) {
 }
 
 // Signature codes, from the types in SC_EXPORTS by _Generic (so they cannot drift from the prototypes): i int,
-// z size_t, f float, p any pointer; "r(args)".
-#define SC_T(T) _Generic(*(T*)0, int: 'i', size_t: 'z', float: 'f', default: 'p')
+// l long, z size_t, f float, p any pointer; "r(args)".
+#define SC_T(T) _Generic(*(T*)0, int: 'i', long: 'l', size_t: 'z', float: 'f', default: 'p')
 #define SC_N(...) SC_N_(__VA_ARGS__, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 #define SC_N_(a, b, c, d, e, f, g, h, i, j, k, l, m, n, N, ...) N
 #define SC_CAT(a, b) SC_CAT_(a, b)

@@ -14,7 +14,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 2
+#define SC_ABI_VERSION 5
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -42,22 +42,72 @@ typedef struct {
     uint8_t q[QB / 4][RG][4];
 } sc_q8_block;
 
+// The q8g layout's fp16 scales (llama.cpp's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K held exactly): the block's bytes are an
+// sc_q8_block (q + 128), and every 16 weights along K of a row have their own d and m: w = d*q + m, index 0 for
+// columns 32b..32b+15 (sub-blocks s = 0..3), 1 for 32b+16..32b+31 (s = 4..7). sw [N/16][K/32], parallel to hw.
+typedef struct {
+    uint16_t d[2][RG], m[2][RG];
+} sc_q8g_scales;
+
 _Static_assert(sizeof(sc_q4_block) == QB * RG / 2, "q4 block: 16 rows x 32 nibbles, no padding");
 _Static_assert(sizeof(sc_q4_scales) == 2 * RG * sizeof(uint16_t), "q4 scales: 16 fp16 d then 16 fp16 m");
 _Static_assert(sizeof(sc_q8_block) == QB * RG, "q8 block: 16 rows x 32 bytes, no padding");
+_Static_assert(sizeof(sc_q8g_scales) == 4 * RG * sizeof(uint16_t), "q8g scales: 2x16 fp16 d then 2x16 fp16 m");
+_Static_assert(offsetof(sc_q8g_scales, m) == 2 * RG * sizeof(uint16_t), "q8g scales: m follows d, no padding");
 _Static_assert(sizeof(sc_q4_block) % 64 == 0 && sizeof(sc_q8_block) % 64 == 0, "blocks are whole 512-bit loads");
 
+// ---- K-quant layouts: llama.cpp's Q4_K / Q5_K / Q6_K with the file's own scales -----------------------------------
+// A K-quant super-block is 256 weights along K with fp16 d (and dmin) and small integer scales per sub-block:
+// w = (d*sc_j)*q - (dmin*mn_j). Stored as the file stores them (not as fp16 products, which round: d has an 11-bit
+// mantissa, sc up to 8 bits) and multiplied in fp32 in the kernel, where d*sc and dmin*mn are exact. K % 256 == 0.
+#define SC_QK 256  // weights per super-block
+
+// q4k: the nibbles are sc_q4_blocks (qw [N/16][K/32], as q4); per 16 rows x 256 columns one of these (sw
+// [N/16][K/256]): sub-block j (32 weights, columns 32j..32j+31 of the super-block) of row r has scale sc[j][r] and
+// min mn[j][r] (6-bit, unsigned). 320 bytes per 4096 weights: 0.578 bytes a weight with the nibbles (Q4_K: 0.5625).
+typedef struct {
+    uint16_t d[RG], dmin[RG];
+    uint8_t sc[8][RG], mn[8][RG];
+} sc_q4k_scales;
+
+// q8k: the bytes are sc_q8_blocks (hw [N/16][K/32], q + 128, as q8g); per 16 rows x 256 columns one of these (sw
+// [N/16][K/256]) with a signed scale and unsigned min per 16 weights (j = 0..15: columns 16j..16j+15). Q6_K: its own
+// int8 scales, dmin = 0, mn = 0; Q5_K: each 32-weight scale / min on both of its 16-halves.
+typedef struct {
+    uint16_t d[RG], dmin[RG];
+    int8_t sc[16][RG];
+    uint8_t mn[16][RG];
+} sc_q8k_scales;
+
+_Static_assert(sizeof(sc_q4k_scales) == 4 * RG + 16 * RG, "q4k scales: 2x16 fp16, then 2x8x16 bytes, no padding");
+_Static_assert(offsetof(sc_q4k_scales, sc) == 2 * RG * sizeof(uint16_t), "q4k scales: sc follows d, dmin");
+_Static_assert(offsetof(sc_q4k_scales, mn) == 2 * RG * sizeof(uint16_t) + 8 * RG, "q4k scales: mn follows sc");
+_Static_assert(sizeof(sc_q8k_scales) == 4 * RG + 32 * RG, "q8k scales: 2x16 fp16, then 2x16x16 bytes, no padding");
+_Static_assert(offsetof(sc_q8k_scales, sc) == 2 * RG * sizeof(uint16_t), "q8k scales: sc follows d, dmin");
+_Static_assert(offsetof(sc_q8k_scales, mn) == 2 * RG * sizeof(uint16_t) + 16 * RG, "q8k scales: mn follows sc");
+_Static_assert(sizeof(sc_q4k_scales) % 64 == 0 && sizeof(sc_q8k_scales) % 64 == 0, "scales keep 64-byte strides");
+
 // ---- the decode step's model (native.StepModel mirrors it; the binding checks its size and every offset) -----
+// Kinds of a linear (Model.lin_type).
+#define SC_LIN_Q4 0   // lin triple: (sc_q4_block*, sc_q4_scales*, bias)
+#define SC_LIN_Q8G 1  // lin triple: (sc_q8_block*, sc_q8g_scales*, bias)
+#define SC_LIN_Q4K 2  // lin triple: (sc_q4_block*, sc_q4k_scales*, bias)
+#define SC_LIN_Q8K 3  // lin triple: (sc_q8_block*, sc_q8k_scales*, bias)
+
 typedef struct {
     int n_layers, dim, n_heads, n_kv, head_dim, inter, vocab, kv_bf16;  // vocab: padded to 16
     float eps, scaling, rope_scale;
-    const float* inv_freq;     // [D/2]
+    const float* inv_freq;     // [rot/2]
     const float* norm_in;      // [L][C]
     const float* norm_post;    // [L][C]
     const float* norm_final;   // [C]
-    const void* const* lin;    // [L][7][3]: (sc_q4_block*, sc_q4_scales*, bias or NULL) for q, k, v, o, gate, up, down
+    const void* const* lin;    // [L][7][3]: (weights, scales, bias or NULL) for q, k, v, o, gate, up, down
     const sc_q8_block* table;  // the tied token table (q8_matmul's hw), or NULL: no head here
     const float* table_scale;  // [V]
+    const float* q_norm;       // [L][D]: RMSNorm of each query head before RoPE (Qwen3), or NULL: none
+    const float* k_norm;       // [L][D]: the same for each key head, or NULL
+    const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
+    int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
 } Model;
 
 // ---- caller-owned work buffers --------------------------------------------------------------------------------
@@ -100,34 +150,109 @@ typedef struct {
     float *dx, *sx, *corr;
 } sc_xq;
 
-static inline int sc_take_xq(sc_arena* a, int M, int K, sc_xq* x) {
-    size_t nb = (size_t)M * (K / QB);
-    x->xq = sc_take(a, (size_t)M * K);
-    x->dx = sc_take(a, sizeof(float) * nb);
-    x->sx = sc_take(a, sizeof(float) * nb);
-    x->corr = sc_take(a, sizeof(float) * (size_t)M);
-    return x->xq && x->dx && x->sx && x->corr ? SC_OK : SC_EWORK;
+// q8g / q8k also read, per 16 of them (c16, sx16 [M][K/16]), 128 x their integer sum (the +128 storage offset's
+// correction) and dx x their sum (the m term).
+typedef struct {
+    int32_t* c16;
+    float* sx16;
+} sc_x16;
+
+// One input's activations, quantized once (by one thread, before a job splits) for every linear that reads it.
+typedef struct {
+    int M, K;
+    sc_xq x;
+    sc_x16 h;  // NULLs unless made (SC_ACT_16)
+} sc_act;
+
+#define SC_ACT_16 1  // make the per-16 sums too (a q8g or q8k linear reads this input)
+
+static inline int sc_take_act(sc_arena* a, int M, int K, int what, sc_act* x) {
+    size_t nb = (size_t)M * (K / QB), nh = (size_t)M * (K / 16);
+    x->M = M, x->K = K;
+    x->x.xq = sc_take(a, (size_t)M * K);
+    x->x.dx = sc_take(a, sizeof(float) * nb);
+    x->x.sx = sc_take(a, sizeof(float) * nb);
+    x->x.corr = sc_take(a, sizeof(float) * (size_t)M);
+    x->h.c16 = what & SC_ACT_16 ? sc_take(a, sizeof(int32_t) * nh) : NULL;
+    x->h.sx16 = what & SC_ACT_16 ? sc_take(a, sizeof(float) * nh) : NULL;
+    int ok = x->x.xq && x->x.dx && x->x.sx && x->x.corr && (!(what & SC_ACT_16) || (x->h.c16 && x->h.sx16));
+    return ok ? SC_OK : SC_EWORK;
 }
 
-#define SC_MB 256  // q4 prefill: rows per pass (their accumulators, 16 KB, stay in L1)
-
-// q4_matmul's scratch: the int8 activations, and for M > 1 (prefill) SC_MB accumulators of 16 floats.
-static inline int sc_take_q4(sc_arena* a, int M, int K, sc_xq* x, float** acc) {
-    if (sc_take_xq(a, M, K, x)) return SC_EWORK;
-    *acc = M > 1 ? sc_take(a, sizeof(float) * RG * SC_MB) : NULL;
-    return M > 1 && !*acc ? SC_EWORK : SC_OK;
+// The per-16 sums from the quantized rows (shared, so both variants round sx16 alike: one product).
+static inline void sc_q8g_sums(const sc_xq* x, int M, int K, sc_x16* h) {
+    int nh = K / 16;
+    for (int m = 0; m < M; m++)
+        for (int j = 0; j < nh; j++) {
+            const int8_t* p = x->xq + (size_t)m * K + 16 * j;
+            int32_t s = 0;
+            for (int i = 0; i < 16; i++) s += p[i];
+            h->c16[(size_t)m * nh + j] = 128 * s;
+            h->sx16[(size_t)m * nh + j] = x->dx[(size_t)m * (K / QB) + j / 2] * (float)s;
+        }
 }
+
+// ---- the worker pool (pool.c) and the linears on it (linear.c) ------------------------------------------------
+// A task computes items [lo, hi) of a job as thread `slot` (0: the caller; < the job's slots): per-thread scratch is
+// the slot's piece of the caller's work buffer.
+typedef void (*sc_task)(void* ctx, int lo, int hi, int slot);
+// Run fn over [0, n) on up to `slots` threads of the pool, in contiguous chunks, and return when all are done.
+// `bytes` is the memory the job touches: a job under the pool's grain runs on the caller alone (a wake-up costs
+// more than it saves).
+void sc_parallel(sc_task fn, void* ctx, int n, int slots, size_t bytes);
+#define SC_GRAIN (64 * 1024)  // measured: see pool.c
+
+#define SC_LIN_TABLE 4  // the int8 token table (q8_matmul): w sc_q8_block*, s the fp32 per-row scale, no bias
+// One linear: y [M][N] = x @ W^T (+ bias), W in layout `type` (SC_LIN_*): w its blocks, s its scales.
+typedef struct {
+    int type, N;
+    const void *w, *s;
+    const float* bias;
+    float* y;
+} sc_lin;
+
+#define SC_MB 256  // q4 / q4k prefill: rows per pass (their accumulators, 16 KB, stay in L1)
+#define SC_MB8 128 // q8g / q8k prefill: rows per pass (2 x 16 floats each: 16 KB, in L1)
+#define SC_ACC (RG * SC_MB)  // floats of one thread's prefill accumulators, any layout
+_Static_assert(SC_ACC == 2 * RG * SC_MB8 && SC_ACC * sizeof(float) % 64 == 0, "one accumulator size, 64-byte pieces");
+
+static inline int sc_lin_pass(int type) {  // rows per prefill pass (the table keeps no accumulators: all rows)
+    return type == SC_LIN_Q8G || type == SC_LIN_Q8K ? SC_MB8 : type == SC_LIN_TABLE ? 1 << 30 : SC_MB;
+}
+static inline int sc_lin_act(int type) { return type == SC_LIN_Q8G || type == SC_LIN_Q8K ? SC_ACT_16 : 0; }
+
+// Quantize x [M][K] into a (and the sums `what` asks for).
+void sc_act_fill(const float* x, sc_act* a, int what);
+// Work bytes of one linear of `type` over M rows of K, on up to `slots` threads (linear.c; the sc_*_work exports).
+size_t sc_lin_work(int type, int M, int K, int slots);
+// y of one linear on x [M][K]: quantize, then the job over its row groups (and prefill passes); scratch from `a`,
+// which also says how many threads' accumulators fit (SC_EWORK if not one).
+int sc_lin_mm(sc_arena* a, const sc_lin* l, const float* x, int M, int K);
+// The nl linears that read one input (the decode step's q, k, v), one job over all their row groups.
+void sc_lins_run(const sc_lin* l, int nl, const sc_act* a, float* acc, int slots);
 
 // ---- the exported functions, each signature once: prototypes below, sc_signature's table in api.c ------------
 // X(return type, name, argument types...). native.py's declarations must give the same codes (sc_signature).
 #define SC_EXPORTS(X)                                                                                                  \
-    X(size_t, sc_q4_work, int, int)                                                                                    \
-    X(size_t, sc_q8_work, int, int)                                                                                    \
+    X(size_t, sc_q4_work, int, int, int)                                                                               \
+    X(size_t, sc_q8_work, int, int, int)                                                                               \
+    X(size_t, sc_q8g_work, int, int, int)                                                                              \
+    X(size_t, sc_q4k_work, int, int, int)                                                                              \
+    X(size_t, sc_q8k_work, int, int, int)                                                                              \
+    X(int, sc_set_threads, int)                                                                                        \
+    X(long, sc_set_grain, long)                                                                                        \
+    X(int, sc_set_deal, int)                                                                                           \
     X(size_t, sc_step_work, const Model*, int)                                                                         \
     X(int, sc_quant, const float*, int, int, int8_t*, float*, float*)                                                  \
     X(int, q4_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q4_scales*, const float*, float*,      \
       void*, size_t)                                                                                                   \
     X(int, q8_matmul, const float*, int, int, int, const sc_q8_block*, const float*, float*, void*, size_t)            \
+    X(int, q8g_matmul, const float*, int, int, int, const sc_q8_block*, const sc_q8g_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q4k_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q4k_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q8k_matmul, const float*, int, int, int, const sc_q8_block*, const sc_q8k_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
     X(int, sc_attend, const Model*, const float*, const void*, const void*, int, int, int, float*, float*, float*)     \
     X(int, sc_step, const Model*, const float*, int, int, void* const*, void* const*, int, float*, float*, float*,     \
       void*, size_t)                                                                                                   \
@@ -141,6 +266,8 @@ SC_API int sc_variant(void);                     // SC_VARIANT_SIMD or SC_VARIAN
 SC_API long sc_sizeof(const char* type);         // "Model", "sc_q4_block", ...; -1: unknown
 SC_API long sc_offsetof(const char* field);      // a Model field; -1: unknown
 SC_API const char* sc_signature(const char* fn);  // e.g. "i(piiipppppz)"; NULL: not exported
+// The pool's size (threads with the caller; 1: none): no arguments, so outside the table as the handshake is.
+SC_API int sc_threads(void);
 
 #define SC_VARIANT_REF 0
 #define SC_VARIANT_SIMD 1
@@ -149,10 +276,16 @@ SC_API const char* sc_signature(const char* fn);  // e.g. "i(piiipppppz)"; NULL:
 extern const int sc_variant_id;
 // x [M][K] -> int8 per 32 values into q (see matmul.c: quant_row for the rounding).
 void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* sx);
-// y [M][N] = x [M][K] @ W^T (+ bias); scratch from `a` (SC_EWORK if it is short).
-int sc_q4_mm(sc_arena* a, const float* x, int M, int K, int N, const sc_q4_block* qw, const sc_q4_scales* sw,
-             const float* bias, float* y);
-int sc_q8_mm(sc_arena* a, const float* x, int M, int K, int N, const sc_q8_block* hw, const float* ws, float* y);
+// Output row groups [g0, g1) of one linear for activation rows [m0, m0 + mn): when a->M == 1 the one-row (decode)
+// path, else one prefill pass (mn <= sc_lin_pass(type)) with acc this thread's SC_ACC floats. Every output element
+// is computed by the same operations whatever the range, so a split of the groups or passes changes no bit.
+// The layouts' arithmetic, per lane: q4: acc = fmaf(isum, d*dx, acc), then acc = fmaf(m, sx, acc). q8g, per half
+// block h: acc_h = fmaf(isum_h, d_h*dx, acc_h), then acc_h = fmaf(m_h, sx16_h, acc_h), isum_h the exact integer dot;
+// two accumulators (halves 0, 1), summed last. The K-quants (matmul_k.c; ref.c), per 32-block b (sub-block j of
+// super-block b / 8), ds = d*sc_j and dm = dmin*mn_j in fp32 (exact): q4k: acc = fmaf(isum, ds*dx, acc), then
+// acc = fmaf(-dm, sx, acc); q8k: as q8g per half h with its own j, acc_h = fmaf(isum_h, ds*dx, acc_h), then
+// acc_h = fmaf(-dm, sx16_h, acc_h). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
+void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
 // Softmax attention of one query head qh [D] over n rows of Kh / Vh [n][D] (fp32, or bf16 when bf): the

@@ -4,9 +4,25 @@
 
 #include "kernels.h"
 
+// The K-quant layouts' sc_lin_run (matmul_k.c), called by matmul.c's.
+void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
+void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
+
 static inline __m512 f16x16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
 }
+
+static inline __m512 u8x16(const uint8_t* p) {  // 16 unsigned bytes to floats (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+static inline __m512 i8x16(const int8_t* p) {  // 16 signed bytes to floats (exact)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// The integer chain sub-block s (of a q8 block's 8) adds into (q8g, q8k): half 0 (s = 0..3) into chains 0, 1
+// alternately, half 1 into 2, 3 (two chains a half, so the dependent dpbusd latencies overlap).
+static inline int q8g_chain(int s) { return (s / 4) * 2 + s % 2; }
 
 static inline __m512 bf16x16(const uint16_t* p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));

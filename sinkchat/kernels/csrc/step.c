@@ -1,12 +1,20 @@
-// One decode step of a Llama / Qwen2 shaped model in C, and the cache eviction: shared by both builds, over the
-// pieces each variant implements (sc_q4_mm, sc_head_attend, sc_rot_row, ...: kernels.h).
+// One decode step of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 shaped model in C, and the cache eviction: shared by
+// both builds, over the pieces each variant implements (sc_lin_run, sc_head_attend, sc_rot_row, ...: kernels.h).
+// Each linear is q4, q8g, q4k or q8k (Model.lin_type); q/k norms and partial rotary are optional.
+//
+// Threads (pool.c): per layer five jobs, each split so every output is computed by one thread as it is alone (the
+// step's results are bit-identical at any thread count): q, k and v together (one input, quantized once), the heads'
+// attention, o, gate and up together with the SiLU product of each finished row group, and down; then the head.
+// Fewer, larger jobs: each costs a wake-up of the workers. The norms, RoPE and residual adds stay on the caller.
 #include "kernels.h"
 
 enum { LQ, LK, LV, LO, LG, LU, LD };
 
-// The step's activations, carved from the caller's work buffer (sizes: sc_step_work, which carves the same way).
+// The step's activations, carved from the caller's work buffer (sizes: sc_step_work, which carves the same way), and
+// the quantized input of the linears (one at a time, K up to the widest).
 typedef struct {
     float *x, *h, *t, *q, *k, *v, *att, *gu, *cs, *sn, *scores;
+    sc_act in;
 } StepBufs;
 
 static int take_step(sc_arena* a, const Model* m, int n_slots, StepBufs* b) {
@@ -15,24 +23,35 @@ static int take_step(sc_arena* a, const Model* m, int n_slots, StepBufs* b) {
     size_t n[] = {C, C, C, HD, KD, KD, HD, 2 * (size_t)m->inter, D, D, (size_t)m->n_heads * n_slots};
     for (size_t i = 0; i < sizeof n / sizeof n[0]; i++)
         if (!(*at[i] = sc_take(a, sizeof(float) * n[i]))) return SC_EWORK;
-    return SC_OK;
+    int k = m->dim > m->inter ? m->dim : m->inter;
+    k = k > (int)HD ? k : (int)HD;
+    return sc_take_act(a, 1, k, SC_ACT_16, &b->in);
 }
 
-// Bytes of work sc_step needs for a cache of `cap` slots: its activations, then one matmul's scratch at a time.
+// Bytes of work sc_step needs for a cache of `cap` slots (any thread count: at one row no thread keeps scratch).
 size_t sc_step_work(const Model* m, int cap) {
     sc_arena a = sc_measure();
     StepBufs b;
     take_step(&a, m, cap, &b);
-    int k = m->dim > m->inter ? m->dim : m->inter;
-    k = k > m->n_heads * m->head_dim ? k : m->n_heads * m->head_dim;
-    size_t mm = sc_q4_work(1, k), head = m->table ? sc_q8_work(1, m->dim) : 0;
-    return sc_measured(&a) + (mm > head ? mm : head);
+    return sc_measured(&a);
 }
 
-static int lin(const Model* m, sc_arena scratch, int layer, int which, const float* x, int K, int N, float* y) {
-    const void* const* p = m->lin + ((size_t)layer * 7 + which) * 3;
-    return sc_q4_mm(&scratch, x, 1, K, N, (const sc_q4_block*)p[0], (const sc_q4_scales*)p[1], (const float*)p[2], y);
+// Linear `which` of `layer` (Model.lin_type; NULL: every linear q4), writing y.
+static sc_lin lin_of(const Model* m, int layer, int which, int N, float* y) {
+    size_t at = (size_t)layer * 7 + which;
+    const void* const* p = m->lin + at * 3;
+    return (sc_lin){m->lin_type ? m->lin_type[at] : SC_LIN_Q4, N, p[0], p[1], p[2], y};
 }
+
+// Quantize x [K] as the input of the next linears (with the per-16 sums: any of them may be q8g / q8k).
+static const sc_act* quant_in(StepBufs* b, const float* x, int K) {
+    b->in.K = K;
+    sc_act_fill(x, &b->in, SC_ACT_16);
+    return &b->in;
+}
+
+// The rotary dims: Model.rot, or the whole head where it is unset.
+static inline int rot_dims(const Model* m) { return m->rot > 0 ? m->rot : m->head_dim; }
 
 static void rms(const float* x, const float* w, int C, float eps, float* out) {
     float ss = 0;
@@ -43,17 +62,38 @@ static void rms(const float* x, const float* w, int C, float eps, float* out) {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// The heads' attention as a job: item hq is query head hq (its softmax and output computed by one thread).
+typedef struct {
+    const Model* m;
+    const float* q;
+    const void *K, *V;
+    int cap, n;
+    float *scores, *out;
+} AttJob;
+
+static void att_task(void* ctx, int lo, int hi, int slot) {
+    const AttJob* j = ctx;
+    const Model* m = j->m;
+    int D = m->head_dim, G = m->n_heads / m->n_kv;
+    size_t esz = m->kv_bf16 ? 2 : 4;
+    (void)slot;
+    for (int hq = lo; hq < hi; hq++) {
+        size_t head = (size_t)(hq / G) * j->cap * D * esz;
+        sc_head_attend(j->q + (size_t)hq * D, (const char*)j->K + head, (const char*)j->V + head, j->n, m->kv_bf16,
+                       m->scaling, j->scores + (size_t)hq * j->n, j->out + (size_t)hq * D, D);
+    }
+}
+
 // Attention of the H query heads over slots 0..pos of one layer's K/V [H_kv][cap][D]; writes out [H*D] and adds
-// the gauge shares (first n_gauge slots, newest n_gauge slots, mean over heads) to gauge[2].
+// the gauge shares (first n_gauge slots, newest n_gauge slots, mean over heads) to gauge[2]: on the caller, after
+// the heads' job, in head order (so the float sums do not depend on which thread did which head).
 static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge,
                    float* scores, float* out, float* gauge) {
-    int H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, G = H / Hkv, n = pos + 1;
-    size_t esz = m->kv_bf16 ? 2 : 4;
+    int H = m->n_heads, n = pos + 1;
+    AttJob j = {m, q, K, V, cap, n, scores, out};
+    sc_parallel(att_task, &j, H, sc_threads(), (size_t)H * n * m->head_dim * (m->kv_bf16 ? 4 : 8));
     for (int hq = 0; hq < H; hq++) {
-        size_t head = (size_t)(hq / G) * cap * D * esz;
-        float* sc = scores + (size_t)hq * n;
-        sc_head_attend(q + (size_t)hq * D, (const char*)K + head, (const char*)V + head, n, m->kv_bf16, m->scaling,
-                       sc, out + (size_t)hq * D, D);
+        const float* sc = scores + (size_t)hq * n;
         float first = 0, last = 0;
         for (int t = 0; t < n_gauge && t < n; t++) first += sc[t];
         for (int t = n - 1; t >= 0 && t > pos - n_gauge; t--) last += sc[t];
@@ -78,37 +118,58 @@ static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
         memcpy((float*)buf + at, src, sizeof(float) * D);
 }
 
-// The attention half of layer l: x += o_proj(attention(rope(q), rope(k) and v written at slot pos)).
-static int attention_block(const Model* m, const StepBufs* b, sc_arena rest, int l, int pos, int n_gauge,
-                           void* const* keys, void* const* values, int cap, float* queries, float* gauge) {
-    int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, rc;
+// The attention half of layer l: x += o_proj(attention(rope(q), rope(k) and v written at slot pos)). With q/k norms
+// (Qwen3) each head is RMS-normed after its projection and before RoPE, as transformers' Qwen3Attention does; the
+// queries handed back are those normed, unrotated ones (what the gauge's hook on q_norm sees).
+static void attention_block(const Model* m, StepBufs* b, int l, int pos, int n_gauge, void* const* keys,
+                            void* const* values, int cap, float* queries, float* gauge) {
+    int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, R = rot_dims(m), T = sc_threads();
     rms(b->x, m->norm_in + (size_t)l * C, C, m->eps, b->h);
-    if ((rc = lin(m, rest, l, LQ, b->h, C, H * D, b->q)) || (rc = lin(m, rest, l, LK, b->h, C, Hkv * D, b->k)) ||
-        (rc = lin(m, rest, l, LV, b->h, C, Hkv * D, b->v)))
-        return rc;
+    sc_lin qkv[3] = {lin_of(m, l, LQ, H * D, b->q), lin_of(m, l, LK, Hkv * D, b->k), lin_of(m, l, LV, Hkv * D, b->v)};
+    sc_lins_run(qkv, 3, quant_in(b, b->h, C), NULL, T);
+    for (int i = 0; m->q_norm && i < H; i++) rms(b->q + i * D, m->q_norm + (size_t)l * D, D, m->eps, b->q + i * D);
+    for (int i = 0; m->k_norm && i < Hkv; i++) rms(b->k + i * D, m->k_norm + (size_t)l * D, D, m->eps, b->k + i * D);
     memcpy(queries + (size_t)l * H * D, b->q, sizeof(float) * H * D);
-    for (int i = 0; i < H; i++) sc_rot_row(b->q + i * D, b->q + i * D, b->cs, b->sn, D, D);
+    for (int i = 0; i < H; i++) sc_rot_row(b->q + i * D, b->q + i * D, b->cs, b->sn, R, D);
     for (int i = 0; i < Hkv; i++) {
-        sc_rot_row(b->k + i * D, b->k + i * D, b->cs, b->sn, D, D);
+        sc_rot_row(b->k + i * D, b->k + i * D, b->cs, b->sn, R, D);
         store_kv(keys[l], ((size_t)i * cap + pos) * D, b->k + i * D, D, m->kv_bf16);
         store_kv(values[l], ((size_t)i * cap + pos) * D, b->v + i * D, D, m->kv_bf16);
     }
     gauge[2 * l] = gauge[2 * l + 1] = 0;
     attend(m, b->q, keys[l], values[l], cap, pos, n_gauge, b->scores, b->att, gauge + 2 * l);
-    if ((rc = lin(m, rest, l, LO, b->att, H * D, C, b->t))) return rc;
+    sc_lin o = lin_of(m, l, LO, C, b->t);
+    sc_lins_run(&o, 1, quant_in(b, b->att, H * D), NULL, T);
     for (int c = 0; c < C; c++) b->x[c] += b->t[c];
-    return SC_OK;
+}
+
+// gate and up as one job: item g is row group g of both, then the SiLU product of its 16 values (the same
+// operations per element as a separate loop: silu(gate) * up).
+typedef struct {
+    sc_lin gate, up;
+    const sc_act* in;
+    float* gu;
+    int I;
+} MlpJob;
+
+static void gate_up_task(void* ctx, int lo, int hi, int slot) {
+    const MlpJob* j = ctx;
+    (void)slot;
+    sc_lin_run(&j->gate, j->in, 0, 1, lo, hi, NULL);
+    sc_lin_run(&j->up, j->in, 0, 1, lo, hi, NULL);
+    for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = silu(j->gu[i]) * j->gu[j->I + i];
 }
 
 // The MLP half of layer l: x += down(silu(gate(h)) * up(h)), h = rms(x).
-static int mlp_block(const Model* m, const StepBufs* b, sc_arena rest, int l) {
-    int C = m->dim, I = m->inter, rc;
+static void mlp_block(const Model* m, StepBufs* b, int l) {
+    int C = m->dim, I = m->inter, T = sc_threads();
     rms(b->x, m->norm_post + (size_t)l * C, C, m->eps, b->h);
-    if ((rc = lin(m, rest, l, LG, b->h, C, I, b->gu)) || (rc = lin(m, rest, l, LU, b->h, C, I, b->gu + I))) return rc;
-    for (int i = 0; i < I; i++) b->gu[i] = silu(b->gu[i]) * b->gu[I + i];
-    if ((rc = lin(m, rest, l, LD, b->gu, I, C, b->t))) return rc;
+    MlpJob j = {lin_of(m, l, LG, I, b->gu), lin_of(m, l, LU, I, b->gu + I), quant_in(b, b->h, C), b->gu, I};
+    size_t bytes = (size_t)I * C;  // about the weights' bytes (2 x I x C at 4 bits)
+    sc_parallel(gate_up_task, &j, I / RG, T, bytes);
+    sc_lin down = lin_of(m, l, LD, C, b->t);
+    sc_lins_run(&down, 1, quant_in(b, b->gu, I), NULL, T);
     for (int c = 0; c < C; c++) b->x[c] += b->t[c];
-    return SC_OK;
 }
 
 // One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
@@ -117,27 +178,29 @@ static int mlp_block(const Model* m, const StepBufs* b, sc_arena rest, int l) {
 // work: sc_step_work(m, cap) bytes (or NULL: allocated here).
 int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
             float* out, float* queries, float* gauge, void* work, size_t work_size) {
-    int C = m->dim, D = m->head_dim, rc;
+    int C = m->dim, half = rot_dims(m) / 2, rc;
     sc_arena a;
     void* own;
     StepBufs b;
     if ((rc = sc_work_open(work, work_size, sc_step_work(m, cap), &a, &own)) || (rc = take_step(&a, m, pos + 1, &b)))
         goto done;
     memcpy(b.x, x_in, sizeof(float) * C);
-    for (int i = 0; i < D / 2; i++) {  // as transformers: fp32 angle = position x inv_freq
+    for (int i = 0; i < half; i++) {  // as transformers: fp32 angle = position x inv_freq
         float ang = (float)pos * m->inv_freq[i];
-        b.cs[i] = b.cs[i + D / 2] = cosf(ang) * m->rope_scale;
-        b.sn[i] = b.sn[i + D / 2] = sinf(ang) * m->rope_scale;
+        b.cs[i] = b.cs[i + half] = cosf(ang) * m->rope_scale;
+        b.sn[i] = b.sn[i + half] = sinf(ang) * m->rope_scale;
     }
-    for (int l = 0; l < m->n_layers; l++)
-        if ((rc = attention_block(m, &b, a, l, pos, n_gauge, keys, values, cap, queries, gauge)) ||
-            (rc = mlp_block(m, &b, a, l)))
-            goto done;
+    for (int l = 0; l < m->n_layers; l++) {
+        attention_block(m, &b, l, pos, n_gauge, keys, values, cap, queries, gauge);
+        mlp_block(m, &b, l);
+    }
     rms(b.x, m->norm_final, C, m->eps, b.h);
-    if (m->table)
-        rc = sc_q8_mm(&a, b.h, 1, C, m->vocab, m->table, m->table_scale, out);
-    else
+    if (m->table) {
+        sc_lin head = {SC_LIN_TABLE, m->vocab, m->table, m->table_scale, NULL, out};
+        sc_lins_run(&head, 1, quant_in(&b, b.h, C), NULL, sc_threads());
+    } else {
         memcpy(out, b.h, sizeof(float) * C);
+    }
 done:
     free(own);
     return rc;
@@ -147,27 +210,42 @@ done:
 // Eviction: drop slots [start, start+count) of one layer's K/V [H_kv][cap][D] and move the n slots after them down,
 // re-rotating the moved keys by -count in fp32 (cos/sin [rot]: that angle, rotate-half layout; dims past rot copied).
 // One pass over the cache instead of torch's five (copy out, two multiplies, two adds, copy back): the pause at an
-// eviction is what p99 latency sees. No work buffer: one row on the stack.
-int kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
-             const float* sn, int rot, int bf16) {
+// eviction is what p99 latency sees. A job over the KV heads (each head's rows moved by one thread); no work buffer:
+// one row on each thread's stack.
+typedef struct {
+    void *K, *V;
+    int cap, D, start, count, n, rot, bf16;
+    const float *cs, *sn;
+} EvictJob;
+
+static void evict_task(void* ctx, int lo, int hi, int slot) {
+    const EvictJob* j = ctx;
     float kin[1024];
-    if (D > 1024 || rot > D) return -1;
-    size_t esz = bf16 ? 2 : 4;
-    for (int h = 0; h < n_heads; h++) {
-        for (int s = 0; s < n; s++) {
-            size_t src = ((size_t)h * cap + start + count + s) * D, dst = ((size_t)h * cap + start + s) * D;
-            if (!cs) {
-                memmove((char*)K + dst * esz, (const char*)K + src * esz, esz * D);
-            } else if (bf16) {
-                sc_get_bf16(kin, (const uint16_t*)K + src, D);
-                sc_rot_row(kin, kin, cs, sn, rot, D);
-                sc_put_bf16((uint16_t*)K + dst, kin, D);
-            } else {
-                sc_rot_row((const float*)K + src, (float*)K + dst, cs, sn, rot, D);  // whole rows, never partly overlapping
+    int D = j->D;
+    size_t esz = j->bf16 ? 2 : 4;
+    (void)slot;
+    for (int h = lo; h < hi; h++) {
+        for (int s = 0; s < j->n; s++) {
+            size_t src = ((size_t)h * j->cap + j->start + j->count + s) * D, dst = ((size_t)h * j->cap + j->start + s) * D;
+            if (!j->cs) {
+                memmove((char*)j->K + dst * esz, (const char*)j->K + src * esz, esz * D);
+            } else if (j->bf16) {
+                sc_get_bf16(kin, (const uint16_t*)j->K + src, D);
+                sc_rot_row(kin, kin, j->cs, j->sn, j->rot, D);
+                sc_put_bf16((uint16_t*)j->K + dst, kin, D);
+            } else {  // whole rows, never partly overlapping
+                sc_rot_row((const float*)j->K + src, (float*)j->K + dst, j->cs, j->sn, j->rot, D);
             }
         }
-        size_t src = ((size_t)h * cap + start + count) * D, dst = ((size_t)h * cap + start) * D;
-        memmove((char*)V + dst * esz, (const char*)V + src * esz, esz * D * (size_t)n);  // overlapping: memmove
+        size_t src = ((size_t)h * j->cap + j->start + j->count) * D, dst = ((size_t)h * j->cap + j->start) * D;
+        memmove((char*)j->V + dst * esz, (const char*)j->V + src * esz, esz * D * (size_t)j->n);  // overlapping
     }
+}
+
+int kv_evict(void* K, void* V, int n_heads, int cap, int D, int start, int count, int n, const float* cs,
+             const float* sn, int rot, int bf16) {
+    if (D > 1024 || rot > D) return -1;
+    EvictJob j = {K, V, cap, D, start, count, n, rot, bf16, cs, sn};
+    sc_parallel(evict_task, &j, n_heads, sc_threads(), (size_t)n_heads * n * D * (bf16 ? 4 : 8));
     return 0;
 }

@@ -1,0 +1,198 @@
+#!/usr/bin/env python
+"""Side by side, one run: llama.cpp's `llama-bench` against `sinkchat bench` on the same GGUF, at the same prompt
+length, decoded tokens and cache fill, at threads 1 and 2, with this machine's memory bandwidth and each side's
+decode as a share of its roofline (bytes read per token / bandwidth).
+
+- llama.cpp: `llama-bench -p 512 -n 128 -d 0,2048 -t T -o json`: pp512, tg128 at depth 0 ... and tg128 at depth
+  2048 (`-d`: the KV cache already holds 2,048 tokens).
+- sinkchat: `sinkchat bench --policies sink --caches 512,2048 --decode 128 --threads T`: the prefill of 512 tokens,
+  then 128 tokens decoded with the cache full (evicting), and the same at 2,048.
+- Bandwidth: a streaming read of a 1 GiB buffer (C, `-O3 -march=native`, T OpenMP threads, passive waits).
+- Roofline tok/s = bandwidth / (weight bytes read per token + KV bytes at that fill). sinkchat's weight bytes are
+  its packed layouts' (the token table once, as the head); llama.cpp's the file's tensors minus the embedding
+  lookup (plus the head: the table again when tied).
+
+Models: (a) the bundled 135M Q4_1; (b) with `--big`, a ~1B Llama-shaped model with random weights in Q4_0 and
+Q4_K_M, written by `benchmarks/gguf_memory.py`'s writer (kept under the user cache dir). Every figure is a ratio of
+two measurements taken minutes apart on the same machine; machines here are shared, so run it on a quiet one.
+
+Usage: python benchmarks/llamacpp_bench.py [--threads 1,2] [--big] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_tools as lt  # noqa: E402
+
+BW_C = r"""
+#include <stddef.h>
+#include <immintrin.h>
+double sc_stream(const float* a, size_t n, int reps) {
+    double total = 0;
+    for (int r = 0; r < reps; r++) {
+        __m512 s = _mm512_setzero_ps();
+        #pragma omp parallel for reduction(+:total)
+        for (size_t i = 0; i < n; i += 64) {
+            __m512 x = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(a + i + 16)),
+                                     _mm512_add_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(a + i + 48)));
+            total += _mm512_reduce_add_ps(x);
+        }
+        (void)s;
+    }
+    return total;
+}
+"""
+INFO = """
+import json, sys
+from sinkchat.config import ModelConfig
+from sinkchat.model import loader
+L = loader.load(ModelConfig(model=sys.argv[1]))
+seen, nbytes = set(), 0
+for name, mod in L.model.named_modules():
+    if name.endswith("embed_tokens"):
+        continue
+    for t in list(mod.buffers(recurse=False)) + list(mod.parameters(recurse=False)):
+        if t.data_ptr() not in seen and t.dim() >= 2:
+            seen.add(t.data_ptr()); nbytes += t.numel() * t.element_size()
+print(json.dumps({"weight_bytes": nbytes, "kv_bytes_per_token_bf16": L.spec.kv_bytes_per_token(16)}))
+"""
+
+
+def bandwidth(threads: int) -> float:
+    """GB/s of a streaming read over 1 GiB with `threads` threads."""
+    import numpy as np
+
+    lib_dir = lt.cache_root() / "bench"
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    so = lib_dir / "stream.so"
+    if not so.is_file():
+        src = lib_dir / "stream.c"
+        src.write_text(BW_C)
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(so)],
+                       check=True)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    lib = ctypes.CDLL(str(so))
+    lib.sc_stream.restype = ctypes.c_double
+    lib.sc_stream.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    a = np.ones(2**28, dtype=np.float32)
+    lib.sc_stream(a.ctypes.data, a.size, 1)  # touch every page first
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        lib.sc_stream(a.ctypes.data, a.size, 4)
+        best = max(best, 4 * a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def run_bandwidth(threads: int) -> float:
+    """In a child process: OpenMP reads OMP_NUM_THREADS once per process."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import llamacpp_bench as b; print(b.bandwidth({threads}))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(p.stdout.strip().splitlines()[-1])
+
+
+def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict[str, float]:
+    out = lt.run_tool(bin_dir, "llama-bench", "-m", str(model), "-p", "512", "-n", "128", "-d", "0,2048", "-t",
+                      str(threads), "-o", "json")
+    rows = json.loads(out[out.index("[") : out.rindex("]") + 1])
+    res = {}
+    for r in rows:
+        key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}@d{r.get('n_depth', 0)}"
+        res[key] = float(r["avg_ts"])
+    return res
+
+
+def sinkchat_bench(model: Path, threads: int) -> dict[str, float]:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    p = subprocess.run([sys.executable, "-m", "sinkchat", "bench", "--model", str(model), "--policies", "sink",
+                        "--caches", "512,2048", "--decode", "128", "--gauge-tokens", "0", "--threads", str(threads),
+                        "--json"], capture_output=True, text=True, env=env, timeout=7200)
+    if p.returncode:
+        raise RuntimeError(f"sinkchat bench failed: {p.stderr[-800:]}")
+    data = json.loads(p.stdout.strip().splitlines()[-1])
+    res = {}
+    for row in data["runs"]:
+        if row.get("policy") != "sink":
+            continue
+        cap = int(row["cache"])
+        res[f"decode@{cap}"] = float(row["decode_tok_s"])
+        res[f"prefill@{cap}"] = float(row["prefill_tok_s"])
+    return res
+
+
+def info(model: Path) -> dict[str, float]:
+    p = subprocess.run([sys.executable, "-c", INFO, str(model)], capture_output=True, text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def llama_weight_bytes(model: Path) -> int:
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(model)).tensors if len(t.shape) >= 2}
+    total = sum(tensors.values())
+    return total if "output.weight" not in tensors else total - tensors.get("token_embd.weight", 0)
+
+
+def models(big: bool) -> list[Path]:
+    out = [lt.bundled()]
+    if big:
+        import gguf_memory as gm
+
+        for qt in ("Q4_0", "Q4_K_M"):
+            out.append(gm.ensure_1b(qt))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--big", action="store_true", help="also the ~1B random-weight Q4_0 and Q4_K_M files")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    bin_dir = lt.ensure_tools()
+    rows = []
+    for model in models(a.big):
+        sc_info = info(model)
+        ll_bytes = llama_weight_bytes(model)
+        for t in (int(x) for x in a.threads.split(",")):
+            bw = run_bandwidth(t)
+            ll = llama_bench(bin_dir, model, t)
+            sc = sinkchat_bench(model, t)
+            kv = sc_info["kv_bytes_per_token_bf16"]
+            row = {"model": model.name, "threads": t, "bandwidth_gbs": bw, "llama": ll, "sinkchat": sc}
+            for depth, cap, lkey in ((512, 512, "tg128@d0"), (2048, 2048, "tg128@d2048")):
+                roof_sc = bw * 1e9 / (sc_info["weight_bytes"] + kv * depth)
+                roof_ll = bw * 1e9 / (ll_bytes + kv * (0 if lkey.endswith("d0") else depth))
+                row[f"decode_ratio@{cap}"] = sc[f"decode@{cap}"] / ll[lkey]
+                row[f"sinkchat_roofline_share@{cap}"] = sc[f"decode@{cap}"] / roof_sc
+                row[f"llama_roofline_share@{cap}"] = ll[lkey] / roof_ll
+            row["prefill_ratio"] = sc["prefill@512"] / ll["pp512"]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    if a.json:
+        print(json.dumps(rows))
+        return
+    print("| model | t | GB/s | decode sc / llama (512) | ratio | roofline sc / llama | decode @2048 ratio | "
+          "prefill sc / llama pp512 | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        sc, ll = r["sinkchat"], r["llama"]
+        print(f"| {r['model']} | {r['threads']} | {r['bandwidth_gbs']:.1f} | {sc['decode@512']:.0f} / "
+              f"{ll['tg128@d0']:.0f} | {r['decode_ratio@512']:.2f} | {r['sinkchat_roofline_share@512']:.0%} / "
+              f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | {sc['prefill@512']:.0f} / "
+              f"{ll['pp512']:.0f} | {r['prefill_ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

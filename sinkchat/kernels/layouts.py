@@ -1,0 +1,217 @@
+"""The weight layouts the native kernels read (csrc/kernels.h: sc_q4_block / sc_q4_scales, sc_q8_block, q8g's
+sc_q8_block / sc_q8g_scales, and the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales): packing from integer
+values and scales, and unpacking rows back to fp32 in torch. Pure torch, no library: `native` re-exports every
+function here (`native.pack_q4`, `native.pack_q8g`, `native.pack_q4k`, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES, QB, QK, RG
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q int [N, K] in 0..15, scale / zero [N, K/32] in torch's convention (w = (q - 8)·scale + zero) -> the
+    kernel's layout (csrc/kernels.h: sc_q4_block, sc_q4_scales): qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s,
+    row r, byte t: q[r, 8s+t] low nibble, q[r, 8s+4+t] high nibble) and sw fp16 [N/16, K/32, 2, 16] (d = scale,
+    m = zero - 8·scale: w = d·q + m).
+
+    fp16, as ggml's Q4_1 stores d and m, so a Q4_1 GGUF is held exactly. Not bf16 (torch's kernel's choice): m is a
+    block's minimum, ~8 steps from zero, and bf16's 8-bit mantissa shifted every weight of a block by up to 1.5%
+    of a step, the same way (+0.8% perplexity on the bundled model, measured)."""
+    return pack_q4_dm(q, scale, zero.double() - 8 * scale.double())
+
+
+def pack_q4_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_q4` for weights given as w = d·q + m (a GGUF's own d and m): each rounded to fp16 once, so fp16 values
+    are stored exactly (via torch's zero = m + 8·d, m would be rounded twice)."""
+    n, k = q.shape
+    if n % RG or k % QB or d.shape != (n, k // QB) or m.shape != (n, k // QB):
+        raise ValueError(f"q4 weights {tuple(q.shape)}, d {tuple(d.shape)}, m {tuple(m.shape)}: want N % {RG} == 0, "
+                         f"K % {QB} == 0, d and m [N, K/{QB}]")
+    qw = _nibble_blocks(q)
+    dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], -1)  # [N, K/32, 2]
+    sw = dm.reshape(n // RG, RG, k // QB, 2).permute(0, 2, 3, 1).contiguous()  # [g, b, 2, r]
+    return qw, sw
+
+
+def _nibble_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] in 0..15 -> sc_q4_blocks, uint8 [N/16, K/32, 4, 16, 4] (sub-block s, row r, byte t: q[r, 8s+t] in the
+    low nibble, q[r, 8s+4+t] in the high one)."""
+    n, k = q.shape
+    qq = q.to(torch.uint8).reshape(n // RG, RG, k // QB, 4, 2, 4)  # [g, r, b, s, half, t]: k = 32b + 8s + 4half + t
+    return (qq[..., 0, :] | (qq[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, s, r, t]
+
+
+def _byte_blocks(q: torch.Tensor) -> torch.Tensor:
+    """int8 q [N, K] -> sc_q8_blocks, uint8 (q + 128) [N/16, K/32, 8, 16, 4] (sub-block s, row r, byte t is
+    q[r, 32b + 4s + t])."""
+    n, k = q.shape
+    u = q.contiguous().view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
+    return u.reshape(n // RG, RG, k // QB, QB // 4, 4).permute(0, 2, 3, 1, 4).contiguous()  # [g, b, s, r, t]
+
+
+def pack_q8g(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q [N, K] with d, m [N, K/16] (w = d·q + m per 16 weights along K) -> the q8g layout (csrc/kernels.h):
+    hw uint8 (q + 128) [N/16, K/32, 8, 16, 4] (sc_q8_block: sub-block s, row r, byte t is w[r, 32b + 4s + t]) and
+    sw fp16 [N/16, K/32, 2, 2, 16] (sc_q8g_scales: [d | m][half][row]; half 0 is columns 32b..32b+15).
+
+    For llama.cpp's 5-, 6- and 8-bit blocks (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0): each is d·q + m with q in -128..127 and a
+    d, m per 16 or per 32 (repeat it), held exactly where d and m are fp16 values. N % 16 == 0, K % 32 == 0."""
+    n, k = q.shape
+    if n % RG or k % QB or d.shape != (n, k // 16) or m.shape != (n, k // 16) or q.dtype != torch.int8:
+        raise ValueError(f"q8g weights {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)}, m {tuple(m.shape)}: want int8, "
+                         f"N % {RG} == 0, K % {QB} == 0, d and m [N, K/16]")
+    hw = _byte_blocks(q)
+    dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], -1)  # [N, K/16, 2]: (d, m)
+    sw = dm.reshape(n // RG, RG, k // QB, 2, 2).permute(0, 2, 4, 3, 1).contiguous()  # [g, b, d|m, half, r]
+    return hw, sw
+
+
+def q8g_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q8g` layout in fp32, [N, K] (or rows `rows` [n] only: [n, K]), from the bytes and
+    scales directly: d·q is exact in fp32 (11 x 8 bits), so each weight is d·q + m rounded once."""
+    k = hw.shape[1] * QB
+    if rows is None:
+        u = hw.permute(0, 3, 1, 2, 4).reshape(hw.shape[0] * RG, k)  # [N, K]: [g, r, b, s, t]
+        dm = sw.permute(0, 4, 1, 3, 2).reshape(sw.shape[0] * RG, k // 16, 2)  # [N, K/16, 2]: [g, r, b, half, d|m]
+    else:
+        u = hw[rows // RG, :, :, rows % RG, :].reshape(len(rows), k)  # [n, K]
+        dm = sw[rows // RG, :, :, :, rows % RG].transpose(-1, -2).reshape(len(rows), k // 16, 2)  # [n, K/16, 2]
+    q = (u.to(torch.int16) - 128).float().reshape(u.shape[0], k // 16, 16)  # [n, K/16, 16]
+    return (q * dm[..., :1].float() + dm[..., 1:].float()).reshape(u.shape)
+
+
+def q4_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q4` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]), from nibbles and scales."""
+    if rows is None:
+        b = qw.permute(0, 3, 1, 2, 4).reshape(qw.shape[0] * RG, qw.shape[1], 4, 4)  # [N, K/32, s, t]
+        dm = sw.permute(0, 3, 1, 2).reshape(sw.shape[0] * RG, -1, 2)  # [N, K/32, d|m]
+    else:
+        b = qw[rows // RG, :, :, rows % RG, :]  # [n, K/32, s, t]
+        dm = sw[rows // RG, :, :, rows % RG]  # [n, K/32, d|m]
+    q = torch.stack([b & 15, b >> 4], -2).float().reshape(b.shape[0], b.shape[1], QB)  # [n, K/32, 32]: 8s + 4h + t
+    return (q * dm[..., :1].float() + dm[..., 1:].float()).reshape(b.shape[0], b.shape[1] * QB)
+
+
+def pack_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4] (csrc/kernels.h: sc_q8_block [V/16][K/32]), padded to a
+    multiple of 16 rows with q = 0 (stored 128; their scale is 0, so they project to 0 and are cut off)."""
+    v, k = q.shape
+    pad = (-v) % RG
+    u = q.view(torch.uint8) ^ 128  # two's complement: q + 128 as a byte
+    if pad:
+        u = torch.cat([u, torch.full((pad, k), 128, dtype=torch.uint8)])
+    return u.reshape(-1, RG, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def q8_rows(hw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [...] of a `pack_q8` table as int16 [..., K] (embedding lookups read the head's one copy)."""
+    rows = hw[ids // RG, :, ids % RG, :]  # [..., K/4, 4]
+    return rows.reshape(*ids.shape, -1).to(torch.int16) - 128
+
+
+# ---- K-quants: q4k (sc_q4_block + sc_q4k_scales), q8k (sc_q8_block + sc_q8k_scales) --------------------------------
+def _exact(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """`t` as `dtype`, refusing values that type cannot hold (a wrapped scale would be a silently wrong weight)."""
+    out = t.to(dtype)
+    if t.dtype != dtype and not torch.equal(out.to(t.dtype), t):
+        raise ValueError(f"{what} has values outside {dtype}")
+    return out
+
+
+def _k_scales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """Per-row super-block scales -> sc_q4k_scales / sc_q8k_scales as bytes, uint8 [N/16, K/256, size]: fp16 d[16],
+    dmin[16], then sc[j][16], mn[j][16] (j the sub-blocks of a super-block; sc, mn [N, K/256, j] one byte each)."""
+    n, s, j = sc.shape
+    f16 = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], -1)  # [N, S, 2]
+    f16 = f16.reshape(n // RG, RG, s, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [g, S, 2, 32 bytes]
+    ints = torch.stack([sc.contiguous().view(torch.uint8), mn], -2)  # [N, S, 2, j]
+    ints = ints.reshape(n // RG, RG, s, 2, j).permute(0, 2, 3, 4, 1)  # [g, S, sc|mn, j, r]
+    return torch.cat([f16.reshape(n // RG, s, -1), ints.reshape(n // RG, s, -1)], -1).contiguous()
+
+
+def _check_k(name: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+             sub: int) -> None:
+    n, k = q.shape
+    if (n % RG or k % QK or d.shape != (n, k // QK) or dmin.shape != (n, k // QK) or sc.shape != (n, k // sub)
+            or mn.shape != (n, k // sub)):
+        raise ValueError(f"{name} weights {tuple(q.shape)}, d {tuple(d.shape)}, dmin {tuple(dmin.shape)}, sc "
+                         f"{tuple(sc.shape)}, mn {tuple(mn.shape)}: want N % {RG} == 0, K % {QK} == 0, d and dmin "
+                         f"[N, K/{QK}], sc and mn [N, K/{sub}]")
+
+
+def pack_q4k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_K held as it is: q [N, K] in 0..15, d and dmin [N, K/256] (fp32 holding fp16 values: stored
+    fp16), sc and mn [N, K/32] in 0..255 (6-bit in a file) -> (qw, sw): qw the q4 nibbles, uint8 [N/16, K/32, 4, 16,
+    4], and sw the sc_q4k_scales bytes, uint8 [N/16, K/256, 320]. w = (d·sc_j)·q − (dmin·mn_j) per 32 along K."""
+    _check_k("q4k", q, d, dmin, sc, mn, QB)
+    n, k = q.shape
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("q4k values outside 0..15")
+    sc8, mn8 = _exact(sc, torch.uint8, "q4k sc"), _exact(mn, torch.uint8, "q4k mn")
+    sw = _k_scales(d, dmin, sc8.reshape(n, k // QK, 8), mn8.reshape(n, k // QK, 8))
+    assert sw.shape[-1] == Q4K_SCALES
+    return _nibble_blocks(q), sw
+
+
+def pack_q8k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q6_K (dmin = 0, mn = 0) or Q5_K (each 32-weight sc / mn given for both its 16-halves) held as it
+    is: q int8 [N, K], d and dmin [N, K/256] (fp16 values, stored fp16), sc int8 and mn uint8 [N, K/16] -> (hw, sw):
+    hw the q8 bytes (q + 128), uint8 [N/16, K/32, 8, 16, 4], and sw the sc_q8k_scales bytes, uint8 [N/16, K/256,
+    576]. w = (d·sc_j)·q − (dmin·mn_j) per 16 along K."""
+    _check_k("q8k", q, d, dmin, sc, mn, 16)
+    n, k = q.shape
+    if q.dtype != torch.int8:
+        raise ValueError(f"q8k weights {q.dtype}: want int8")
+    sc8, mn8 = _exact(sc, torch.int8, "q8k sc"), _exact(mn, torch.uint8, "q8k mn")
+    sw = _k_scales(d, dmin, sc8.reshape(n, k // QK, 16), mn8.reshape(n, k // QK, 16))
+    assert sw.shape[-1] == Q8K_SCALES
+    return _byte_blocks(q), sw
+
+
+def _k_fields(sw: torch.Tensor, rows: torch.Tensor | None, j: int, sc_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From sc_q4k_scales / sc_q8k_scales bytes [N/16, S, size]: per row (all, or `rows` [n]) ds = d·sc and dm =
+    dmin·mn, fp32 [n, S, j] (products of an fp16 and a small integer: exact)."""
+    t = sw if rows is None else sw[rows // RG]  # [G or n, S, size]
+    g, s = t.shape[:2]
+    f16 = t[..., : 4 * RG].contiguous().view(torch.float16).reshape(g, s, 2, RG).float()  # [., S, d|dmin, r]
+    ints = t[..., 4 * RG :].contiguous().reshape(g, s, 2, j, RG)  # [., S, sc|mn, j, r]
+    sc, mn = ints[:, :, 0].view(sc_dtype).float(), ints[:, :, 1].float()  # [., S, j, r]
+    if rows is None:
+        f16, sc, mn = f16.permute(0, 3, 1, 2), sc.permute(0, 3, 1, 2), mn.permute(0, 3, 1, 2)  # [g, r, S, .]
+        f16, sc, mn = (x.reshape(g * RG, s, -1) for x in (f16, sc, mn))
+    else:
+        i, r = torch.arange(len(rows)), rows % RG
+        f16, sc, mn = f16[i, :, :, r], sc[i, :, :, r], mn[i, :, :, r]  # [n, S, .]
+    return f16[..., :1] * sc, f16[..., 1:] * mn
+
+
+def q4k_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q4k` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]): (d·sc)·q − (dmin·mn) in
+    fp32, in that order, as gguf-py's dequantize computes Q4_K (so the two agree bit for bit)."""
+    if rows is None:
+        b = qw.permute(0, 3, 1, 2, 4).reshape(-1, qw.shape[1], 4, 4)  # [N, K/32, s, t]
+    else:
+        b = qw[rows // RG, :, :, rows % RG, :]  # [n, K/32, s, t]
+    q = torch.stack([b & 15, b >> 4], -2).float()  # [n, K/32, s, half, t]: column 8s + 4half + t of the block
+    ds, dm = _k_fields(sw, rows, 8, torch.uint8)  # [n, S, 8]
+    q = q.reshape(b.shape[0], sw.shape[1], 8, QB)  # [n, S, j, 32]
+    return (ds[..., None] * q - dm[..., None]).reshape(b.shape[0], qw.shape[1] * QB)
+
+
+def q8k_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q8k` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]): (d·sc)·q − (dmin·mn) in
+    fp32, as gguf-py's dequantize computes Q5_K (Q6_K's (d·sc)·q − 0 is the same number)."""
+    k = hw.shape[1] * QB
+    if rows is None:
+        u = hw.permute(0, 3, 1, 2, 4).reshape(-1, k)  # [N, K]: [g, r, b, s, t]
+    else:
+        u = hw[rows // RG, :, :, rows % RG, :].reshape(len(rows), k)  # [n, K]
+    q = (u.to(torch.int16) - 128).float().reshape(u.shape[0], sw.shape[1], 16, 16)  # [n, S, j, 16]
+    ds, dm = _k_fields(sw, rows, 16, torch.int8)  # [n, S, 16]
+    return (ds[..., None] * q - dm[..., None]).reshape(u.shape[0], k)

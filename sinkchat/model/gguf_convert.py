@@ -1,0 +1,162 @@
+"""A GGUF's small parts, converted once into a folder under the user cache dir: config.json, the tokenizer and its
+chat template (transformers' files), and the table of tensors. No weight is written here (`gguf_load` reads them
+from the GGUF itself, and caches them only in the packed layout).
+
+Why a folder at all: transformers rebuilds the tokenizer from GGUF metadata on every load (~20 s for the bundled
+model) and gguf-py parses the whole header (2.6 s); with the folder a later start reads a few small files. The
+folder is keyed by the file's size, mtime and first MiB (its header), not a hash of all of it: hashing a 4.7 GB
+file would cost seconds at every start. It is written to a temp dir and renamed, under a lock, so a crash or a
+second sinkchat starting at the same time never leaves a half-written folder that looks done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from sinkchat.config import cache_dir
+from sinkchat.model import gguf_file
+from sinkchat.model.gguf_file import GGUFError, GGUFInfo, TensorInfo
+
+VERSION = 3  # bump when what the folder holds changes: older folders are rebuilt
+MARKER = "sinkchat-gguf.json"
+TABLE = "gguf-tensors.json"
+ROPE = "rope-freqs.json"
+
+
+def key(path: Path) -> str:
+    """Identity of a GGUF for the cache: size, mtime and a hash of its first MiB."""
+    st = path.stat()
+    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:20]
+
+
+def folder(path: Path) -> Path:
+    return cache_dir() / "models" / f"{path.stem}-{key(path)}"
+
+
+def is_done(out: Path) -> bool:
+    try:
+        return json.loads((out / MARKER).read_text()).get("version") == VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def prepare(path: Path, progress: Callable[[str], None]) -> Path:
+    """The converted folder of `path`, made once (GGUFError, with nothing written, for a file sinkchat cannot run)."""
+    gguf_file.check_magic(path)
+    out = folder(path)
+    if is_done(out):
+        return out
+    info = gguf_file.inspect(path)  # every refusal happens here, before the cache dir is touched
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_done(out):
+            progress(f"reading {path.name}'s tokenizer and config (once; cached in {out.parent})")
+            _convert_into(info, out)
+    return out
+
+
+def tensor_table(out: Path) -> dict[str, TensorInfo]:
+    rows = json.loads((out / TABLE).read_text())["tensors"]
+    return {r["name"]: TensorInfo.from_json(r) for r in rows}
+
+
+def _save_rope_freqs(info: GGUFInfo, tmp: Path) -> None:
+    """Llama 3.1+ files carry their llama3 RoPE scaling only as a tensor, `rope_freqs` (inv_freq divisors), which
+    transformers' GGUF reader ignores: keep it beside the config, so every load applies it (`apply_rope_freqs`)."""
+    t = info.tensors.get("rope_freqs.weight")
+    if t is None:
+        return
+    import numpy as np
+
+    from sinkchat.model import gguf_blocks
+
+    with open(info.path, "rb") as f:
+        f.seek(t.offset)
+        raw = np.frombuffer(f.read(t.nbytes), dtype=np.uint8).reshape(1, -1)
+    (tmp / ROPE).write_text(json.dumps({"rope_freqs": gguf_blocks.to_float(t.qtype, raw).reshape(-1).tolist()}))
+
+
+def apply_rope_freqs(model: Any, out: Path) -> None:
+    """Divide the model's RoPE inverse frequencies by the file's `rope_freqs` (llama3 scaling), if it has them."""
+    if not (out / ROPE).is_file():
+        return
+    import torch
+
+    factors = torch.tensor(json.loads((out / ROPE).read_text())["rope_freqs"], dtype=torch.float32)
+    emb = model.model.rotary_emb
+    base = getattr(emb, "original_inv_freq", None)
+    base = emb.inv_freq if base is None else base
+    if base.shape != factors.shape:
+        raise GGUFError(f"rope_freqs has {factors.numel()} factors for {base.numel()} RoPE frequencies")
+    inv = (base.float() / factors).to(base.dtype)
+    emb.inv_freq = inv
+    emb.original_inv_freq = inv.clone()
+
+
+def _tokenizer_into(info: GGUFInfo, tmp: Path, build: Callable[[], Any]) -> None:
+    """The tokenizer's files into `tmp`: copied from an earlier conversion of the same tokenizer (another
+    quantization of the same model: the same tokenizer.* fields) or built by transformers (~10-20 s) and kept."""
+    shared = cache_dir() / "tokenizers" / info.tokenizer_key
+    if not (shared / MARKER).is_file():
+        tok = build()
+        part = Path(tempfile.mkdtemp(prefix=".tok-", dir=tmp))
+        tok.save_pretrained(part)
+        (part / MARKER).write_text(json.dumps({"from": str(info.path)}))
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(part, shared)
+        except OSError:  # another process got there first: theirs is the same tokenizer
+            shutil.rmtree(part, ignore_errors=True)
+    for f in shared.iterdir():
+        if f.name != MARKER:
+            shutil.copy(f, tmp / f.name)
+
+
+def architecture(out: Path) -> str:
+    return json.loads((out / TABLE).read_text())["architecture"]
+
+
+def _convert_into(info: GGUFInfo, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    try:
+        # transformers' GGUF reader draws its own tqdm bar on stderr; we report progress ourselves
+        with warnings.catch_warnings(), open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+            warnings.simplefilter("ignore")
+            try:
+                cfg = AutoConfig.from_pretrained(str(info.path.parent), gguf_file=info.path.name)
+                _tokenizer_into(info, tmp, lambda: AutoTokenizer.from_pretrained(str(info.path.parent),
+                                                                                 gguf_file=info.path.name))
+            except (ValueError, KeyError, TypeError) as e:
+                raise GGUFError(f"{info.path.name}: transformers cannot read its config or tokenizer "
+                                f"({str(e).splitlines()[0][:160]})") from None
+        cfg.tie_word_embeddings = "output.weight" not in info.tensors  # llama.cpp omits the head when tied
+        if info.key_length and getattr(cfg, "head_dim", None) not in (None, info.key_length):
+            cfg.head_dim = info.key_length  # transformers maps no head-dim key for qwen3 (it keeps 128)
+        _save_rope_freqs(info, tmp)
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        cfg.save_pretrained(tmp)
+        (tmp / TABLE).write_text(json.dumps({"architecture": info.architecture, "size": info.size,
+                                             "tensors": [t.to_json() for t in info.tensors.values()]}))
+        (tmp / MARKER).write_text(json.dumps({"source": str(info.path), "version": VERSION, "types": info.types()}))
+        if out.exists():  # an older version's folder, or a half-written one from a crash (no marker)
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

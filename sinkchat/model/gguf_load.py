@@ -1,0 +1,249 @@
+"""A GGUF's weights straight into sinkchat's packed layouts, one tensor at a time: no fp32 model in memory, no fp32
+copy on disk.
+
+Each tensor's bytes are read with plain reads (not the mmap: mapped pages that were touched count as resident until
+unmapped, which would double the peak), taken apart by `gguf_blocks` into the integers and scales its type holds,
+and packed for the kernels at once: Q4_0 / Q4_1 / Q4_K into `Int4Linear` ("q4"), Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K
+into `Int8GLinear` ("q8g"). The token table is packed the same way and serves both the embedding lookups (rows
+unpacked on demand) and, when tied, the output head. Norms and biases are read as fp32.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbouring dims; transformers'
+pairs halves); rows are whole quant blocks, so undoing that is a row permutation of the packed integers and scales.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from sinkchat.model import gguf_blocks, int4
+from sinkchat.model.gguf_file import GGUFError, TensorInfo
+from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.intk import Int4KLinear, Int8KLinear
+
+log = logging.getLogger(__name__)
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_PERMUTED = ("llama", "mistral")  # architectures whose q/k rows llama.cpp's converter permutes
+TABLE_CHUNK = 8192  # rows of the token table unpacked at a time (bounded transient memory)
+
+
+def hf_name(name: str, arch: str) -> str | None:
+    """transformers' state-dict name of a GGUF tensor, or None for one sinkchat does not load."""
+    if name in _TOP:
+        return _TOP[name]
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER:
+        return None
+    mod = "mlp.gate_up_proj" if arch == "phi3" and parts[2] == "ffn_up" else _LAYER[parts[2]]
+    return f"model.layers.{parts[1]}.{mod}.{parts[3]}"
+
+
+def read_raw(f: Any, t: TensorInfo, rows: slice | None = None) -> np.ndarray:
+    """The bytes of tensor `t` (or of its `rows`) as uint8 [rows, bytes per row], by a plain read."""
+    n_rows = t.shape[0] if len(t.shape) == 2 else 1
+    per_row = t.nbytes // n_rows
+    start, stop = (0, n_rows) if rows is None else rows.indices(n_rows)[:2]
+    f.seek(t.offset + start * per_row)
+    buf = np.empty((stop - start) * per_row, dtype=np.uint8)
+    f.readinto(memoryview(buf))
+    return buf.reshape(stop - start, per_row)
+
+
+def _unpermute(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of q / k rows: [n_head * D, ...] rows back to transformers' order."""
+    return x.reshape(n_head, x.shape[0] // n_head // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def parts_of(f: Any, t: TensorInfo, rows: slice | None = None) -> gguf_blocks.Parts:
+    raw = read_raw(f, t, rows)
+    if t.qtype in gguf_blocks.UNPACK:
+        return gguf_blocks.unpack(t.qtype, raw)
+    return gguf_blocks.absmax_q8g(gguf_blocks.to_float(t.qtype, raw))  # F32 / F16 / BF16: 8 bits, per 16
+
+
+def pack(p: gguf_blocks.Parts, kernels: str) -> nn.Module:
+    """Parts -> the module the kernels run. q8g needs the native kernels; under torch's it becomes int4 (lossy)."""
+    q, d, m = torch.from_numpy(np.ascontiguousarray(p.q)), torch.from_numpy(p.d), torch.from_numpy(p.m)
+    if p.layout == "q4":
+        return int4.Int4Linear.from_values(q, d, m, kernels=kernels)
+    if kernels == "native":
+        return Int8GLinear.from_values(q, d, m)
+    w = torch.from_numpy(p.dequantize())
+    shell = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    shell.weight = nn.Parameter(w, requires_grad=False)
+    return int4.Int4Linear(shell, kernels=kernels)
+
+
+def module_of(f: Any, t: TensorInfo, kernels: str, rows: slice | None = None, heads: int | None = None) -> nn.Module:
+    """Tensor `t` (or its `rows`) packed for `kernels`, its rows permuted back for `heads` heads when given.
+
+    K-quants go to the layouts that keep their super-blocks (`Int4KLinear` / `Int8KLinear`: the file's own integer
+    scales and fp16 d, bit-exact and about the file's size); under torch's kernels, and for every other type, to
+    q4 / q8g (`pack`)."""
+    if kernels == "native" and t.qtype in gguf_blocks.UNPACK_K:
+        k = gguf_blocks.unpack_k(t.qtype, read_raw(f, t, rows))
+        arrays = [k.q, k.d, k.dmin, k.sc, k.mn]
+        if heads:
+            arrays = [_unpermute(a, heads) for a in arrays]
+        cls = Int4KLinear if k.layout == "q4k" else Int8KLinear
+        return cls.from_values(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+    p = parts_of(f, t, rows)
+    if heads:
+        p = gguf_blocks.Parts(p.layout, _unpermute(p.q, heads), _unpermute(p.d, heads), _unpermute(p.m, heads))
+    return pack(p, kernels)
+
+
+def _heads(hf: str, config: Any, arch: str) -> int | None:
+    """How many heads llama.cpp permuted the rows of this q / k tensor by (None: not permuted)."""
+    if arch not in _PERMUTED or not hf.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        return None
+    return config.num_attention_heads if "q_proj" in hf else config.num_key_value_heads
+
+
+class PackedEmbedding(nn.Module):
+    """Token lookups from a packed table (`rows`): the table is stored once, in the file's own values."""
+
+    def __init__(self, table: nn.Module, padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.table, self.padding_idx, self.dtype = table, padding_idx, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., C]
+        return self.table.rows(ids).to(self.dtype)
+
+
+def _table(f: Any, t: TensorInfo, kernels: str) -> nn.Module:
+    """The token table packed in row chunks (a 128k-row table never exists unpacked whole)."""
+    n = t.shape[0]
+    if n % 16 or t.qtype not in gguf_blocks.UNPACK or kernels != "native":  # (UNPACK covers the K-quants too)
+        rows = _FloatRows(f, t)  # per-row int8 (the kernels' head layout for odd vocabularies / float tables)
+        return int4.Int8Table(rows, out_dtype=torch.float32, kernels=kernels)
+    first = module_of(f, t, kernels, slice(0, min(n, TABLE_CHUNK)))
+    if n <= TABLE_CHUNK:
+        return first
+    bufs = {k: torch.empty((n // 16, *b.shape[1:]), dtype=b.dtype) for k, b in first.named_buffers()}
+    for start in range(0, n, TABLE_CHUNK):
+        part = first if start == 0 else module_of(f, t, kernels, slice(start, start + TABLE_CHUNK))
+        for k, b in part.named_buffers():
+            bufs[k][start // 16 : start // 16 + b.shape[0]] = b
+    for k, b in bufs.items():
+        setattr(first, k, b)
+    first.out_features = n
+    return first
+
+
+class _FloatRows:
+    """Row slices of a table as fp32, dequantized from the file on demand (for `Int8Table`)."""
+
+    def __init__(self, f: Any, t: TensorInfo) -> None:
+        self.f, self.t, self.shape = f, t, t.shape
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        return torch.from_numpy(gguf_blocks.to_float(self.t.qtype, read_raw(self.f, self.t, rows)))
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    if attr not in mod._parameters and attr not in mod._buffers:
+        raise GGUFError(f"tensor {name} has no place in the model")
+    setattr(mod, attr, nn.Parameter(value, requires_grad=False))
+
+
+def _put(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch: str, kernels: str,
+                 progress: Callable[[str], None]) -> float:
+    """Fill the meta-device `model` from the GGUF; returns the share of decoder linear weights in 4/8 bits."""
+    biases: dict[str, torch.Tensor] = {}
+    total = packed = 0
+    with open(gguf, "rb") as f:
+        for t in sorted(table.values(), key=lambda t: t.offset):
+            hf = hf_name(t.name, arch)
+            if hf is None:
+                if t.name.startswith("rope_factors"):
+                    raise GGUFError(f"{gguf.name}: LongRoPE factor tensors ({t.name}) are not supported yet")
+                log.info("gguf: skipping %s", t.name)
+                continue
+            if hf == "model.embed_tokens.weight":
+                _install_table(model, _table(f, t, kernels), tied="output.weight" not in table)
+            elif hf == "lm_head.weight":
+                _put(model, "lm_head", _table(f, t, kernels))
+            elif len(t.shape) == 2:
+                mod = module_of(f, t, kernels, heads=_heads(hf, model.config, arch))
+                _put(model, hf.removesuffix(".weight"), mod)
+                total += t.shape[0] * t.shape[1]
+                packed += t.shape[0] * t.shape[1]
+            elif hf.endswith(".bias"):
+                biases[hf] = torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(-1).copy())
+            else:
+                _set(model, hf, torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape).copy()))
+    for hf, b in biases.items():
+        mod = model.get_submodule(hf.removesuffix(".bias"))
+        heads = _heads(hf, model.config, arch)
+        if heads:
+            b = torch.from_numpy(_unpermute(b.numpy(), heads).copy())
+        mod.bias = nn.Parameter(b.float(), requires_grad=False)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if left:
+        raise GGUFError(f"{gguf.name}: no tensor for {', '.join(left[:3])}")
+    return packed / max(1, total)
+
+
+def load_float(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch: str) -> None:
+    """Fill the meta-device `model` with every tensor dequantized to fp32 (--quant none / nf4 / int8: those modes
+    quantize the float model themselves). One tensor at a time; the float model is what those modes hold anyway."""
+    with open(gguf, "rb") as f:
+        for t in sorted(table.values(), key=lambda t: t.offset):
+            hf = hf_name(t.name, arch)
+            if hf is None:
+                continue
+            w = gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape)
+            heads = _heads(hf, model.config, arch)
+            if heads:
+                w = _unpermute(w, heads)
+            _set(model, hf, torch.from_numpy(np.ascontiguousarray(w)))
+    if "output.weight" not in table:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if left:
+        raise GGUFError(f"{gguf.name}: no tensor for {', '.join(left[:3])}")
+
+
+def _install_table(model: nn.Module, table: nn.Module, tied: bool) -> None:
+    pad = getattr(model.get_input_embeddings(), "padding_idx", None)
+    if isinstance(table, int4.Int8Table):
+        if tied:
+            int4.install_table(model, table, pad)
+        else:
+            model.set_input_embeddings(int4.Int8Embedding(table, pad))
+        return
+    model.set_input_embeddings(PackedEmbedding(table, pad))
+    if tied:
+        model.set_output_embeddings(table)
+
+
+def skeleton(config: Any) -> nn.Module:
+    """The model on the meta device (no memory): every weight is put in place by `load_weights`."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model

@@ -1,0 +1,142 @@
+"""The packed model cached on disk: what `gguf_load` builds from a GGUF, saved in the kernels' own layouts so that a
+later start reads it back instead of unpacking and packing every tensor again (the bundled model: ~1 s of packing
+on each start; a 3B Q4_K_M file: tens of seconds). Never fp32: the file is about the size of the GGUF.
+
+Layout: `packed.safetensors` (every tensor of the model once: a tied table is saved under one name) and
+`packed.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and how
+the table is wired). Read back with plain reads (`q4load.read_tensors`), not an mmap, so the peak is the model once.
+Written to a temp file and renamed, after the model loaded: a crash leaves no half-written cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sinkchat.model import int4, intk
+from sinkchat.model.gguf_load import PackedEmbedding, skeleton
+from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.q4load import read_tensors
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (int4.Int4Linear, Int8GLinear, int4.Int8Table,
+                                                                intk.Int4KLinear, intk.Int8KLinear)}
+WEIGHTS, MANIFEST = "packed.safetensors", "packed.json"
+
+
+def _attrs(mod: nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in mod.__dict__.items():
+        if k.startswith("_") or k == "training":
+            continue
+        if isinstance(v, torch.dtype):
+            out[k] = {"dtype": str(v).removeprefix("torch.")}
+        elif v is None or isinstance(v, (bool, int, float, str)):
+            out[k] = v
+    return out
+
+
+def _restore(v: Any) -> Any:
+    return getattr(torch, v["dtype"]) if isinstance(v, dict) else v
+
+
+def save(model: nn.Module, out: Path, kernels: str) -> None:
+    """Write the packed cache of `model` into folder `out` (atomically; any failure leaves no cache, only a log)."""
+    from safetensors.torch import save_file
+
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    table = emb.table if isinstance(emb, (PackedEmbedding, int4.Int8Embedding)) else None
+    modules: dict[str, Any] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, mod in model.named_modules():  # each module once: a tied table appears under its first name
+        if type(mod).__name__ in CLASSES:
+            modules[name] = {"class": type(mod).__name__, "attrs": _attrs(mod),
+                             "params": [k for k, p in mod.named_parameters(recurse=False) if p is not None]}
+    for name, t in model.state_dict(keep_vars=False).items():
+        if t.data_ptr() in seen:
+            continue
+        seen[t.data_ptr()] = name
+        tensors[name] = t.contiguous()
+    names = {id(m): n for n, m in model.named_modules()}
+    wiring = {"table": names.get(id(table)), "embedding": type(emb).__name__,
+              "head": names.get(id(head.table if isinstance(head, int4.Int8Head) else head)),
+              "head_kind": type(head).__name__, "padding_idx": getattr(emb, "padding_idx", None)}
+    fd, tmp = tempfile.mkstemp(prefix=".packed-", dir=out)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, out / WEIGHTS)
+        (out / MANIFEST).write_text(json.dumps({"version": VERSION, "kernels": kernels, "modules": modules,
+                                                "wiring": wiring}))
+    except OSError as e:  # a full disk: the model still runs; the next start packs again
+        log.warning("could not cache the packed model in %s: %s", out, e)
+        Path(tmp).unlink(missing_ok=True)
+        (out / MANIFEST).unlink(missing_ok=True)
+
+
+def load(config: Any, out: Path, kernels: str) -> nn.Module | None:
+    """The model from the packed cache in `out`, or None when there is none for these kernels."""
+    try:
+        man = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if man.get("version") != VERSION or man.get("kernels") != kernels or not (out / WEIGHTS).is_file():
+        return None
+    model = skeleton(config)
+    shells = {name: _shell(spec) for name, spec in man["modules"].items()}
+    values = dict(read_tensors(out / WEIGHTS))
+    for name, mod in shells.items():
+        for key in [k for k in values if k.rpartition(".")[0] == name]:
+            attr = key.rpartition(".")[2]
+            t = values.pop(key)
+            if attr in man["modules"][name]["params"]:
+                setattr(mod, attr, nn.Parameter(t, requires_grad=False))
+            else:
+                mod.register_buffer(attr, t)
+    _wire(model, shells, man["wiring"])
+    for key, t in values.items():  # norms, and anything else left in the skeleton
+        mod_name, _, attr = key.rpartition(".")
+        setattr(model.get_submodule(mod_name), attr, nn.Parameter(t, requires_grad=False))
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if left:
+        log.warning("packed cache in %s misses %s; packing again", out, left[:3])
+        return None
+    return model
+
+
+def _shell(spec: dict[str, Any]) -> nn.Module:
+    mod = CLASSES[spec["class"]].__new__(CLASSES[spec["class"]])
+    nn.Module.__init__(mod)
+    for k, v in spec["attrs"].items():
+        setattr(mod, k, _restore(v))
+    for p in spec["params"]:
+        setattr(mod, p, None)
+    return mod
+
+
+def _wire(model: nn.Module, shells: dict[str, nn.Module], w: dict[str, Any]) -> None:
+    table = shells.get(w["table"]) if w["table"] else None
+    for name, mod in shells.items():
+        if name != w["table"] and name != w["head"]:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, mod)
+    pad = w["padding_idx"]
+    if w["embedding"] == "PackedEmbedding":
+        model.set_input_embeddings(PackedEmbedding(table, pad))
+    elif w["embedding"] == "Int8Embedding":
+        model.set_input_embeddings(int4.Int8Embedding(table, pad))
+    head = shells.get(w["head"]) if w["head"] else None
+    if w["head_kind"] == "Int8Head":
+        model.set_output_embeddings(int4.Int8Head(head))
+    elif head is not None:
+        model.set_output_embeddings(head)

@@ -1,0 +1,127 @@
+"""`Int4KLinear` (layout "q4k") and `Int8KLinear` (layout "q8k"): linears holding llama.cpp's K-quants exactly.
+
+Why: a K-quant (Q4_K, Q5_K, Q6_K) scales each 32 or 16 weights by d·sc_j, d an fp16 per 256 weights and sc_j a 6- or
+8-bit integer (Q4_K / Q5_K also subtract dmin·mn_j). The q4 / q8g layouts keep an fp16 (d, m) pair per 32 / 16
+weights instead: the products rounded to fp16 (up to half an fp16 ulp off the file's weights), and more bytes than
+the file: q4 0.625 bytes a weight against Q4_K's 0.5625, q8g 1.25 against Q6_K's 0.82, so a 3B Q4_K_M model missed
+its memory bound (RSS ≤ 1.1 × file + 150 MB). These keep the file's integers and fp16 super-block scales (q4k 0.578
+bytes a weight, q8k 1.14) and the kernels (`native.q4k_matmul`, `native.q8k_matmul`: csrc/matmul_k.c) form d·sc_j
+in fp32, where it is exact: `dequantized` / `rows` equal gguf-py's dequantize bit for bit.
+
+- `Int4KLinear`: Q4_K. Buffers `qw` (the q4 nibbles, uint8 [N/16, K/32, 4, 16, 4]) and `sw` (sc_q4k_scales bytes,
+  uint8 [N/16, K/256, 320]).
+- `Int8KLinear`: Q5_K (q 0..31, each 32-weight scale and min given for both 16-halves) and Q6_K (q −32..31, int8 scale
+  per 16, dmin = mn = 0). Buffers `hw` (q + 128, uint8 [N/16, K/32, 8, 16, 4]) and `sw` (sc_q8k_scales bytes, uint8
+  [N/16, K/256, 576]).
+
+Both buffers have row groups of 16 as dim 0, so a tensor can be assembled from row chunks (the loader's token table)
+and split at 16-row boundaries without a copy (the native step's views of Phi-3's fused projections). Plain
+attributes are ints and strs only (gguf_packed saves a module as class name + attributes + buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from sinkchat.kernels import native
+from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES
+
+KERNELS = ("native", "torch")
+
+
+class _KLinear(nn.Module):
+    """What the two K-quant linears share; subclasses set the layout's buffer name, block shape and functions."""
+
+    layout = ""
+    WEIGHTS = ""  # the weight buffer's name
+    BLOCK: tuple[int, ...] = ()  # a 16-row x 32-column block's shape
+    FILL = 0  # the byte of a zero weight
+    SCALES = 0  # bytes of scales per 16 rows x 256 columns
+    SUB = 0  # weights per sub-block scale
+    _pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    _unpack: Callable[..., torch.Tensor]
+    _matmul: Callable[..., torch.Tensor]
+
+    def __init__(self, in_features: int, out_features: int, kernels: str = "native", bias: bool = False) -> None:
+        """Zeroed weights of the right shapes (a state dict, or `from_values`, fills them). N % 16, K % 256 == 0."""
+        super().__init__()
+        if in_features % native.QK or out_features % native.RG:
+            raise ValueError(f"{self.layout} linear {in_features} -> {out_features}: want in % {native.QK} == 0 and "
+                             f"out % {native.RG} == 0")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels {kernels!r}: one of {KERNELS}")
+        self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
+        g = out_features // native.RG
+        self.register_buffer(self.WEIGHTS, torch.full((g, in_features // native.QB, *self.BLOCK), self.FILL,
+                                                      dtype=torch.uint8))
+        self.register_buffer("sw", torch.zeros((g, in_features // native.QK, self.SCALES), dtype=torch.uint8))
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_values(cls, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
+                    bias: torch.Tensor | None = None, kernels: str = "native") -> "_KLinear":
+        """q [N, K], d and dmin [N, K/256] (fp16 values: stored fp16), sc and mn [N, K/sub], bias [N] or None (kept
+        fp32): w = (d·sc_j)·q − (dmin·mn_j). See `native.pack_q4k` / `pack_q8k` for the dtypes."""
+        n, k = q.shape
+        lin = cls(k, n, kernels=kernels, bias=bias is not None)
+        w, sw = cls._pack(q, d, dmin, sc, mn)
+        setattr(lin, cls.WEIGHTS, w)
+        lin.sw = sw
+        if bias is not None:
+            if bias.numel() != n:
+                raise ValueError(f"bias of {bias.numel()} for {n} outputs")
+            lin.bias.data = bias.detach().float().reshape(n).clone()
+        return lin
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The weight blocks (`qw` or `hw`)."""
+        return getattr(self, self.WEIGHTS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N] in x's dtype
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
+        if self.kernels == "native":
+            y = self._matmul(x2, self.weights, self.sw, self.bias)  # [M, N]
+        else:  # no native kernels: the exact weights, dequantized per call (slow)
+            y = x2 @ self.dequantized().T
+            y = y if self.bias is None else y + self.bias
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight, fp32 [N, K], from the integers and scales (not through the kernel): gguf-py's values."""
+        return self._unpack(self.weights, self.sw)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [...] of the weight, fp32 [..., K] (an embedding lookup into a table stored so): unpacks only
+        those rows, whatever the shape of ids."""
+        flat = ids.reshape(-1).long()  # [n]
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row ids outside 0..{self.out_features - 1}")
+        return self._unpack(self.weights, self.sw, flat).reshape(*ids.shape, self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.layout}: (d·sc)·q − dmin·mn "
+                f"per {self.SUB}, {self.kernels} kernels")
+
+
+class Int4KLinear(_KLinear):
+    """Q4_K: the q4 kernel's nibbles with the file's super-block scales (`native.pack_q4k`). sc, mn uint8 [N, K/32]."""
+
+    layout, WEIGHTS, BLOCK, FILL, SCALES, SUB = "q4k", "qw", (4, native.RG, 4), 0, Q4K_SCALES, 32
+    _pack = staticmethod(native.pack_q4k)
+    _unpack = staticmethod(native.q4k_unpack)
+    _matmul = staticmethod(native.q4k_matmul)
+
+
+class Int8KLinear(_KLinear):
+    """Q5_K / Q6_K: int8 bytes (q + 128) with the file's super-block scales (`native.pack_q8k`). q int8 [N, K], sc int8
+    and mn uint8 [N, K/16]."""
+
+    layout, WEIGHTS, BLOCK, FILL, SCALES, SUB = "q8k", "hw", (native.QB // 4, native.RG, 4), 128, Q8K_SCALES, 16
+    _pack = staticmethod(native.pack_q8k)
+    _unpack = staticmethod(native.q8k_unpack)
+    _matmul = staticmethod(native.q8k_matmul)
