@@ -232,6 +232,41 @@ def test_the_decode_step_is_bit_identical_at_any_thread_count(variant, make):
             assert torch.equal(_bits(x), _bits(y)), f"{t} threads: cache"
 
 
+def test_the_bundled_model_end_to_end_at_one_and_two_threads():
+    """The real thing through `--threads` (loader.set_threads: the pool, and torch's threads with OMP_WAIT_POLICY
+    PASSIVE as conftest sets it): the bundled q4 model's prefill (transformers' forward on the pool's prefill
+    matmuls) and 120 decode steps through a 256-slot sink cache give the same logits, bit for bit."""
+    from sinkchat.config import CacheConfig, ModelConfig, SamplingConfig
+    from sinkchat.core.engine import Engine
+    from sinkchat.decode import select
+    from sinkchat.model import loader
+
+    if native.unsupported(native.variant()):
+        pytest.skip(f"native kernels: {native.unsupported(native.variant())}")
+    prev, prev_torch = native.threads(), torch.get_num_threads()
+    lm = loader.load(ModelConfig(threads=1))
+    step = select(lm.model, "native", lm.spec)
+    assert type(step).__name__ == "NativeStep"
+    ids = lm.tokenizer(Path(__file__).read_text())["input_ids"][:420]
+    runs = []
+    try:
+        for n in (1, 2):
+            loader.set_threads(n)
+            eng = Engine(lm.model, lm.tokenizer, CacheConfig("sink", 4, 256, 0), SamplingConfig(temperature=0),
+                         spec=lm.spec, step=step, kv_dtype="bfloat16")
+            list(eng.feed_ids(ids[:300]))
+            outs = [eng.last_logits.clone()]
+            for t in ids[300:]:
+                list(eng.feed_ids([t]))
+                outs.append(eng.last_logits.clone())
+            runs.append((torch.stack(outs), eng.ledger.evicted))
+    finally:
+        native.set_threads(prev)
+        torch.set_num_threads(prev_torch)
+    (a, ev), (b, ev2) = runs
+    assert ev == ev2 > 100 and torch.equal(_bits(a), _bits(b))
+
+
 # ---- the pool itself ---------------------------------------------------------------------------------------------
 def test_the_pool_resizes_between_calls():
     variant = _variants()[0]
