@@ -79,13 +79,11 @@ def _save_rope_freqs(info: GGUFInfo, tmp: Path) -> None:
     t = info.tensors.get("rope_freqs.weight")
     if t is None:
         return
-    import numpy as np
-
     from sinkchat.model import gguf_blocks
+    from sinkchat.model.gguf_load import read_raw
 
     with open(info.path, "rb") as f:
-        f.seek(t.offset)
-        raw = np.frombuffer(f.read(t.nbytes), dtype=np.uint8).reshape(1, -1)
+        raw = read_raw(f, t).reshape(1, -1)
     (tmp / ROPE).write_text(json.dumps({"rope_freqs": gguf_blocks.to_float(t.qtype, raw).reshape(-1).tolist()}))
 
 
