@@ -81,13 +81,22 @@ def quantized(bin_dir: Path, qtype: str, source: Path | None = None) -> Path:
     return out
 
 
+def canterbury(name: str) -> Path:
+    """A Canterbury-corpus text from the Brotli 1.1.0 sdist's test data (all public domain): alice29.txt (Lewis
+    Carroll), asyoulik.txt (As You Like It), lcet10.txt (a Project Gutenberg lecture, ~100k tokens on SmolLM2's
+    tokenizer), plrabn12.txt (Paradise Lost, verse)."""
+    root = cache_root() / "texts"
+    out = root / name
+    if not out.is_file():
+        sdist = next(root.glob("Brotli-1.1.0*.tar.gz"), None) or _pip_download("brotli==1.1.0", root)
+        with tarfile.open(sdist) as tf:
+            member = next(m for m in tf.getmembers() if m.name.endswith(f"testdata/{name}"))
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(tf.extractfile(member).read())
+            tmp.replace(out)
+    return out
+
+
 def alice() -> Path:
     """alice29.txt (Lewis Carroll, public domain; the Canterbury corpus file) from the Brotli 1.1.0 sdist."""
-    root = cache_root() / "texts"
-    out = root / "alice29.txt"
-    if not out.is_file():
-        sdist = _pip_download("brotli==1.1.0", root)
-        with tarfile.open(sdist) as tf:
-            member = next(m for m in tf.getmembers() if m.name.endswith("testdata/alice29.txt"))
-            out.write_bytes(tf.extractfile(member).read())
-    return out
+    return canterbury("alice29.txt")
