@@ -104,6 +104,40 @@ def apply_rope_freqs(model: Any, out: Path) -> None:
     emb.original_inv_freq = inv.clone()
 
 
+# llama.cpp's own defaults where a Gemma file states no pattern (llama-model.cpp: set_swa_pattern(2) / (6)): layer i
+# is local (sliding) unless i % period == period - 1, as transformers' layer_types are derived.
+GEMMA_SWA_PERIOD = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}  # llama.cpp scales queries by hidden / heads for these only
+
+
+def gemma_config(cfg: Any, arch: str, hp: dict[str, Any]) -> None:
+    """What transformers' GGUF reader leaves out of a Gemma 2 / 3 config, set as llama.cpp reads the same file:
+    which layers slide (`attention.sliding_window_pattern`, a period or one flag a layer, else the default period),
+    the query scale (`query_pre_attn_scalar`: head_dim, but hidden / heads on the 27B models), Gemma 2's
+    soft-capping values, and Gemma 3's linear RoPE scaling of its global layers (4B and up: factor 8)."""
+    n = cfg.num_hidden_layers
+    pattern = hp.get("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) == n:
+        local = [bool(x) for x in pattern]
+    else:
+        period = int(pattern) if isinstance(pattern, int) and pattern > 0 else GEMMA_SWA_PERIOD[arch]
+        local = [i % period < period - 1 for i in range(n)]
+    cfg.layer_types = ["sliding_attention" if x else "full_attention" for x in local]
+    head_dim = int(hp.get("attention.key_length") or cfg.head_dim)
+    cfg.query_pre_attn_scalar = (cfg.hidden_size // cfg.num_attention_heads if n == GEMMA_27B_LAYERS[arch]
+                                 else head_dim)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if arch == "gemma2" and hp.get(key) is not None:
+            setattr(cfg, key, float(hp[key]))
+    if hp.get("attention.sliding_window"):
+        cfg.sliding_window = int(hp["attention.sliding_window"])
+    factor = hp.get("rope.scaling.factor")
+    if arch == "gemma3" and hp.get("rope.scaling.type") == "linear" and factor and float(factor) != 1.0:
+        rope = dict(cfg.rope_parameters)
+        rope["full_attention"] = {**rope["full_attention"], "rope_type": "linear", "factor": float(factor)}
+        cfg.rope_parameters = rope
+
+
 def _tokenizer_into(info: GGUFInfo, tmp: Path, build: Callable[[], Any]) -> None:
     """The tokenizer's files into `tmp`: copied from an earlier conversion of the same tokenizer (another
     quantization of the same model: the same tokenizer.* fields) or built by transformers (~10-20 s) and kept."""
@@ -146,6 +180,8 @@ def _convert_into(info: GGUFInfo, out: Path) -> None:
         if info.key_length and getattr(cfg, "head_dim", None) not in (None, info.key_length):
             cfg.head_dim = info.key_length  # transformers maps no head-dim key for qwen3 (it keeps 128)
         _save_rope_freqs(info, tmp)
+        if info.architecture in GEMMA_SWA_PERIOD:
+            gemma_config(cfg, info.architecture, info.hparams)
         if hasattr(cfg, "quantization_config"):
             del cfg.quantization_config
         cfg.save_pretrained(tmp)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from sinkchat.errors import UserError
 from sinkchat.model import gguf_blocks
 
 # general.architecture values whose tensors and config sinkchat maps (llama.cpp writes Mistral as "llama")
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 READABLE = frozenset({T.F32, T.F16, T.BF16, *gguf_blocks.UNPACK})
 ADVICE = "use a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file (llama-quantize --allow-requantize converts)"
 
@@ -60,6 +60,7 @@ class GGUFInfo:
     size: int  # bytes on disk
     key_length: int | None  # {arch}.attention.key_length: the head dim, where transformers' mapping misses it
     tokenizer_key: str  # a hash of every tokenizer.* field: files that share a tokenizer share its conversion
+    hparams: dict[str, Any] = field(default_factory=dict)  # every `{arch}.*` field, prefix dropped (arrays as lists)
 
     def types(self) -> dict[str, int]:
         """GGUF type name -> how many tensors of it (for messages and the README table)."""
@@ -92,9 +93,6 @@ def inspect(path: Path) -> GGUFInfo:
         raise GGUFError(f"{path.name} is not a readable GGUF file (truncated or damaged: {str(e)[:120]})") from None
     size = os.path.getsize(path)
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES and str(arch).startswith("gemma"):
-        raise GGUFError(f"{path.name}: Gemma GGUF files ('{arch}') are not supported yet; sinkchat reads "
-                        f"{', '.join(ARCHITECTURES)} GGUF files (a Gemma Hugging Face folder loads with --model FOLDER)")
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{path.name}: architecture '{arch}' is not supported (sinkchat reads "
                         f"{', '.join(ARCHITECTURES)} GGUF files)")
@@ -110,7 +108,9 @@ def inspect(path: Path) -> GGUFInfo:
     key_length = _field(reader, f"{arch}.attention.key_length")
     return GGUFInfo(path=path, architecture=arch, tensors=tensors, size=size,
                     key_length=int(key_length) if key_length is not None else None,
-                    tokenizer_key=_tokenizer_key(reader))
+                    tokenizer_key=_tokenizer_key(reader),
+                    hparams={k.removeprefix(f"{arch}."): _field(reader, k) for k in reader.fields
+                             if k.startswith(f"{arch}.")})
 
 
 def _tokenizer_key(reader: Any) -> str:

@@ -35,6 +35,10 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "attn_qkv": "self_attn.qkv_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# Gemma's four norms a layer: llama.cpp names the one before the MLP ffn_norm (Llama's post_attention_layernorm)
+_GEMMA_LAYER = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA = ("gemma2", "gemma3")
 _PERMUTED = ("llama", "mistral")  # architectures whose q/k rows llama.cpp's converter permutes
 TABLE_CHUNK = 8192  # rows of the token table unpacked at a time (bounded transient memory)
 
@@ -44,10 +48,20 @@ def hf_name(name: str, arch: str) -> str | None:
     if name in _TOP:
         return _TOP[name]
     parts = name.split(".")
-    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _LAYER:
+    layer = {**_LAYER, **_GEMMA_LAYER} if arch in GEMMA else _LAYER
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in layer:
         return None
-    mod = "mlp.gate_up_proj" if arch == "phi3" and parts[2] == "ffn_up" else _LAYER[parts[2]]
+    mod = "mlp.gate_up_proj" if arch == "phi3" and parts[2] == "ffn_up" else layer[parts[2]]
     return f"model.layers.{parts[1]}.{mod}.{parts[3]}"
+
+
+def norm_values(t: TensorInfo, arch: str, values: np.ndarray) -> np.ndarray:
+    """A norm weight as transformers holds it: Gemma's RMSNorm multiplies by (1 + w) and llama.cpp's converter
+    stores 1 + w (ggml multiplies by the weight), so Gemma's norms come back as the file's value - 1 (in fp32,
+    as transformers' own GGUF loader does)."""
+    if arch in GEMMA and t.name.endswith("norm.weight"):
+        return values - np.float32(1.0)
+    return values
 
 
 def read_raw(f: Any, t: TensorInfo, rows: slice | None = None) -> np.ndarray:
@@ -113,15 +127,19 @@ def _heads(hf: str, config: Any, arch: str) -> int | None:
 
 
 class PackedEmbedding(nn.Module):
-    """Token lookups from a packed table (`rows`): the table is stored once, in the file's own values."""
+    """Token lookups from a packed table (`rows`): the table is stored once, in the file's own values. `scale`:
+    the model's own embedding factor (`int4.embed_scale`: Gemma's sqrt(hidden)), applied to the rows only, never
+    to the tied head."""
 
-    def __init__(self, table: nn.Module, padding_idx: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, table: nn.Module, padding_idx: int | None = None, dtype: torch.dtype = torch.float32,
+                 scale: float = 1.0) -> None:
         super().__init__()
-        self.table, self.padding_idx, self.dtype = table, padding_idx, dtype
+        self.table, self.padding_idx, self.dtype, self.scale = table, padding_idx, dtype, scale
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., C]
-        return self.table.rows(ids).to(self.dtype)
+        out = self.table.rows(ids).to(self.dtype)
+        return out if self.scale == 1.0 else out * self.scale
 
 
 def _table(f: Any, t: TensorInfo, kernels: str) -> nn.Module:
@@ -192,7 +210,8 @@ def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arc
             elif hf.endswith(".bias"):
                 biases[hf] = torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(-1).copy())
             else:
-                _set(model, hf, torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape).copy()))
+                w = norm_values(t, arch, gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape))
+                _set(model, hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
     for hf, b in biases.items():
         mod = model.get_submodule(hf.removesuffix(".bias"))
         heads = _heads(hf, model.config, arch)
@@ -213,7 +232,7 @@ def load_float(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch:
             hf = hf_name(t.name, arch)
             if hf is None:
                 continue
-            w = gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape)
+            w = norm_values(t, arch, gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape))
             heads = _heads(hf, model.config, arch)
             if heads:
                 w = _unpermute(w, heads)
@@ -226,14 +245,15 @@ def load_float(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch:
 
 
 def _install_table(model: nn.Module, table: nn.Module, tied: bool) -> None:
-    pad = getattr(model.get_input_embeddings(), "padding_idx", None)
+    emb = model.get_input_embeddings()
+    pad, scale = getattr(emb, "padding_idx", None), int4.embed_scale(emb)
     if isinstance(table, int4.Int8Table):
         if tied:
             int4.install_table(model, table, pad)
         else:
-            model.set_input_embeddings(int4.Int8Embedding(table, pad))
+            model.set_input_embeddings(int4.Int8Embedding(table, pad, scale))
         return
-    model.set_input_embeddings(PackedEmbedding(table, pad))
+    model.set_input_embeddings(PackedEmbedding(table, pad, scale=scale))
     if tied:
         model.set_output_embeddings(table)
 
@@ -243,7 +263,9 @@ def skeleton(config: Any) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
+    # Gemma 2 soft-caps attention scores, which transformers' sdpa path cannot do: it refuses sdpa for it
+    attn = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     return model

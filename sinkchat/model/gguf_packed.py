@@ -130,11 +130,11 @@ def _wire(model: nn.Module, shells: dict[str, nn.Module], w: dict[str, Any]) -> 
         if name != w["table"] and name != w["head"]:
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, mod)
-    pad = w["padding_idx"]
+    pad, scale = w["padding_idx"], int4.embed_scale(model.get_input_embeddings())  # the skeleton's own factor
     if w["embedding"] == "PackedEmbedding":
-        model.set_input_embeddings(PackedEmbedding(table, pad))
+        model.set_input_embeddings(PackedEmbedding(table, pad, scale=scale))
     elif w["embedding"] == "Int8Embedding":
-        model.set_input_embeddings(int4.Int8Embedding(table, pad))
+        model.set_input_embeddings(int4.Int8Embedding(table, pad, scale))
     head = shells.get(w["head"]) if w["head"] else None
     if w["head_kind"] == "Int8Head":
         model.set_output_embeddings(int4.Int8Head(head))

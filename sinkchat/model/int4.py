@@ -232,15 +232,23 @@ class Int8Table(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.num_embeddings)
 
 
+def embed_scale(emb: nn.Module) -> float:
+    """The factor a model's own embedding multiplies its rows by (Gemma's ScaledWordEmbedding: sqrt(hidden), held
+    as an fp32 tensor, so rounded to fp32 here too); 1.0 for a plain nn.Embedding. A packed table that replaces
+    the embedding must keep it: without it Gemma's residual stream starts ~45x (2B: sqrt(2304)) too small."""
+    return float(torch.tensor(float(getattr(emb, "scalar_embed_scale", 1.0)), dtype=torch.float32))
+
+
 class Int8Embedding(nn.Module):
-    def __init__(self, table: Int8Table, padding_idx: int | None = None) -> None:
+    def __init__(self, table: Int8Table, padding_idx: int | None = None, scale: float = 1.0) -> None:
         super().__init__()
         self.table = table
-        self.padding_idx = padding_idx
+        self.padding_idx, self.scale = padding_idx, scale
         self.num_embeddings, self.embedding_dim = table.num_embeddings, table.embedding_dim
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.table.lookup(ids)
+        out = self.table.lookup(ids)
+        return out if self.scale == 1.0 else out * self.scale
 
 
 class Int8Head(nn.Module):
@@ -265,5 +273,5 @@ def quantize_tied_table(model: Any, kernels: str = "torch") -> bool:
 
 
 def install_table(model: Any, table: Int8Table, padding_idx: int | None) -> None:
-    model.set_input_embeddings(Int8Embedding(table, padding_idx))
+    model.set_input_embeddings(Int8Embedding(table, padding_idx, embed_scale(model.get_input_embeddings())))
     model.set_output_embeddings(Int8Head(table))
