@@ -20,6 +20,7 @@ from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.core.gauge import SinkGauge
 from sinkchat.core.interrupts import deferred_sigint
+from sinkchat.core.hybrid_cache import local_layout, make_cache
 from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
@@ -68,7 +69,7 @@ class Engine:
         self.max_positions = self.spec.context_limit
         self.cache_cfg = cache.resolved(self.max_positions)
         self.sampler = sampler or Sampler(sampling)
-        self.rope = self.spec.rope()
+        self.rope = self.spec.rope(self.spec.global_layers[0])  # what the policy's (global) layers rotate with
         self.rerotate = rerotate
         self.n_layers = self.spec.n_layers
         self.step = step
@@ -244,7 +245,8 @@ class Engine:
                 delta = delta[len(prefix) :]
             yield from self.feed(delta)
         except BaseException:
-            if self.ledger.evicted == evicted:
+            # a hybrid model's local rings may have let go of tokens they would need back: like an eviction
+            if self.ledger.evicted == evicted and self.cache.can_truncate(length):
                 with deferred_sigint():
                     self.cache.truncate(length)
                     self.ledger.truncate(length)
@@ -329,6 +331,9 @@ class Engine:
         if "capacity" in changes and "evict_chunk" not in changes:
             changes["evict_chunk"] = 0  # re-derive from the new capacity
         new = replace(self.cache_cfg, **changes).resolved(self.max_positions)
+        if self.cache.length and local_layout(self.spec, new.capacity) != local_layout(self.spec, self.cache.capacity):
+            raise ConfigError(f"--cache {new.capacity} changes how the local layers (window {self.spec.local_window}) "
+                              "hold their tokens; /clear first")
         events: list[EvictionEvent] = []
         excess = self.cache.length - new.capacity
         if excess > 0:
@@ -362,7 +367,7 @@ class Engine:
     def new_cache(self, capacity: int) -> SinkKVCache:
         if self.step is not None:
             self.step.warm_up(self.kv_store)
-        return SinkKVCache(self.n_layers, capacity, self.rope, self.rerotate, self.kv_store)
+        return make_cache(self.spec, capacity, self.rerotate, self.kv_store)
 
     def set_sampling(self, **changes: Any) -> None:
         self.sampler.reconfigure(**changes)

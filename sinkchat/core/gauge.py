@@ -7,6 +7,11 @@ sdpa does not return attention weights, and asking for them would force the slow
 forward hook keeps the last token's query projection per layer; on sampled steps we rotate it to its in-cache position
 and recompute softmax(q K^T * scale) against the cached keys, which are exactly what attention used. Cost: one
 [H, D] x [D, L] product per layer on sampled steps only.
+
+Hybrid models (Gemma 2 / 3): only the global (full-attention) layers are measured. They are the ones the sink
+policy governs; a local layer's window holds no sinks once the stream is longer than the window, so its share on
+the first slots means nothing there. Each layer's query is rotated with its own RoPE, and Gemma 2's score
+soft-capping is applied as in its attention.
 """
 
 from __future__ import annotations
@@ -25,36 +30,46 @@ class SinkGauge:
     `record`; a transformers forward leaves its queries in the hooks and `measure` recomputes the softmax."""
 
     def __init__(self, model: Any, spec: ModelSpec) -> None:
-        self.rope = spec.rope()
+        self.layers = spec.global_layers  # cache layer of each measured layer (`attn`, `queries` follow this order)
+        ropes = spec.ropes()
+        self.ropes = [ropes[i] for i in self.layers]
         self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
-        self.scales = [layer.scaling for layer in spec.layers]
+        self.scales = [spec.layers[i].scaling for i in self.layers]
+        self.softcap = spec.attn_softcap
         base = getattr(model, "model", model)
-        self.attn = [layer.self_attn for layer in base.layers]
+        self.attn = [base.layers[i].self_attn for i in self.layers]
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
         self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
         self.armed = False
         self._handles = []
-        # q_norm (Qwen3/Gemma3) follows q_proj; Phi-3 fuses q, k, v into qkv_proj (q first)
+        # Phi-3 fuses q, k, v into qkv_proj (q first). Qwen3 / Gemma 3 RMS-normalize each head's q after q_proj:
+        # the hook applies the layer's own q_norm to the captured row (hooking q_norm itself would need its input
+        # layout, which differs: [B, T, H, D] in Qwen3, [B, H, T, D] in Gemma 3)
         fused = "self_attn.qkv_proj" in spec.linears
-        name = "q_norm" if spec.norm.qk_norm else "qkv_proj" if fused else "q_proj"
+        name = "qkv_proj" if fused else "q_proj"
         for i, attn in enumerate(self.attn):
-            self._handles.append(getattr(attn, name).register_forward_hook(self._make_hook(i, fused)))
+            norm = getattr(attn, "q_norm", None) if spec.norm.qk_norm else None
+            self._handles.append(getattr(attn, name).register_forward_hook(self._make_hook(i, fused, norm)))
 
-    def _make_hook(self, i: int, fused: bool) -> Any:
+    def _make_hook(self, i: int, fused: bool, norm: Any) -> Any:
         width = self.n_heads * self.head_dim
 
         def hook(module: Any, args: Any, out: torch.Tensor) -> None:
             if self.armed:
-                q = out[:, -1:].detach()  # [B, 1, H*D] or [B, 1, H, D] (or [B, 1, (H+2Hkv)*D] fused)
-                self.queries[i] = q[..., :width] if fused else q
+                q = out[:, -1:].detach()  # [B, 1, H*D] (or [B, 1, (H+2Hkv)*D] fused)
+                q = q[..., :width] if fused else q
+                if norm is not None:
+                    with torch.no_grad():
+                        q = norm(q.reshape(q.shape[0], 1, self.n_heads, self.head_dim))  # [B, 1, H, D]
+                self.queries[i] = q
 
         return hook
 
     def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
         """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots."""
         if self.armed:
-            self.queries = list(queries[:, None])
-            self.shares = (n, shares)
+            self.queries = list(queries[list(self.layers), None])
+            self.shares = (n, shares[list(self.layers)])
 
     def discard_shares(self) -> None:
         """Before a transformers forward: an earlier step's shares must not stand for this forward's attention."""
@@ -65,14 +80,17 @@ class SinkGauge:
             h.remove()
 
     def probs(self, cache: SinkKVCache, i: int) -> torch.Tensor:
-        """Layer i's attention probabilities [B, H_kv, G, L] of the captured query, rotated to its in-cache position
-        L-1, against the cached keys: what attention computed for the last token fed."""
+        """The i-th measured layer's attention probabilities [B, H_kv, G, L] of the captured query, rotated to its
+        in-cache position L-1, against the cached keys: what attention computed for the last token fed."""
         L = cache.length
         q = self.queries[i].reshape(1, self.n_heads, 1, self.head_dim)  # [B, H, 1, D]
-        q = self.rope.rotate(q, L - 1).float()
-        keys = cache.layers[i].keys[:, :, :L].float()  # [B, H_kv, L, D]
+        q = self.ropes[i].rotate(q, L - 1).float()
+        keys = cache.layers[self.layers[i]].keys[:, :, :L].float()  # [B, H_kv, L, D]
         qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
-        return torch.softmax(torch.einsum("bhgd,bhld->bhgl", qg, keys) * self.scales[i], dim=-1)
+        scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * self.scales[i]  # [B, H_kv, G, L]
+        if self.softcap:  # Gemma 2: scores squashed into (-cap, cap) before the softmax
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        return torch.softmax(scores, dim=-1)
 
     def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
         """Attention share of the last fed token on slots [0, n), from the queries captured in the last forward."""

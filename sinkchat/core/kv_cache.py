@@ -45,9 +45,13 @@ class SinkLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, capacity: int, dtype: torch.dtype | None = None, **kwargs: object) -> None:
-        """`dtype`: what the buffers store (None: whatever the model computes in)."""
+    def __init__(self, capacity: int, dtype: torch.dtype | None = None, sliding: bool = False, **kwargs: object
+                 ) -> None:
+        """`dtype`: what the buffers store (None: whatever the model computes in). `sliding`: a local layer of a
+        hybrid model whose window is no smaller than the cache (so it never bites inside it): it holds the same
+        slots as the global layers, and says it slides so transformers sizes its sliding mask from it."""
         super().__init__()
+        self.is_sliding = sliding
         self.capacity = capacity
         self.length = 0
         self.store_dtype = dtype
@@ -131,24 +135,43 @@ class SinkLayer(CacheLayerMixin):
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the live slots only."""
+        return self.nbytes * self.length // self.capacity if self.capacity else 0
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the live keys and values [B, H_kv, length, D]."""
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
 
 class SinkKVCache(Cache):
     """The one persistent cache: a `Cache` of `SinkLayer`s plus the RoPE needed to re-rotate on eviction.
 
     `rerotate=False` gives the naive absolute-position variant (used only to measure what in-cache positions buy).
+    `layers` / `ropes`: prebuilt layers and one RoPE per layer (a hybrid model's, see `hybrid_cache.py`); by default
+    `num_layers` SinkLayers that all rotate with `rope`.
     """
 
     def __init__(
-        self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True, dtype: torch.dtype | None = None
+        self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True, dtype: torch.dtype | None = None,
+        layers: list[CacheLayerMixin] | None = None, ropes: list[Rope] | None = None,
     ) -> None:
-        super().__init__(layers=[SinkLayer(capacity, dtype) for _ in range(num_layers)])
+        super().__init__(layers=layers if layers is not None else [SinkLayer(capacity, dtype) for _ in range(num_layers)])
         self.capacity = capacity
         self.rope = rope if rerotate else None
+        per_layer: list[Rope | None] = list(ropes) if ropes is not None else [rope] * len(self.layers)
+        self.ropes = per_layer if rerotate else [None] * len(self.layers)
         self.scratch = Scratch()
 
     def evict(self, ev: Eviction) -> None:
-        for layer in self.layers:
-            layer.evict(ev.start, ev.count, self.rope, self.scratch)
+        """Every layer drops (or, a local ring, just re-rotates for) the block of `ev` with its own RoPE."""
+        for layer, rope in zip(self.layers, self.ropes):
+            layer.evict(ev.start, ev.count, rope, self.scratch)
+
+    def can_truncate(self, length: int) -> bool:
+        """Whether `truncate(length)` restores exactly the state the cache had at `length` (always, here)."""
+        return True
 
     def truncate(self, length: int) -> None:
         for layer in self.layers:
@@ -187,18 +210,15 @@ class SinkKVCache(Cache):
     @property
     def used_nbytes(self) -> int:
         """Bytes of the live slots only."""
-        if not self.layers or not self.layers[0].is_initialized:
-            return 0
-        per_slot = sum(layer.nbytes for layer in self.layers) / self.capacity
-        return int(per_slot * self.length)
+        return sum(layer.used_nbytes for layer in self.layers)
 
     def state(self) -> dict[str, torch.Tensor]:
         """Live slots as flat tensors {'k.{i}': [B, H_kv, L, D], 'v.{i}': ...} (safetensors-ready copies)."""
         out: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if layer.is_initialized:
-                out[f"k.{i}"] = layer.keys[:, :, : layer.length].contiguous().clone()
-                out[f"v.{i}"] = layer.values[:, :, : layer.length].contiguous().clone()
+                k, v = layer.live()
+                out[f"k.{i}"], out[f"v.{i}"] = k.contiguous().clone(), v.contiguous().clone()
         return out
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -213,5 +233,5 @@ class SinkKVCache(Cache):
                 layer.lazy_initialization(k, v)
             if layer.keys.shape[:2] != k.shape[:2] or layer.keys.shape[-1] != k.shape[-1]:
                 raise ValueError(f"snapshot layer {i} has shape {tuple(k.shape)}, cache expects {tuple(layer.keys.shape)}")
-            layer.length = 0
+            layer.reset()
             layer.update(k.to(layer.keys.dtype), v.to(layer.values.dtype))

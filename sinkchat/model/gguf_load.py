@@ -263,9 +263,10 @@ def skeleton(config: Any) -> nn.Module:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    # Gemma 2 soft-caps attention scores, which transformers' sdpa path cannot do: it refuses sdpa for it
-    attn = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    from sinkchat.model.spec import attention_implementation
+
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(config))
     return model

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from sinkchat.config import ModelConfig
 from sinkchat.errors import UserError
-from sinkchat.model.spec import ModelSpec, attention_shape, check_config, max_positions, native_head_dim_ok
+from sinkchat.model.spec import (ModelSpec, attention_implementation, attention_shape, check_config, max_positions,
+                                 native_head_dim_ok)
 from sinkchat.model import gguf_convert
 from sinkchat.model.heap import lean_heap
 
@@ -348,7 +349,8 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
 
                 streamed = load_q4(src, config, dtype, kernels)
             if streamed is None:
-                model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation="sdpa")
+                model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype,
+                                                             attn_implementation=attention_implementation(config))
     except OSError as e:
         raise LoadError(f"cannot load '{source}': {str(e).splitlines()[0][:200]}") from None
     except ValueError as e:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from sinkchat.model import int4
+from sinkchat.model.spec import attention_implementation
 log = logging.getLogger(__name__)
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
@@ -103,7 +104,8 @@ def load_q4(folder: str, config: Any, dtype: torch.dtype, kernels: str = "torch"
     try:
         with init_empty_weights(include_buffers=False), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=attention_implementation(config))
         linears = _decoder_linears(model)
         total = sum(m.in_features * m.out_features for _, m, _ in int4.linears(getattr(model, "model", model).layers))
         packed = 0

@@ -127,17 +127,45 @@ class ModelSpec:
 
     # ------------------------------------------------------------------------------------------- what runs
     def refusal(self) -> str | None:
-        """Why sinkchat's sink cache cannot hold this model (None: it can). The one place such features are refused."""
+        """Why sinkchat's sink cache cannot hold this model (None: it can). The one place such features are refused.
+
+        Full and sliding-window layers may mix (Gemma 2 / 3): global layers keep the sinks + window, local ones the
+        last tokens of their one window (`core/hybrid_cache.py`), each re-rotated with its own RoPE."""
         kinds = sorted({layer.attention for layer in self.layers})
-        if len(kinds) > 1:
-            return (f"model type '{self.model_type}' mixes attention kinds ({', '.join(kinds)}); sinkchat's cache "
-                    "supports models whose every layer uses full attention")
-        if len({layer.rope for layer in self.layers}) > 1:
-            return f"model type '{self.model_type}' uses a different RoPE per layer, which sinkchat cannot re-rotate"
-        rot = self.layers[0].rope.rot_dim
-        if rot > self.head_dim or rot == 0:
-            return f"model type '{self.model_type}': rotary dim {rot} does not fit head dim {self.head_dim}"
+        other = [k for k in kinds if k not in ("full", "sliding")]
+        if other:
+            return (f"model type '{self.model_type}' uses attention kind(s) {', '.join(other)}; sinkchat's cache "
+                    "supports full and sliding-window attention layers")
+        windows = sorted({layer.window or 0 for layer in self.layers if layer.attention == "sliding"})
+        if 0 in windows:
+            return f"model type '{self.model_type}' has sliding-window layers without a window size"
+        if len(windows) > 1:
+            return (f"model type '{self.model_type}' slides over different windows ({', '.join(map(str, windows))}); "
+                    "sinkchat's cache keeps one window for every local layer")
+        for layer in self.layers:
+            rot = layer.rope.rot_dim
+            if rot > self.head_dim or rot == 0:
+                return f"model type '{self.model_type}': rotary dim {rot} does not fit head dim {self.head_dim}"
         return None
+
+    @property
+    def hybrid(self) -> bool:
+        """Full-attention (global) and sliding-window (local) layers mixed, as in Gemma 2 / 3."""
+        return len({layer.attention for layer in self.layers}) > 1
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The layers the sink policy governs (the full-attention ones; every layer of a non-hybrid model)."""
+        if not self.hybrid:
+            return tuple(range(self.n_layers))
+        return tuple(i for i, layer in enumerate(self.layers) if layer.attention == "full")
+
+    @property
+    def local_window(self) -> int | None:
+        """A hybrid model's local window: how many tokens (the current one included) a sliding layer sees."""
+        if not self.hybrid:
+            return None
+        return next(layer.window for layer in self.layers if layer.attention == "sliding")
 
     @property
     def context_limit(self) -> int:
@@ -168,6 +196,8 @@ class ModelSpec:
             return "partial rotary or fused projections (the native step runs them)"
         if self.attn_softcap or self.final_softcap or self.sliding_window_bites():
             return "attention variant"
+        if len({layer.rope for layer in self.layers}) > 1:
+            return "a RoPE per layer"
         if native and not native_head_dim_ok(self.head_dim):
             return f"head dim {self.head_dim} (the C attention takes multiples of {NATIVE_HEAD_DIM_MULTIPLE})"
         return None
@@ -175,7 +205,7 @@ class ModelSpec:
     def sliding_window_bites(self) -> bool:
         """Whether some layer's window can hide cached tokens from a query. Not for a model whose every layer slides
         (Mistral): `context_limit` caps the cache at the window, so each layer attends to the whole cache, as the
-        fast steps do. (A mix of sliding and full layers is refused by `refusal` already.)"""
+        fast steps do. A hybrid (Gemma 2 / 3) model's local windows do bite: only transformers' forward runs it.)"""
         windows = [layer.window for layer in self.layers if layer.window]
         return bool(windows) and len(windows) < len(self.layers)
 
@@ -187,6 +217,17 @@ class ModelSpec:
 
         spec = self.layers[layer].rope
         return Rope(inv_freq=torch.tensor(spec.inv_freq, dtype=torch.float32), head_dim=self.head_dim)
+
+    def ropes(self) -> list["Rope"]:
+        """One rotation helper per layer; layers with the same RoPE share one object, so the cos/sin an eviction
+        computes for a shift serves every layer of that kind (Gemma 3: local base 10k, global base 1M + scaling)."""
+        by_spec: dict[RopeSpec, int] = {}
+        made: list["Rope"] = []
+        for i, layer in enumerate(self.layers):
+            if layer.rope not in by_spec:
+                by_spec[layer.rope] = len(made)
+                made.append(self.rope(i))
+        return [made[by_spec[layer.rope]] for layer in self.layers]
 
     def inv_freq(self, layer: int = 0) -> "torch.Tensor":
         import torch
@@ -207,6 +248,12 @@ def attention_shape(hf_config: Any) -> tuple[int, int, int]:
     return heads, kv, getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
 
 
+def attention_implementation(hf_config: Any) -> str:
+    """The transformers attention to load a model with: sdpa, except where transformers refuses it (Gemma 2 soft-caps
+    attention scores, which its sdpa path cannot do)."""
+    return "eager" if getattr(hf_config, "attn_logit_softcapping", None) else "sdpa"
+
+
 def max_positions(hf_config: Any) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
 
@@ -217,7 +264,11 @@ def native_head_dim_ok(head_dim: int) -> bool:
 
 def check_config(cfg: Any) -> None:
     """Refuse from the config alone (before any weight is read) what no spec can describe: RoPE types that
-    cannot be re-rotated. Raises UnsupportedModel."""
+    cannot be re-rotated, bidirectional attention (EmbeddingGemma: no causal stream to cache). Raises
+    UnsupportedModel."""
+    if getattr(cfg, "use_bidirectional_attention", False) or getattr(cfg, "is_causal", True) is False:
+        raise UnsupportedModel(f"model type '{_name(cfg)}' attends bidirectionally; sinkchat's cache needs a causal "
+                               "decoder")
     for params in _rope_params_by_type(cfg).values():
         rope_type = (params or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
