@@ -1,11 +1,16 @@
-"""The kernels' C boundary, their work buffers, and the SIMD variant held to the scalar reference.
+"""The kernels' C boundary, their work buffers, the choice of variant, and each SIMD variant held to the scalar
+reference.
 
 - Each library builds wherever it can run: a failed build is a failure here, not a skip (only a missing compiler,
-  or for the SIMD variant a CPU without AVX-512 VNNI, skips). It passes the handshake; a library with another ABI,
+  or a CPU without the variant's instructions, skips). It passes the handshake; a library with another ABI,
   a drifted signature or a drifted Model struct is refused, and the product then falls back to torch.
+- The variant: "auto" takes the best one the CPU has (avx2 on a CPU without AVX-512 or AVX-VNNI); SINKCHAT_KERNELS
+  naming one the CPU lacks is one ConfigError line, and its library is never loaded (no SIGILL).
 - Work buffers are the caller's: the C side refuses one below its stated size, at any alignment accepts one of that
   size, and allocates its own only when given none; the binding keeps one per thread and reuses it.
-- SIMD against reference (csrc/ref.c), on the same inputs: bit-exact for the activation quantizer, the 4-bit
+- Every SIMD variant (avx512, avxvnni, avx2; where the CPU lacks AVX-VNNI but has AVX-512 VNNI, the avxvnni code
+  through avxvnni_evex, the same sources with vpdpbusd's EVEX encoding) against reference (csrc/ref.c), on the same
+  inputs: bit-exact for the activation quantizer, the 4-bit
   matmul (one-row and prefill paths), the 8-bit table and the eviction (re-rotation, bf16 rounding), where both do
   the same integer and float operations in the same order. Attention and the whole decode step agree to float
   rounding only (the SIMD attention sums in another order and uses its own exp; see the tolerances below).
@@ -17,13 +22,14 @@ import contextlib
 import ctypes
 import re
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import torch
 
-from sinkchat.kernels import abi, native
+from sinkchat.kernels import abi, native, variants
 
 I, P = ctypes.c_int, ctypes.c_void_p
 
@@ -37,9 +43,30 @@ def _lib(variant: str) -> Any:
     return lib
 
 
+def simd_variants() -> list[str]:
+    """The SIMD variants to test: all of this machine's architecture (each skips where the CPU lacks it; neon on x86
+    runs under qemu in tests/test_neon.py), and avxvnni_evex where that stands in for avxvnni (the CPU has AVX-512
+    VNNI, not AVX-VNNI)."""
+    out = [v for v in native.SIMD if abi.ARCH[v] == variants.machine()]
+    if native.lacks("avxvnni") and not native.lacks("avxvnni_evex"):
+        out.append("avxvnni_evex")
+    return out
+
+
+SIMD = simd_variants()
+
+
+@pytest.fixture(params=SIMD)
+def simd(request: pytest.FixtureRequest) -> str:
+    """Each SIMD variant in turn (skipped where the CPU lacks it; the reference must load too)."""
+    _lib(request.param)
+    _lib("ref")
+    return request.param
+
+
 @pytest.fixture
-def both() -> tuple[Any, Any]:
-    return _lib("simd"), _lib("ref")
+def both(simd: str) -> tuple[Any, Any]:
+    return _lib(simd), _lib("ref")
 
 
 @contextlib.contextmanager
@@ -57,7 +84,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- build and handshake ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", [*native.VARIANTS, *abi.TEST_VARIANTS])
 def test_each_library_builds_where_it_can_run_and_passes_the_handshake(variant):
     lib = _lib(variant)
     assert lib.sc_abi() == abi.ABI and lib.sc_variant() == abi.VARIANT_ID[variant]
@@ -66,10 +93,83 @@ def test_each_library_builds_where_it_can_run_and_passes_the_handshake(variant):
         assert native.available(), native.why_unavailable()
 
 
-def test_the_default_is_the_simd_variant_where_the_cpu_has_it():
-    lib = _lib("simd")
+def test_the_256_bit_builds_compile_here_and_hold_no_avx512():
+    """Where the CPU lacks a variant its tests skip, but its library must still compile (avxvnni on this Zen 5: the
+    real -mavxvnni build, whose code runs in the tests as avxvnni_evex). The 256-bit libraries must carry no AVX-512
+    instruction (no zmm register, no EVEX-only opmask): they are what runs where AVX-512 is missing."""
+    import shutil
+    import subprocess
+
+    from sinkchat.config import cache_dir
+
+    if variants.machine() != "x86_64" or variants.compiler() is None:
+        pytest.skip("x86-64 builds, with a C compiler")
+    for v in ("avxvnni", "avx2"):
+        if not variants._accepts(v):
+            continue
+        so = abi.library_path(cache_dir(), v, variants.cpu())  # where native builds it: compiled once, kept
+        assert so.exists() or abi.build(variants.compiler(), v, so) is None
+        if shutil.which("objdump"):
+            dis = subprocess.run(["objdump", "-d", str(so)], capture_output=True, text=True, check=True).stdout
+            assert "vpmaddubsw" in dis or "vpdpbusd" in dis
+            assert not re.search(r"%zmm|%k[1-7]\b|\{evex\}", dis), v
+
+
+def test_the_default_is_the_best_variant_the_cpu_has(monkeypatch):
+    lib = _lib(native.best())
     with on(None):
+        monkeypatch.delenv("SINKCHAT_KERNELS", raising=False)
         assert native.library() is lib
+        flags, model = variants.cpu()
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+        expect = "avx512" if avx512 <= flags else "avxvnni" if "avx_vnni" in flags else "avx2"
+        assert native.best() == expect
+        base = flags - avx512 - {"avx_vnni"} | {"avx2", "fma", "f16c"}
+        vnni = base | {"avx_vnni"}
+        for cpu, picked in [(vnni | avx512, "avx512"), (vnni, "avxvnni"), (base, "avx2"),
+                            (base | {"avx512f", "avx512_vnni"}, "avx2"), (base - {"fma"}, "avx2")]:
+            monkeypatch.setattr(variants, "cpu", lambda cpu=cpu: (frozenset(cpu), model))
+            assert native.best() == native.variant() == picked, cpu - base
+        assert native.unsupported("avx2") == "the CPU lacks fma"  # the last case: no SIMD variant runs
+        monkeypatch.setattr(variants, "cpu", lambda: (frozenset(vnni), model))
+        monkeypatch.setattr(variants, "_accepts", lambda v: v != "avxvnni")  # an older gcc: no -mavxvnni
+        assert native.best() == "avx2"
+        assert "does not take -mavx2 -mfma -mf16c -mavxvnni" in native.unsupported("avxvnni")
+
+
+def test_a_cpu_without_avx512_runs_the_avx2_library(monkeypatch):
+    """The product on a CPU without AVX-512 or AVX-VNNI (simulated: its flags taken out of /proc/cpuinfo's): auto
+    picks avx2 and the kernels run on the avx2 library; asking for avx512 there is one ConfigError line, and its
+    library is never loaded."""
+    from sinkchat.config import ConfigError
+
+    _lib("avx2")
+    flags, model = variants.cpu()
+    no512 = frozenset(f for f in flags if not f.startswith("avx512") and f != "avx_vnni")
+    monkeypatch.setattr(variants, "cpu", lambda: (no512, model))
+    loads: list[str] = []
+    real_load = native._load
+    monkeypatch.setattr(native, "_load", lambda which: (loads.append(which), real_load(which))[1])
+    monkeypatch.delenv("SINKCHAT_KERNELS", raising=False)
+    with on(None):
+        assert native.variant() == "avx2" and native.available()
+        assert native.library().sc_variant() == abi.VARIANT_ID["avx2"]
+        qw, sw = _q4_case(32, 64)
+        native.q4_matmul(torch.randn(1, 64), qw, sw, None)
+        assert set(loads) == {"avx2"}
+        for name in ("avx512", "avxvnni"):
+            monkeypatch.setenv("SINKCHAT_KERNELS", name)
+            with pytest.raises(ConfigError) as e:
+                native.available()
+            msg = str(e.value)
+            assert msg.startswith(f"SINKCHAT_KERNELS={name}: the CPU lacks ") and "\n" not in msg
+            assert "this machine runs: avx2, ref" in msg
+        assert set(loads) == {"avx2"}
+        monkeypatch.setenv("SINKCHAT_KERNELS", "avx2")
+        assert native.available() and native.variant() == "avx2"
+        monkeypatch.setenv("SINKCHAT_KERNELS", "sse2")
+        with pytest.raises(ConfigError, match="must be auto, torch, avx512, avxvnni, avx2, neon, ref"):
+            native.variant()
 
 
 def _refusal(path: Path) -> str:
@@ -82,7 +182,7 @@ def test_a_mismatched_library_is_refused(monkeypatch):
     _lib("ref")
     from sinkchat.config import cache_dir
 
-    path = abi.library_path(cache_dir(), "ref", native._cpu())
+    path = abi.library_path(cache_dir(), "ref", variants.cpu())
     real = abi.ABI
     with monkeypatch.context() as m:
         m.setattr(abi, "ABI", real + 1)
@@ -125,7 +225,7 @@ def test_a_file_without_the_handshake_is_not_loaded(tmp_path):
     src = tmp_path / "old.c"
     src.write_text("int q4_matmul(void) { return 0; }\n")  # a pre-handshake build: kernels, no sc_abi
     so = tmp_path / "old.so"
-    subprocess.run([native._compiler(), "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
+    subprocess.run([variants.compiler(), "-shared", "-fPIC", "-o", str(so), str(src)], check=True)
     with pytest.raises(AttributeError, match="sc_abi"):
         abi.open_library(so, "ref")
 
@@ -188,7 +288,7 @@ def test_the_binding_reuses_one_work_buffer_per_thread():
 
 
 # ---- SIMD against reference, bit-exact -------------------------------------------------------------------------
-def test_the_activation_quantizer_is_bit_exact(both):
+def test_the_activation_quantizer_is_bit_exact(simd):
     torch.manual_seed(0)
     x = torch.randn(7, 128)
     x[0, 3] = 40.0  # an outlier block
@@ -196,7 +296,7 @@ def test_the_activation_quantizer_is_bit_exact(both):
     x[2, :32] = torch.arange(32) - 15.5  # amax 16.5: many values land on .5 after scaling (ties to even)
     x[3, 32:64] = torch.tensor([127.0] + [k + 0.5 for k in range(-16, 15)])  # scale exactly 1: exact ties
     x[4] *= 1e-30  # tiny scales
-    a = native.quantize_activations(x, "simd")
+    a = native.quantize_activations(x, simd)
     b = native.quantize_activations(x, "ref")
     for u, v in zip(a, b):
         assert torch.equal(_bits(u), _bits(v))
@@ -206,12 +306,12 @@ def test_the_activation_quantizer_is_bit_exact(both):
 # (N, K, M): one row (decode) and the prefill path, M > 256 crossing its row passes
 @pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_matmul_is_bit_exact(both, n, k, m, bias):
+def test_q4_matmul_is_bit_exact(simd, n, k, m, bias):
     qw, sw = _q4_case(n, k, seed=n + k)
     x = torch.randn(m, k)
     x[:, 5] = 30.0
     b = torch.randn(n) if bias else None
-    with on("simd"):
+    with on(simd):
         y_simd = native.q4_matmul(x, qw, sw, b)
     with on("ref"):
         y_ref = native.q4_matmul(x, qw, sw, b)
@@ -230,22 +330,57 @@ def test_no_rows_in_no_rows_out(variant):
 
 
 @pytest.mark.parametrize("m", [1, 3])
-def test_q8_matmul_is_bit_exact(both, m):
+def test_q8_matmul_is_bit_exact(simd, m):
     torch.manual_seed(1)
     hw = native.pack_q8(torch.randint(-127, 128, (1000, 96), dtype=torch.int8))  # pads to 1008 rows
     scale = torch.rand(hw.shape[0] * native.RG)
     x = torch.randn(m, 96)
-    with on("simd"):
+    with on(simd):
         y_simd = native.q8_matmul(x, hw, scale)
     with on("ref"):
         y_ref = native.q8_matmul(x, hw, scale)
     assert torch.equal(_bits(y_simd), _bits(y_ref))
 
 
+@pytest.mark.parametrize("layout", ["table", "q8g", "q8k"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_8bit_weights_at_the_extremes_are_exact(simd, layout, m):
+    """The avx2 variant's trap: vpmaddubsw adds two byte products into an int16 with saturation, and 8-bit weights
+    stored q + 128 (0..255) times int8 activations of +-127 reach 2 x 255 x 127 = 64770. Here every block is
+    at the extremes (q = 127 / -128 rows, activations whole blocks of +-127, alternating and not), where a
+    saturating dot is off by thousands; the reference's plain integer sums are the truth."""
+    from test_qk import _matmul as k_matmul
+
+    n, k = 64, 256
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[16:32] = -128
+    q[32:48, ::2] = -128  # alternating -128, 127 along K
+    q[48:] = torch.randint(-128, 128, (16, k), generator=torch.Generator().manual_seed(5), dtype=torch.int8)
+    x = torch.ones(m, k)
+    x[0, 32:64] = -1.0
+    x[0, 64:128:2] = -1.0
+    x[-1, ::3] = -2.0  # all -127 where 2, -64 where 1 (scale 2/127)
+    ones = torch.ones(n, k // 16)
+    if layout == "table":
+        run = partial(native.q8_matmul, x, native.pack_q8(q), torch.rand(n) + 0.5)
+    elif layout == "q8g":
+        run = partial(native.q8g_matmul, x, *native.pack_q8g(q, ones * 0.5, ones * 0.25), None)
+    else:
+        d = torch.full((n, k // 256), 0.5)
+        sc = torch.full((n, k // 16), 127, dtype=torch.int8)
+        run = partial(k_matmul, "q8k", x, *native.pack_q8k(q, d, d, sc, sc.view(torch.uint8)), None)
+    with on(simd):
+        y = run()
+    with on("ref"):
+        y_ref = run()
+    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 1000
+    assert torch.equal(_bits(y), _bits(y_ref))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rot,head_dim", [(64, 64), (32, 48), (16, 16), (24, 32)])  # SIMD loop; partial; scalar tails
 @pytest.mark.parametrize("rerotate", [True, False])
-def test_the_eviction_is_bit_exact(both, dtype, rot, head_dim, rerotate):
+def test_the_eviction_is_bit_exact(simd, dtype, rot, head_dim, rerotate):
     torch.manual_seed(2)
     keys = torch.randn(1, 3, 64, head_dim).to(dtype)
     values = torch.randn(1, 3, 64, head_dim).to(dtype)
@@ -254,7 +389,7 @@ def test_the_eviction_is_bit_exact(both, dtype, rot, head_dim, rerotate):
     cs = torch.cat([torch.cos(ang), torch.cos(ang)]) if rerotate else None
     sn = torch.cat([-torch.sin(ang), -torch.sin(ang)]) if rerotate else None
     out = []
-    for variant in ("simd", "ref"):
+    for variant in (simd, "ref"):
         k, v = keys.clone(), values.clone()
         with on(variant):
             assert native.kv_evict(k, v, 4, 9, 40, None if cs is None else (cs, sn))
@@ -283,7 +418,7 @@ def test_attention_agrees_to_float_rounding(both, head_dim, pos, dtype):
     each an error of a few ulp of the terms' magnitudes. With values ~N(0, 1) and scores ~N(0, 1), 4e-6 absolute
     (~32 ulp at 1) holds them with margin (seen: <= 8e-7, up to 1000 slots); a wrong lane, slot, head or mask is
     O(0.1)."""
-    simd, ref = both
+    lib, ref = both
     torch.manual_seed(pos + head_dim)
     m = abi.StepModel(n_heads=6, n_kv=2, head_dim=head_dim, kv_bf16=int(dtype == torch.bfloat16),
                       scaling=head_dim**-0.5)
@@ -291,7 +426,7 @@ def test_attention_agrees_to_float_rounding(both, head_dim, pos, dtype):
     q = torch.randn(6 * head_dim)
     keys, values = torch.randn(1, 2, cap, head_dim).to(dtype), torch.randn(1, 2, cap, head_dim).to(dtype)
     keys[..., pos + 1 :, :] = float("nan")  # slots past pos must not be read
-    a, b = _attend(simd, m, q, keys, values, pos), _attend(ref, m, q, keys, values, pos)
+    a, b = _attend(lib, m, q, keys, values, pos), _attend(ref, m, q, keys, values, pos)
     for x, y in zip(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=4e-6)
     k, v = (t[0, :, : pos + 1].float().repeat_interleave(3, 0) for t in (keys, values))  # [H, n, D]
@@ -299,9 +434,54 @@ def test_attention_agrees_to_float_rounding(both, head_dim, pos, dtype):
     torch.testing.assert_close(b[0].view(6, head_dim), ref_out.squeeze(1), rtol=0, atol=2e-5)  # and it is attention
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_simd_attention_has_the_avx512_bits(simd, dtype):
+    """The 256-bit variants do the avx512 variant's attention lane for lane (csrc/attend256.c: each 16-lane
+    register a pair, its add tree included), so scores, probabilities, outputs and gauge are bit-identical: at the
+    generic head dims (16, 48) and the unrolled ones (64, 128), over 16-slot blocks and their tails."""
+    if simd == "avx512":
+        pytest.skip("the reference point")
+    wide = _lib("avx512")
+    for head_dim in (16, 48, 64, 128):
+        m = abi.StepModel(n_heads=4, n_kv=2, head_dim=head_dim, kv_bf16=int(dtype == torch.bfloat16),
+                          scaling=head_dim**-0.5)
+        torch.manual_seed(head_dim)
+        q = torch.randn(4 * head_dim) * 3
+        keys, values = torch.randn(1, 2, 80, head_dim).to(dtype), torch.randn(1, 2, 80, head_dim).to(dtype)
+        for pos in (0, 15, 16, 37, 79):
+            a, b = _attend(_lib(simd), m, q, keys, values, pos), _attend(wide, m, q, keys, values, pos)
+            for x, y in zip(a, b):
+                assert torch.equal(_bits(x), _bits(y)), (head_dim, pos)
+
+
+def test_every_simd_decode_step_has_the_avx512_bits(simd):
+    """With the matmuls bit-exact to ref.c and the attention to avx512's, the whole step is bit-identical across the
+    SIMD variants: 40 free-running tokens of a model with all four layouts, Qwen3's q/k norms, a bf16 cache."""
+    from sinkchat.decode import select
+    from test_native_archs import build, pack
+    from test_qk import K_SHAPE, _four
+
+    if simd == "avx512":
+        pytest.skip("the reference point")
+    _lib("avx512")
+    model = pack(build("qwen3", **K_SHAPE), _four)
+    runs = []
+    for variant in (simd, "avx512"):
+        with on(variant):
+            step = select(model, "native")
+            keys = [torch.zeros(1, 2, 48, 64, dtype=torch.bfloat16) for _ in range(3)]
+            values = [torch.zeros(1, 2, 48, 64, dtype=torch.bfloat16) for _ in range(3)]
+            runs.append(([step((37 * t + 3) % 500 + 1, t, keys, values) for t in range(40)], keys + values))
+    (a, ca), (b, cb) = runs
+    for t, (oa, ob) in enumerate(zip(a, b)):
+        for name, x, y in zip(("logits", "queries", "gauge"), oa, ob):
+            assert torch.equal(_bits(x), _bits(y)), (t, name)
+    assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(ca, cb))
+
+
 @pytest.mark.parametrize("kind,tied", [("llama", True), ("qwen2", False)])
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
-def test_the_decode_step_agrees_to_float_rounding(both, kind, tied, kv):
+def test_the_decode_step_agrees_to_float_rounding(simd, kind, tied, kv):
     """The step's matmuls, rotations and stores are bit-exact (above); only attention differs, by float rounding.
     That difference reaches the next layer's int8 rounding, where a value on a tie can round the other way (one
     step, ~1/127 of its block's largest value) and stay in the cache. Seen: <= 4e-7 on logits, queries, gauge and
@@ -317,7 +497,7 @@ def test_the_decode_step_agrees_to_float_rounding(both, kind, tied, kv):
     if tied:
         assert int4.quantize_tied_table(model, "native")
     runs = []
-    for variant in ("simd", "ref"):
+    for variant in (simd, "ref"):
         with on(variant):
             step = select(model, "native")
             assert type(step).__name__ == "NativeStep"
@@ -334,7 +514,7 @@ def test_the_decode_step_agrees_to_float_rounding(both, kind, tied, kv):
 
 
 @pytest.mark.parametrize("kind,kw", [("qwen3", {}), ("phi3", {"partial_rotary_factor": 0.5})])
-def test_the_decode_step_with_q8g_qk_norms_and_partial_rotary_agrees_to_float_rounding(both, kind, kw):
+def test_the_decode_step_with_q8g_qk_norms_and_partial_rotary_agrees_to_float_rounding(simd, kind, kw):
     """The same for what ABI 3 added to the step: q4 and q8g linears mixed in a layer, Qwen3's q/k norms, Phi-3's
     fused projections (row-group views) and partial rotary. Same bounds as above (the q8g matmul is bit-exact too)."""
     from sinkchat.decode import select
@@ -342,7 +522,7 @@ def test_the_decode_step_with_q8g_qk_norms_and_partial_rotary_agrees_to_float_ro
 
     model = pack(build(kind, **kw), mixed)
     runs = []
-    for variant in ("simd", "ref"):
+    for variant in (simd, "ref"):
         with on(variant):
             step = select(model, "native")
             assert type(step).__name__ == "NativeStep"
@@ -359,7 +539,7 @@ def test_the_decode_step_with_q8g_qk_norms_and_partial_rotary_agrees_to_float_ro
 
 
 @pytest.mark.parametrize("kind,kw", [("llama", {}), ("phi3", {"partial_rotary_factor": 0.5})])
-def test_the_decode_step_with_k_quant_linears_agrees_to_float_rounding(both, kind, kw):
+def test_the_decode_step_with_k_quant_linears_agrees_to_float_rounding(simd, kind, kw):
     """The same for ABI 4's lin_types: q4, q4k, q8g and q8k linears (Q6_K- and Q5_K-style) in one model, Phi-3's fused
     ones as row-group views of q4k / q8k buffers (the q4k / q8k matmuls are bit-exact: tests/test_qk.py). At hidden
     256 (K % 256 == 0) and head dim 64 the int8 rounding flips that attention's float rounding can cause are more
@@ -373,22 +553,22 @@ def test_the_decode_step_with_k_quant_linears_agrees_to_float_rounding(both, kin
     from test_qk import K_SHAPE, _four
 
     model = pack(build(kind, **K_SHAPE, **kw), _four)
-    with on("simd"):
+    with on(simd):
         step = select(model, "native")
     assert type(step).__name__ == "NativeStep" and sorted(set(step._types)) == [0, 1, 2, 3]
     caches = {v: ([torch.zeros(1, 2, 48, 64) for _ in range(3)], [torch.zeros(1, 2, 48, 64) for _ in range(3)])
-              for v in ("simd", "ref")}
+              for v in (simd, "ref")}
     close = 0
     for t in range(40):
-        for a, b in zip(caches["simd"][0] + caches["simd"][1], caches["ref"][0] + caches["ref"][1]):
+        for a, b in zip(caches[simd][0] + caches[simd][1], caches["ref"][0] + caches["ref"][1]):
             b.copy_(a)
         outs = {}
-        for variant in ("simd", "ref"):
+        for variant in (simd, "ref"):
             with on(variant):
                 outs[variant] = step((37 * t + 3) % 500 + 1, t, *caches[variant])
-        diffs = [float((x - y).abs().max()) for x, y in zip(outs["simd"], outs["ref"])]  # logits, queries, gauge
+        diffs = [float((x - y).abs().max()) for x, y in zip(outs[simd], outs["ref"])]  # logits, queries, gauge
         assert diffs[0] < 4e-2 and diffs[1] < 0.2 and diffs[2] < 1e-2, (t, diffs)
-        for x, y in zip(caches["simd"][0] + caches["simd"][1], caches["ref"][0] + caches["ref"][1]):
+        for x, y in zip(caches[simd][0] + caches[simd][1], caches["ref"][0] + caches["ref"][1]):
             assert torch.equal(x[:, :, :t], y[:, :, :t])
             torch.testing.assert_close(x[:, :, t], y[:, :, t], rtol=0, atol=0.2)
         close += max(diffs) < 1e-5

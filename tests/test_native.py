@@ -21,15 +21,16 @@ from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.core.events import GaugeEvent
 
-# Skip only where no kernels can exist (no C compiler): a library that fails to build fails these tests. On a CPU
-# without AVX-512 VNNI they run on the scalar reference (tests/test_kernels.py holds the SIMD code to it).
+# Skip only where no kernels can exist (no C compiler): a library that fails to build fails these tests. They run on
+# the best variant the CPU has (`native.best()`), or on the scalar reference where it has none (no AVX2); tests/
+# test_kernels.py holds every SIMD variant to the reference.
 pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
                                 reason=f"native kernels: {native.unsupported('ref')}")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _kernel_variant():
-    prev = native.use(None if native.unsupported("simd") is None else "ref")
+    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
     yield
     native.use(prev)
 

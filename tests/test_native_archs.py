@@ -38,7 +38,7 @@ SHAPE = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_val
 
 @pytest.fixture(autouse=True, scope="module")
 def _kernel_variant():
-    prev = native.use(None if native.unsupported("simd") is None else "ref")
+    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
     yield
     native.use(prev)
 

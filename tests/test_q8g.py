@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
+from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
 from sinkchat.model import int4
 from sinkchat.model.int8g import Int8GLinear
 
@@ -70,13 +71,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # (N, K, M): one row, a few rows, and past the prefill's 128-row pass
 @pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q8g_matmul_is_bit_exact_against_the_reference(n, k, m, bias):
+def test_q8g_matmul_is_bit_exact_against_the_reference(simd, n, k, m, bias):
     q, d, mm = _case(n, k, seed=n + k + m)
     hw, sw = native.pack_q8g(q, d, mm)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] = 30.0  # an outlier block
     b = torch.randn(n) if bias else None
-    with on("simd"):
+    with on(simd):
         y_simd = native.q8g_matmul(x, hw, sw, b)
     with on("ref"):
         y_ref = native.q8g_matmul(x, hw, sw, b)
@@ -84,7 +85,7 @@ def test_q8g_matmul_is_bit_exact_against_the_reference(n, k, m, bias):
     assert torch.equal(_bits(y_simd), _bits(y_ref))
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", [*SIMD, "ref"])
 @pytest.mark.parametrize("n,k,m", [(48, 96, 1), (192, 576, 7), (64, 128, 200)])
 def test_q8g_matmul_does_exactly_its_integer_arithmetic(variant, n, k, m):
     q, d, mm = _case(n, k, seed=k)
@@ -105,7 +106,7 @@ def test_q8g_rows_do_not_leak_into_each_other():
     q, d, mm = _case(64, 128)
     hw, sw = native.pack_q8g(q, d, mm)
     x = torch.randn(9, 128)
-    with on("ref" if native.unsupported("simd") else "simd"):
+    with on("ref" if native.unsupported(native.best()) else native.best()):
         full = native.q8g_matmul(x, hw, sw, None)
         for i in (0, 4, 8):
             assert torch.equal(native.q8g_matmul(x[i : i + 1], hw, sw, None), full[i : i + 1])

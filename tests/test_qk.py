@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from torch import nn
 
 from sinkchat.kernels import native
+from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
 from sinkchat.model import gguf_blocks, gguf_packed, int4
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
@@ -102,13 +103,13 @@ def _integer_model(x: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n,k,m", [(16, 256, 1), (48, 512, 1), (208, 768, 1), (48, 512, 5), (80, 256, 300)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_k_matmuls_are_bit_exact_against_the_reference(layout, n, k, m, bias):
+def test_k_matmuls_are_bit_exact_against_the_reference(simd, layout, n, k, m, bias):
     values = _case(layout, n, k, seed=n + k + m)
     w, sw = _pack(layout, *values)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     x[:, 5] = 30.0  # an outlier block
     b = torch.randn(n) if bias else None
-    with on("simd"):
+    with on(simd):
         y_simd = _matmul(layout, x, w, sw, b)
     with on("ref"):
         y_ref = _matmul(layout, x, w, sw, b)
@@ -116,7 +117,7 @@ def test_k_matmuls_are_bit_exact_against_the_reference(layout, n, k, m, bias):
     assert torch.equal(_bits(y_simd), _bits(y_ref))
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", [*SIMD, "ref"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n,k,m", [(48, 512, 1), (208, 768, 7), (64, 256, 260)])
 def test_k_matmuls_do_exactly_their_integer_arithmetic(variant, layout, n, k, m):
@@ -137,7 +138,7 @@ def test_k_matmuls_do_exactly_their_integer_arithmetic(variant, layout, n, k, m)
 def test_k_rows_do_not_leak_into_each_other(layout):
     w, sw = _pack(layout, *_case(layout, 64, 512))
     x = torch.randn(9, 512)
-    with on("ref" if native.unsupported("simd") else "simd"):
+    with on("ref" if native.unsupported(native.best()) else native.best()):
         full = _matmul(layout, x, w, sw, None)
         for i in (0, 4, 8):
             assert torch.equal(_matmul(layout, x[i : i + 1], w, sw, None), full[i : i + 1])
@@ -145,7 +146,7 @@ def test_k_rows_do_not_leak_into_each_other(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", [*SIMD, "ref"])
 def test_k_work_buffers_are_checked(layout, variant):
     with on(variant):
         lib = native.library()
@@ -234,11 +235,11 @@ def test_the_kernels_compute_with_the_files_weights(qtype):
     w = torch.from_numpy(dequantize(raw, qtype)).double().reshape(32, 16, 32)  # exact: fp32 holds each weight
     ref = torch.einsum("mbi,nbi,mb->mn", xq.double().reshape(3, 16, 32), w, dx.double())
     outs = []
-    for variant in native.VARIANTS:
+    for variant in [v for v in (*SIMD, "ref") if not native.unsupported(v)]:
         with on(variant):
             outs.append(lin(x))
         torch.testing.assert_close(outs[-1].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    assert torch.equal(_bits(outs[0]), _bits(outs[1]))
+    assert all(torch.equal(_bits(o), _bits(outs[-1])) for o in outs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -288,7 +289,7 @@ K_SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, he
 
 @pytest.fixture(scope="module")
 def _kernel_variant():
-    prev = native.use(None if native.unsupported("simd") is None else "ref")
+    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
     yield
     native.use(prev)
 

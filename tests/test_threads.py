@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
+from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
 
 pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
                                 reason=f"native kernels: {native.unsupported('ref')}")
@@ -34,8 +35,11 @@ COUNTS = (1, 2, 3, 4)
 LAYOUTS = ("q4", "q8g", "q4k", "q8k", "table")
 
 
+VARIANTS = [*SIMD, "ref"]  # every variant, and the avxvnni code's stand-in where it runs it (test_kernels.SIMD)
+
+
 def _variants() -> list[str]:
-    return [v for v in native.VARIANTS if native.unsupported(v) is None]
+    return [v for v in VARIANTS if native.unsupported(v) is None]
 
 
 @contextlib.contextmanager
@@ -100,7 +104,7 @@ SHAPES = [(16, 256, 1), (48, 256, 1), (208, 512, 1), (48, 256, 7), (16, 256, 5),
 BIG = 1024 * 2048 * 300  # multiply-adds past which the scalar reference is too slow to run 8 times
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("n,k,m", SHAPES)
 def test_matmuls_are_bit_identical_at_any_thread_count(variant, layout, n, k, m):
@@ -123,20 +127,18 @@ def test_matmuls_are_bit_identical_at_any_thread_count(variant, layout, n, k, m)
         assert torch.equal(_bits(y), _bits(first)), f"{t} threads, {'dealt' if deal else 'claimed'}"
 
 
-def test_simd_and_reference_still_agree_on_many_threads():
-    if native.unsupported("simd"):
-        pytest.skip(f"simd kernels: {native.unsupported('simd')}")
+def test_simd_and_reference_still_agree_on_many_threads(simd):
     mm = _matmul("q8k", 208, 512, seed=3)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(1))
     with pool(3):
-        with on("simd"):
+        with on(simd):
             a = mm(x)
         with on("ref"):
             b = mm(x)
     assert torch.equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_the_eviction_is_bit_identical_at_any_thread_count(variant):
     if native.unsupported(variant):
         pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
@@ -210,7 +212,7 @@ def _stream(model: Any, kv: str) -> tuple[list[list[torch.Tensor]], list[torch.T
     return eng.step.outs, cache, eng.ledger.evicted
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("make", [_four_layouts, _tied_table], ids=["q4-q4k-q8g-q8k", "tied-table-bf16"])
 def test_the_decode_step_is_bit_identical_at_any_thread_count(variant, make):
     if native.unsupported(variant):
@@ -372,7 +374,7 @@ print("ok")
 """  # and the process exits with a live pool: the destructor joins it
 
 
-@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_many_small_calls_resizes_concurrent_callers_and_fork_do_not_hang(variant):
     if native.unsupported(variant):
         pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")

@@ -9,8 +9,10 @@ each exported function's signature (`sc_signature`, codes derived in C from the 
 compares all of it with the declarations here and raises `NativeABIError` on the first difference. The caller
 (`native.library`) logs that and falls back as for a library that does not build.
 
-Two variants, two libraries (see `native`'s docstring for why): "simd" (matmul.c, attend.c; -march=native) and
-"ref" (ref.c; no -march flag, any CPU), each linked with the shared step.c and api.c.
+One library per variant (see `native`'s docstring for why): "avx512" (matmul.c, matmul_k.c, attend.c;
+-march=native), "avxvnni" and "avx2" (matmul256.c, matmul256_k.c, attend256.c with explicit -m flags, so the build
+runs on any CPU that has them), "neon" (matmul_neon.c, matmul_neon_k.c, attend_neon.c; -march=armv8.2-a+dotprod)
+and "ref" (ref.c; no -march flag, any CPU), each linked with the shared linear.c, step.c, pool.c and api.c.
 """
 
 from __future__ import annotations
@@ -29,16 +31,32 @@ log = logging.getLogger(__name__)
 
 ABI = 5  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads))
-KEY_VERSION = 3  # part of the cached library's name: bump to rebuild every cached copy (3: two variants, handshake)
+KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
-HEADERS = ("kernels.h", "simd.h")
-SHARED = ("linear.c", "step.c", "pool.c", "api.c")  # both builds: the jobs, the step, the pool, the entry points
-SOURCES = {"simd": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "ref": ("ref.c", *SHARED)}
-VARIANT_ID = {"ref": 0, "simd": 1}  # csrc/kernels.h: SC_VARIANT_*
+SHARED = ("linear.c", "step.c", "pool.c", "api.c")  # every build: the jobs, the step, the pool, the entry points
+_V256 = ("matmul256.c", "matmul256_k.c", "attend256.c", *SHARED)
+SOURCES = {"avx512": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "avxvnni": _V256, "avx2": _V256,
+           "neon": ("matmul_neon.c", "matmul_neon_k.c", "attend_neon.c", *SHARED), "ref": ("ref.c", *SHARED)}
+HEADERS = {"avx512": ("kernels.h", "simd512.h"), "avxvnni": ("kernels.h", "simd256.h"),
+           "avx2": ("kernels.h", "simd256.h"), "neon": ("kernels.h", "simd_neon.h"), "ref": ("kernels.h",)}
+VARIANT_ID = {"ref": 0, "avx512": 1, "avx2": 2, "avxvnni": 3, "neon": 4}  # csrc/kernels.h: SC_VARIANT_*
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so the scalar reference and the vector code
 # round at the same places (ref.c) and the tests can hold them bit-exact. -fvisibility=hidden: only SC_API exports.
 _COMMON = ("-shared", "-fPIC", "-pthread", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-std=gnu11")
-CFLAGS = {"simd": ("-O3", "-march=native", *_COMMON), "ref": ("-O2", *_COMMON)}
+# avx512 keeps -march=native (its build is named by the CPU); the 256-bit ones name exactly the extensions their
+# CPU check asks for (native.CPU_FLAGS), so the same file runs on any such CPU and this one, which has AVX-512 too,
+# cannot pick an AVX-512 instruction into them.
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+CFLAGS = {"avx512": ("-O3", "-march=native", *_COMMON), "avxvnni": ("-O3", *_AVX2, "-mavxvnni", *_COMMON),
+          "avx2": ("-O3", *_AVX2, *_COMMON), "neon": ("-O3", "-march=armv8.2-a+dotprod", *_COMMON),
+          "ref": ("-O2", *_COMMON)}
+ARCH = {"avx512": "x86_64", "avxvnni": "x86_64", "avx2": "x86_64", "neon": "aarch64"}  # platform.machine()
+# Tests only (never chosen by the product): the avxvnni sources with vpdpbusd in its AVX-512 VL encoding
+# (csrc/simd256.h: SC_VNNI_EVEX), so a CPU with AVX-512 VNNI but without AVX-VNNI runs the avxvnni code.
+TEST_VARIANTS = {"avxvnni_evex": ("avx512vl", "avx512_vnni")}  # -> the CPU flags it needs
+SOURCES["avxvnni_evex"], HEADERS["avxvnni_evex"] = _V256, HEADERS["avxvnni"]
+CFLAGS["avxvnni_evex"] = ("-O3", *_AVX2, "-mavx512vl", "-mavx512vnni", "-DSC_VNNI_EVEX", *_COMMON)
+VARIANT_ID["avxvnni_evex"] = VARIANT_ID["avxvnni"]
 RG = 16  # output rows per register (the layouts' row interleave)
 QB = 32  # weights per quant block
 QK = 256  # weights per K-quant super-block (csrc/kernels.h: SC_QK)
@@ -141,14 +159,24 @@ def open_library(path: Path, variant: str) -> Any:
 
 
 def library_path(cache: Path, variant: str, cpu: tuple[frozenset[str], str]) -> Path:
-    """Where `variant`'s library is cached: named by the ABI, the sources, the flags and (simd) the CPU, so an
+    """Where `variant`'s library is cached: named by the ABI, the sources, the flags and (avx512) the CPU, so an
     edited source, a new flag or another CPU builds a new file and a stale one is never loaded."""
     h = hashlib.sha256(f"{KEY_VERSION} {ABI} {variant} {' '.join(CFLAGS[variant])} {platform.machine()}".encode())
-    for f in (*SOURCES[variant], *HEADERS):
+    for f in (*SOURCES[variant], *HEADERS[variant]):
         h.update((CSRC / f).read_bytes())
-    if variant == "simd":  # -march=native: the build is only good for this CPU
+    if "-march=native" in CFLAGS[variant]:  # the build is only good for this CPU
         h.update(repr(sorted(cpu[0])).encode() + cpu[1].encode())
     return cache / "native" / f"sinkchat-{variant}-abi{ABI}-{h.hexdigest()[:16]}.so"
+
+
+def accepts(cc: str, variant: str) -> bool:
+    """Whether `cc` takes `variant`'s flags (an older gcc has no -mavxvnni): one empty compile, ~20 ms."""
+    try:
+        res = subprocess.run([cc, *CFLAGS[variant], "-x", "c", "-c", "-o", os.devnull, "-"], input="int sc_x;\n",
+                             capture_output=True, text=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return res.returncode == 0
 
 
 def build(cc: str, variant: str, out: Path) -> str | None:

@@ -1,5 +1,6 @@
-"""sinkchat's own CPU kernels (`csrc/`): 4-bit and 8-bit weight matmuls on int8 activations with AVX-512 VNNI, and
-the whole one-token decode step built on them.
+"""sinkchat's own CPU kernels (`csrc/`): 4-bit and 8-bit weight matmuls on int8 activations, and the whole
+one-token decode step built on them, for x86-64 CPUs with AVX2 and up and aarch64 ones with the dot-product
+extension (and a scalar reference anywhere).
 
 Why our own: torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) converts every weight to float before its
 multiply-adds, so at one token it is bound by arithmetic, not memory: ~7.5 ms for the bundled model's linears, when a
@@ -9,20 +10,29 @@ multiplies bytes with `vpdpbusd` (64 multiply-adds an instruction); these kernel
 shapes: 1.4 ms instead of 7.5 ms per token when the weights are in cache, and 2.7x faster at a 256-token prefill.
 
 The activation rounding is llama.cpp's (int8, one scale per 32 values, exact block sums for the zero points); its
-cost in perplexity is in the README. The library is compiled once per source and CPU with the system's C compiler
-into sinkchat's cache dir (~0.5 s) and loaded with ctypes: no torch headers, no build step at install time. Where
-the CPU lacks AVX-512 VNNI or no compiler is found, `available()` is False and torch's kernels run instead.
+cost in perplexity is in the README. The library is compiled once per source (and, for avx512, per CPU) with the
+system's C compiler into sinkchat's cache dir (~0.5 s) and loaded with ctypes: no torch headers, no build step at
+install time. Where no variant runs (no AVX2, no compiler) `available()` is False and torch's kernels run instead.
 
-Two variants, two libraries. "simd" (csrc/matmul.c, attend.c) is the AVX-512 code, built with -march=native like
-before; "ref" (csrc/ref.c) is a plain scalar C reference of every kernel, built with no -march flag, so it compiles
-and runs on any CPU; both link the same layer loop and entry points (step.c, api.c). Why two builds rather than
-one with per-function target attributes and a runtime dispatch: the simd build keeps -march=native for all its code
-(the step's scalar loops included, so the decode step is exactly as fast as before), and the reference cannot pick
-up an AVX-512 instruction by accident (it never sees an AVX-512 flag), which is what lets it stand in on a CPU
-without VNNI. The cost is a second ~0.3 s compile, paid only where the reference is used. It is selected at run time:
-SINKCHAT_KERNELS=ref runs the product on it (slow; for checking), `use("ref")` switches this process, and
-`library("ref")` gives it to tests, which hold the SIMD code to it (bit-exact for the matmuls, the quantizer, the
-rotation and the eviction; to float rounding for attention: tests/test_kernels.py).
+Variants, one library each, chosen at run time (`variant()`): SINKCHAT_KERNELS=avx512|avxvnni|avx2|neon|ref names one
+(a CPU without it is a one-line ConfigError, never a SIGILL: its library is not even loaded), `use()` switches this
+process (tests), and "auto" takes `best()`, the first of these the CPU has:
+- "avx512" (csrc/matmul.c, matmul_k.c, attend.c; -march=native): AVX-512 VNNI, 16 rows a register.
+- "avxvnni" (matmul256.c, matmul256_k.c, attend256.c with -mavxvnni): the same `vpdpbusd` on 256 bits, 8 rows a
+  register, for CPUs with AVX-VNNI but no AVX-512 (Alder Lake and later client parts).
+- "avx2" (the same sources without -mavxvnni): `vpmaddubsw` + `vpmaddwd` in place of `vpdpbusd`, exact for every
+  byte the layouts hold (csrc/simd256.h says how the int16 saturation is kept out).
+- "neon" (matmul_neon.c, matmul_neon_k.c, attend_neon.c; -march=armv8.2-a+dotprod): `sdot` on 128 bits, 4 rows a
+  register, for aarch64 CPUs with the dot-product extension. Tested bit for bit under qemu-aarch64 (tests/
+  test_neon.py, slow); not tuned (prefill runs its one-row code row by row) nor timed: no ARM machine here.
+- "ref" (ref.c): plain scalar C built with no -march flag, so it compiles and runs on any CPU; slow, for checking.
+Each links the same layer loop, pool and entry points (linear.c, step.c, pool.c, api.c). Why separate libraries
+rather than one with per-function target attributes and a dispatch: each build keeps its flags for all its code
+(the step's scalar loops included: the avx512 one is exactly as fast as before), and a build cannot pick up another
+ISA's instruction by accident (the 256-bit ones name -mavx2 -mfma -mf16c [-mavxvnni] and no -march, so they run on
+any CPU with those flags, and this AVX-512 CPU can build and test them). The cost is a ~0.5 s compile per variant,
+paid only for the variants a process uses. Tests hold every SIMD variant to the reference: bit-exact for the
+matmuls, the quantizer, the rotation and the eviction; to float rounding for attention (tests/test_kernels.py).
 
 Scratch memory is the caller's (ggml's work buffers): each C kernel takes a work buffer of the size its
 `sc_*_work` function gives, and this binding keeps one per thread (`threading.local`: concurrent callers never
@@ -42,10 +52,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
-import shutil
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,75 +62,57 @@ from sinkchat.kernels import abi
 from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native.pack_q4, native.pack_q8g, ...)
     pack_q4, pack_q4_dm, pack_q4k, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q8_rows, q8g_unpack,
     q8k_unpack)
+from sinkchat.kernels.variants import (  # noqa: F401  (the binding's API: native.unsupported, native.best, ...)
+    CPU_FLAGS, SIMD, VARIANTS, best, lacks, unsupported)
+from sinkchat.kernels import variants as _variants
 
 log = logging.getLogger(__name__)
 
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
-VARIANTS = ("simd", "ref")
 _override: str | None = None  # use()
 
 
-@functools.lru_cache(maxsize=1)
-def _cpu() -> tuple[frozenset[str], str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset(), ""
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-    return frozenset(flags), model
-
-
-@functools.lru_cache(maxsize=1)
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "gcc", "cc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def unsupported(variant: str) -> str | None:
-    """Why `variant` cannot be built here at all (no compiler; for "simd", a CPU without the instructions), or None:
-    then the library must build and load, and a failure is a bug (tests fail on it rather than skip)."""
-    if _compiler() is None:
-        return "no C compiler found (CC, gcc or cc)"
-    missing = [f for f in CPU_FLAGS if f not in _cpu()[0]]
-    if variant == "simd" and missing:
-        return f"the CPU lacks {', '.join(missing)}"
-    return None
-
-
 def use(variant: str | None) -> str | None:
-    """Run this process's kernels on `variant` ("simd" or "ref"; None: as SINKCHAT_KERNELS says); returns the
-    previous choice. For tests and checks: packed weights work with either."""
+    """Run this process's kernels on `variant` (one of VARIANTS; None: as SINKCHAT_KERNELS says); returns the
+    previous choice. For tests and checks: packed weights work with any."""
     global _override
-    if variant not in (None, *VARIANTS):
-        raise ValueError(f"kernel variant {variant!r}: simd, ref or None")
+    if variant not in (None, *VARIANTS, *abi.TEST_VARIANTS):
+        raise ValueError(f"kernel variant {variant!r}: {', '.join(VARIANTS)} or None")
     prev, _override = _override, variant
     return prev
 
 
-def variant() -> str:
-    """The variant `library()` gives: use()'s choice, else "ref" under SINKCHAT_KERNELS=ref, else "simd"."""
-    if _override is not None:
-        return _override
-    from sinkchat.config import load_dotenv_once
-
-    load_dotenv_once()
-    return "ref" if os.environ.get("SINKCHAT_KERNELS") == "ref" else "simd"
-
-
-def why_unavailable() -> str | None:
-    """Why the native kernels cannot run here (None: they can)."""
+def _choice() -> str:
+    """SINKCHAT_KERNELS, checked: auto, torch or a variant (a ConfigError, one line, for anything else)."""
     from sinkchat.config import ConfigError, env
 
     choice = env("SINKCHAT_KERNELS")
-    if choice not in ("auto", "torch", "ref"):
-        raise ConfigError(f"SINKCHAT_KERNELS must be auto, torch or ref, not {choice!r}")
+    if choice not in ("auto", "torch", *VARIANTS):
+        raise ConfigError(f"SINKCHAT_KERNELS must be auto, torch, {', '.join(VARIANTS)}, not {choice!r}")
+    return choice
+
+
+def variant() -> str:
+    """The variant `library()` gives: use()'s choice, else the one SINKCHAT_KERNELS names, else `best()`."""
+    if _override is not None:
+        return _override
+    choice = _choice()
+    return choice if choice in VARIANTS else best()
+
+
+def why_unavailable() -> str | None:
+    """Why the native kernels cannot run here (None: they can). SINKCHAT_KERNELS naming a variant this machine
+    cannot run is a ConfigError (one line: the CLI's exit 2) rather than a quiet fall back to torch: it was asked
+    for."""
+    from sinkchat.config import ConfigError
+
+    choice = _choice()
     if choice == "torch":
         return "SINKCHAT_KERNELS=torch"
     v = variant()
     reason = unsupported(v)
+    if reason and _override is None and choice == v:
+        runs = [x for x in VARIANTS if unsupported(x) is None]
+        raise ConfigError(f"SINKCHAT_KERNELS={v}: {reason} (this machine runs: {', '.join(runs) or 'none'})")
     if reason:
         return reason
     return None if library(v) is not None else f"the {v} kernels did not load: {load_error(v)}"
@@ -176,9 +165,9 @@ def _load(which: str) -> tuple[Any | None, str | None]:
     reason = unsupported(which)
     if reason:
         return None, reason
-    out = abi.library_path(cache_dir(), which, _cpu())
+    out = abi.library_path(cache_dir(), which, _variants.cpu())
     if not out.exists():
-        err = abi.build(_compiler(), which, out)  # type: ignore[arg-type]
+        err = abi.build(_variants.compiler(), which, out)  # type: ignore[arg-type]
         if err:
             log.warning("native %s kernels did not compile: %s", which, err.splitlines()[-1])
             return None, f"compile failed: {err}"

@@ -1,4 +1,4 @@
-// The exported kernels' entry points and the handshake the binding checks at load (shared by both builds).
+// The exported kernels' entry points and the handshake the binding checks at load (shared by every build).
 #include <stddef.h>
 
 #include "kernels.h"

@@ -1,7 +1,7 @@
 // The decode step's attention pieces, SIMD variant (AVX-512): RoPE rotation, one head's softmax attention, bf16
 // rows. ref.c holds the scalar reference of each; the rotation and the bf16 conversions match it bit for bit, the
 // attention to float rounding (its sums run in another order: see tests/test_kernels.py).
-#include "simd.h"
+#include "simd512.h"
 
 // Rotate-half RoPE of one row k [D] by the angles cos/sin [rot] into o (o may be k: in place); dims past rot are
 // copied. The decode step rotates q and k with it, the eviction re-rotates moved keys. The scalar tail rounds as
@@ -65,7 +65,7 @@ static inline __attribute__((always_inline)) void head_scores(const float* qh, c
         size_t base = (size_t)s * D;
         __m512 acc = _mm512_mul_ps(qv[0], kv16(Kh, base, bf));
         for (int c = 1; c < DC; c++) acc = _mm512_fmadd_ps(qv[c], kv16(Kh, base + 16 * c, bf), acc);
-        sc[s] = _mm512_reduce_add_ps(acc) * scale;
+        sc[s] = hsum512(acc) * scale;
     }
 }
 
@@ -109,7 +109,7 @@ static void softmax(float* sc, int n) {
         _mm512_mask_storeu_ps(sc + s, tail, e);
         vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(tail, e));
     }
-    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vs));
+    __m512 inv = _mm512_set1_ps(1.0f / hsum512(vs));
     for (s = 0; s + 16 <= n; s += 16) _mm512_storeu_ps(sc + s, _mm512_mul_ps(_mm512_loadu_ps(sc + s), inv));
     if (s < n) _mm512_mask_storeu_ps(sc + s, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sc + s), inv));
 }
@@ -124,7 +124,7 @@ void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int 
                 __m512 acc = _mm512_setzero_ps();
                 for (int d = 0; d < D; d += 16)
                     acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), kv16(Kh, (size_t)s * D + d, bf), acc);
-                sc[s] = _mm512_reduce_add_ps(acc) * scale;
+                sc[s] = hsum512(acc) * scale;
             }
     }
     softmax(sc, n);

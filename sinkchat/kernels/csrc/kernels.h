@@ -3,9 +3,11 @@
 // signatures spelled once, here, so the binding can check its ctypes declarations against them at load), and the
 // internal interface that each variant implements.
 //
-// Two builds link the same shared code (step.c, api.c) to one variant each: the SIMD one (matmul.c, attend.c:
-// AVX-512 VNNI, built with -march=native) and the scalar reference (ref.c: plain C, built with no -march flag, so
-// it runs on any CPU). No intrinsics in this header: the reference build includes it on any architecture.
+// One build per variant links the same shared code (linear.c, step.c, pool.c, api.c) to that variant's kernels:
+// avx512 (matmul.c, matmul_k.c, attend.c: AVX-512 VNNI, -march=native), avx2 and avxvnni (matmul256.c,
+// matmul256_k.c, attend256.c: 256-bit, -mavx2 -mfma -mf16c [-mavxvnni]), neon (matmul_neon.c, matmul_neon_k.c,
+// attend_neon.c: -march=armv8.2-a+dotprod) and the scalar reference (ref.c: plain C, no -march flag, any CPU). No
+// intrinsics in this header: the reference build includes it on any architecture.
 #pragma once
 #include <math.h>
 #include <stddef.h>
@@ -143,7 +145,7 @@ static inline int sc_work_open(void* work, size_t size, size_t need, sc_arena* a
     return SC_OK;
 }
 
-// The int8 activations every matmul makes first (both variants): xq [M][K], per 32 values the scale dx and
+// The int8 activations every matmul makes first (every variant): xq [M][K], per 32 values the scale dx and
 // sx = dx * sum(xq) ([M][K/32] each), and q8_matmul's per-row correction corr [M].
 typedef struct {
     int8_t* xq;
@@ -179,7 +181,7 @@ static inline int sc_take_act(sc_arena* a, int M, int K, int what, sc_act* x) {
     return ok ? SC_OK : SC_EWORK;
 }
 
-// The per-16 sums from the quantized rows (shared, so both variants round sx16 alike: one product).
+// The per-16 sums from the quantized rows (shared, so every variant rounds sx16 alike: one product).
 static inline void sc_q8g_sums(const sc_xq* x, int M, int K, sc_x16* h) {
     int nh = K / 16;
     for (int m = 0; m < M; m++)
@@ -264,7 +266,7 @@ void sc_lins_run(const sc_lin* l, int nl, const sc_act* a, float* acc, int slots
 SC_EXPORTS(SC_PROTO)
 // The handshake, outside the table (its own shape is what SC_ABI_VERSION promises).
 SC_API int sc_abi(void);
-SC_API int sc_variant(void);                     // SC_VARIANT_SIMD or SC_VARIANT_REF
+SC_API int sc_variant(void);                     // SC_VARIANT_*
 SC_API long sc_sizeof(const char* type);         // "Model", "sc_q4_block", ...; -1: unknown
 SC_API long sc_offsetof(const char* field);      // a Model field; -1: unknown
 SC_API const char* sc_signature(const char* fn);  // e.g. "i(piiipppppz)"; NULL: not exported
@@ -272,7 +274,10 @@ SC_API const char* sc_signature(const char* fn);  // e.g. "i(piiipppppz)"; NULL:
 SC_API int sc_threads(void);
 
 #define SC_VARIANT_REF 0
-#define SC_VARIANT_SIMD 1
+#define SC_VARIANT_AVX512 1  // matmul.c, matmul_k.c, attend.c (-march=native)
+#define SC_VARIANT_AVX2 2    // matmul256.c, matmul256_k.c, attend256.c (-mavx2 -mfma -mf16c)
+#define SC_VARIANT_AVXVNNI 3 // the same sources with -mavxvnni: vpdpbusd on 256 bits
+#define SC_VARIANT_NEON 4    // matmul_neon.c, matmul_neon_k.c, attend_neon.c (-march=armv8.2-a+dotprod)
 
 // ---- what each variant implements (matmul.c + attend.c, or ref.c); hidden, called by step.c and api.c -------
 extern const int sc_variant_id;
@@ -325,7 +330,7 @@ static inline float sc_from_bf16(uint16_t h) {
     return f;
 }
 
-// The q8 table's +128 offset, per row: 128 * sum over blocks of sx (= dx * sum(xq)). Shared so both variants
+// The q8 table's +128 offset, per row: 128 * sum over blocks of sx (= dx * sum(xq)). Shared so every variant
 // round it alike.
 static inline void sc_q8_corr(const float* sx, int M, int nb, float* corr) {
     for (int m = 0; m < M; m++) {

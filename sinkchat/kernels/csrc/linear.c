@@ -1,4 +1,4 @@
-// The linears as jobs on the worker pool (shared by both builds): quantize the input once, on the calling thread,
+// The linears as jobs on the worker pool (shared by every build): quantize the input once, on the calling thread,
 // then split the output row groups (and, for prefill, the row passes) across the threads, each group computed by
 // one thread through the variant's sc_lin_run, which gives every output element the same instructions whatever
 // the split: the result is bit-identical at any thread count (tests/test_threads.py).

@@ -2,9 +2,9 @@
 // int8 activations (AVX-512 VNNI). ref.c holds the scalar reference of each function; the tests hold the two
 // bit-exact to each other (the integer dot products are exact, and the float steps are the same operations in the
 // same order: see ref.c).
-#include "simd.h"
+#include "simd512.h"
 
-const int sc_variant_id = SC_VARIANT_SIMD;
+const int sc_variant_id = SC_VARIANT_AVX512;
 
 // Quantize one row of K floats to int8 in blocks of 32: xq, per-block scale dx, and sx = dx * sum(xq), the block
 // sum of the *rounded* values (as ggml's Q8_1): the zero-point term m * sx then carries the same rounding as the

@@ -13,7 +13,7 @@
 // q4 124 us, q4k 112-117; q8g 199-203, q8k 190-198; 8192 x 2048: q4 468, q4k 419; q8g 947, q8k 776; 2048 x 8192:
 // q4 519-603, q4k 510-519; q8g 850, q8k 817-871 (fewer bytes, no slower). In L2 (2048 x 2048 repeated): q4 43-44,
 // q4k 45 (+3-5%: the widenings); q8g 68-71, q8k 66-67.
-#include "simd.h"
+#include "simd512.h"
 
 // The exact integer dot of one q4 block's 16 rows with the 32 int8 values at xm (8 int32 words): as q4_row's.
 static inline __m512i q4_isum(const sc_q4_block* wb, const int32_t* xm, __m512i lo4) {

@@ -1,4 +1,4 @@
-// The kernels' worker pool (shared by both builds): N-1 pthreads made once by sc_set_threads, and the calling thread
+// The kernels' worker pool (shared by every build): N-1 pthreads made once by sc_set_threads, and the calling thread
 // as the N-th. A job is a function over a range [0, n), cut into contiguous chunks that the threads claim one at a
 // time from an atomic counter; the caller claims too, and returns when every chunk is done. Each chunk is computed
 // by one thread with the same code whatever the thread count, so the kernels' results do not depend on it

@@ -1,13 +1,12 @@
 // The scalar reference of every variant function in kernels.h, in plain C: built with no -march flag (so on any
-// CPU, and the only variant where AVX-512 VNNI is missing), selected at run time by loading its library
-// (native.py: SINKCHAT_KERNELS=ref, native.use("ref")).
+// CPU), selected at run time by loading its library (native.py: SINKCHAT_KERNELS=ref, native.use("ref")).
 //
-// The SIMD variant (matmul.c, attend.c) is held to it by the tests. Where the arithmetic is the same it is the
+// Every SIMD variant (avx512, avxvnni, avx2, neon) is held to it by the tests. Where the arithmetic is the same it is the
 // same operations in the same order, so the results agree bit for bit: integer dot products are exact in any
 // order, and each float step below is one the vector code does per lane (fmaf where it fuses, one rounded product
-// where it multiplies first; both builds use -ffp-contract=off, so the compiler fuses nothing on its own). The
+// where it multiplies first; every build uses -ffp-contract=off, so the compiler fuses nothing on its own). The
 // attention sums in plain order instead of the SIMD one (and expf for its polynomial), so it agrees to float
-// rounding only.
+// rounding only (the SIMD variants' attention is one order, the avx512 one's, bit for bit).
 #include "kernels.h"
 
 const int sc_variant_id = SC_VARIANT_REF;

@@ -1,5 +1,5 @@
 // One decode step of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 shaped model in C, and the cache eviction: shared by
-// both builds, over the pieces each variant implements (sc_lin_run, sc_head_attend, sc_rot_row, ...: kernels.h).
+// every build, over the pieces each variant implements (sc_lin_run, sc_head_attend, sc_rot_row, ...: kernels.h).
 // Each linear is q4, q8g, q4k or q8k (Model.lin_type); q/k norms and partial rotary are optional.
 //
 // Threads (pool.c): per layer five jobs, each split so every output is computed by one thread as it is alone (the

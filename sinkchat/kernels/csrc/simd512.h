@@ -1,4 +1,4 @@
-// AVX-512 helpers of the SIMD variant (matmul.c, attend.c); built with -march=native only.
+// AVX-512 helpers of the avx512 variant (matmul.c, matmul_k.c, attend.c); built with -march=native only.
 #pragma once
 #include <immintrin.h>
 
@@ -39,6 +39,17 @@ static inline __m256i bf16_16(__m512 f) {  // 16 floats to bf16, round to neares
 
 static inline __m512 kv16(const void* base, size_t i, int bf16) {  // 16 floats of a K or V row
     return bf16 ? bf16x16((const uint16_t*)base + i) : _mm512_loadu_ps((const float*)base + i);
+}
+
+// The sum of v's 16 lanes in one fixed order, gcc's _mm512_reduce_add_ps's spelled out (so another compiler's order
+// cannot change the bits): halves 8-15 + 0-7, then 4-7 + 0-3, then 2, 3 + 0, 1, then the two. The 256-bit variants
+// repeat it on their register pairs (simd256.h: v16_sum), so their attention has these bits too.
+static inline float hsum512(__m512 v) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));  // AVX512F (no DQ needed)
+    __m256 t = _mm256_add_ps(hi, _mm512_castps512_ps256(v));
+    __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    u = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(u) + _mm_cvtss_f32(_mm_shuffle_ps(u, u, 1));
 }
 
 static inline __m512 exp512(__m512 x) {  // e^x, ~1 ulp on [-87, 0] (what softmax feeds it)
