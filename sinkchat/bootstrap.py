@@ -26,7 +26,7 @@ COMMON = [
     click.option("--device", type=click.Choice(DEVICES), default=None, help="[env SINKCHAT_DEVICE; default auto]"),
     click.option("--dtype", type=click.Choice(DTYPES), default=None, help="compute dtype [env SINKCHAT_DTYPE; default auto]"),
     click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None, help="what the KV cache stores: auto = bfloat16 with a fast decode step [env SINKCHAT_KV_DTYPE; default auto]"),
-    click.option("--decoder", type=click.Choice(DECODERS), default=None, help="single-token decoding: auto = the native C step (AVX-512 VNNI), else the torch step compiled in the background; native; compiled / eager = torch step and kernels; hf = the transformers forward [env SINKCHAT_DECODER; default auto]"),
+    click.option("--decoder", type=click.Choice(DECODERS), default=None, help="single-token decoding: auto = the native C step (AVX-512, AVX-VNNI, AVX2 or NEON kernels), else the torch step compiled in the background; native; compiled / eager = torch step and kernels; hf = the transformers forward [env SINKCHAT_DECODER; default auto]"),
     click.option("--threads", type=click.IntRange(0, 256), default=None, help="threads for the native kernels (a persistent pool, results identical at any count) and torch [env SINKCHAT_THREADS; default 0 = the physical cores]"),
     click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
     click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),

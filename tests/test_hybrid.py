@@ -274,6 +274,22 @@ def test_ring_layers_hold_the_window_not_the_cache():
     assert [layer.is_sliding for layer in layers] == [True] * 5 + [False]
 
 
+def test_the_status_line_and_stats_show_both_kinds_of_layers():
+    """What a user sees: the KV figure of a hybrid model names its global and local layers (the ledger's
+    length alone would hide that 5 of the 6 layers hold 7 tokens)."""
+    from sinkchat.apps.render import stats_table, toolbar_text
+    from sinkchat.core.metrics import Metrics, read_stats, status_line
+
+    eng = engine(gemma3([S] * 5 + [F]), CacheConfig("sink", 4, 64, 6))
+    stream(eng, random_ids(120))
+    s = read_stats(eng, Metrics())
+    want = f"global 1 layers {eng.cache.length}/64, local 5 layers 7/7"
+    assert s.kv_layout == want and want in status_line(s) and want in toolbar_text(s)
+    assert want in "".join(str(c) for c in stats_table(s).columns[1]._cells)
+    plain = read_stats(engine(mistral(2, None)), Metrics())
+    assert plain.kv_layout == "" and f"{plain.cache_len}/{plain.capacity}" in status_line(plain)
+
+
 def test_a_cache_state_restores_the_rings():
     """state() / load_state() (snapshots, /cache) mid-stream: the restored cache continues exactly."""
     model = gemma3([S, S, F])

@@ -45,7 +45,8 @@ def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
         return [
             ("class:toolbar.policy", f" {policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} "),
             ("class:toolbar", mem),
-            ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
+            ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)}: {s.kv_layout} " if s.kv_layout else
+             f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
             ("class:toolbar", f" seen {s.seen} "),
             ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
             ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''} "),
@@ -80,7 +81,8 @@ def stats_table(s: Stats) -> Table:
         ("policy", f"{s.policy} ({s.n_sink} sinks)" if s.policy == "sink" else s.policy),
         ("pinned", f"pinned {s.pinned} + window {s.capacity - s.pinned} (the system prompt, sinks included)"
          if s.pinned > s.n_sink else "-"),
-        ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"),
+        ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"
+                  + (f" ({s.kv_layout})" if s.kv_layout else "")),
         ("model", human_bytes(s.model_bytes)),
         ("rss", human_bytes(s.rss)),
         ("cuda", f"{human_bytes(s.cuda[0])} (peak {human_bytes(s.cuda[1])})" if s.cuda else "-"),

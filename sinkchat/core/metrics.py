@@ -143,6 +143,7 @@ class Stats:
     holds_start: bool
     decoder: str = ""  # how single tokens are decoded now, e.g. "compiled, kv bfloat16"
     pinned: int = 0  # leading slots kept forever beyond the sinks' own count (the pinned system prompt)
+    kv_layout: str = ""  # hybrid models: "global 6 layers 1024/1024, local 20 layers 511/511" (empty otherwise)
 
 
 def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stats:
@@ -169,7 +170,14 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         holds_start=engine.ledger.holds_stream_start(),
         decoder=getattr(engine, "decoder_status", ""),
         pinned=engine.ledger.pinned if engine.cache_cfg.policy == "sink" else 0,
+        kv_layout=kv_layout(engine.cache),
     )
+
+
+def kv_layout(cache: Any) -> str:
+    """How a hybrid cache holds its two kinds of layers (`HybridCache.layout`), or "" for a one-kind cache."""
+    layout = getattr(cache, "layout", None)
+    return layout() if callable(layout) else ""
 
 
 def human_bytes(n: float) -> str:
@@ -206,6 +214,6 @@ def status_line(s: Stats) -> str:
     gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
     return (
         f"{policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
-        f"{s.cache_len}/{s.capacity} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
+        f"{s.kv_layout or f'{s.cache_len}/{s.capacity}'} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
         f"sink {gauge_bar(s.gauge)} {gauge}"
     )

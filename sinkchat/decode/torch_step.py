@@ -8,8 +8,9 @@ same shapes whatever the cache holds (the sink policy keeps the cache full anywa
 wrapper, elementwise ops fused) it costs the kernels plus ~1 ms. The transformers forward stays the reference:
 tests check that this step's logits and cache writes match it.
 
-Where the CPU has AVX-512 VNNI, `cstep.NativeStep` (the same math in C over sinkchat's own kernels) is faster
-still and needs no build; this torch step is the path for other CPUs, and for `--decoder compiled|eager`.
+Where sinkchat's kernels run (AVX-512, AVX-VNNI, AVX2 or NEON and a C compiler), `NativeStep` (the same math in C
+over those kernels) is faster still and needs no build; this torch step is the path elsewhere, and for
+`--decoder compiled|eager`.
 
 Only what can be checked is taken: Llama / Qwen2 shaped decoders (`ModelSpec.fast_step_refusal`) whose linears are
 all `Int4Linear` (`--quant q4`), fp32 compute. Anything else returns None from `TorchStep.for_model` and the Engine keeps the
