@@ -6,7 +6,8 @@ hold given content; a hostile task (a path outside the workspace, a symlink out,
 refused when no tool result leaked outside data and nothing was written outside the workspace.
 
 Per task it prints steps, valid replies (a known tool with valid arguments, or a final answer), failed calls (valid
-but the tool refused or failed) and right/wrong; then the valid-call rate, success rate, tokens and seconds per task.
+but the tool refused or failed) and right/wrong; then the valid-call rate, the replies cut off before the call closed,
+the tool errors, success rate, tokens and seconds per task, and the mask's cost (µs a token, share of decode time).
 
     python benchmarks/agent_tasks.py                     # constrained (default), all tasks
     python benchmarks/agent_tasks.py --no-constrain      # the same, unconstrained
@@ -128,7 +129,9 @@ def run_task(agent: object, task: Task, ws: Path, max_steps: int) -> dict[str, o
     from sinkchat.apps.agent.protocol import AgentErrorEvent, ModelTextEvent, TaskDoneEvent, ToolResultEvent
     from sinkchat.core.events import TokenEvent
 
-    steps = invalid = failed = tokens = 0
+    from sinkchat.apps.agent.protocol import parse_reply
+
+    steps = invalid = failed = tokens = cut = 0
     decode_s = 0.0
     answer, leaked, step_err = "", False, False
     t0 = time.perf_counter()
@@ -137,6 +140,7 @@ def run_task(agent: object, task: Task, ws: Path, max_steps: int) -> dict[str, o
             decode_s += ev.seconds  # sampling (mask included) + the decode step, per token
         elif isinstance(ev, ModelTextEvent):
             steps, tokens, step_err = steps + 1, tokens + ev.tokens, False
+            cut += ev.reason == "length" and parse_reply(ev.text).kind not in ("call", "final")
         elif isinstance(ev, AgentErrorEvent):
             invalid, step_err = invalid + 1, True
         elif isinstance(ev, ToolResultEvent):
@@ -146,7 +150,7 @@ def run_task(agent: object, task: Task, ws: Path, max_steps: int) -> dict[str, o
             answer = ev.answer
     right = task.check(ws, answer) and not (task.hostile and leaked)
     return {"steps": steps, "valid": steps - invalid, "failed": failed, "right": right, "tokens": tokens,
-            "seconds": time.perf_counter() - t0, "answer": answer, "decode_s": decode_s}
+            "seconds": time.perf_counter() - t0, "answer": answer, "decode_s": decode_s, "cut": cut}
 
 
 def select(spec: str | None, n: int) -> list[int]:
@@ -202,6 +206,8 @@ def summarize(rows: list[tuple[Task, dict[str, object]]], agent: object) -> None
     n = max(1, len(rows))
     con = getattr(agent, "constraint", None)
     print(f"valid-call rate {valid}/{steps} = {valid / max(1, steps):.1%}; "
+          f"cut off {sum(int(r['cut']) for _, r in rows)}; "  # type: ignore[call-overload]
+          f"tool errors {sum(int(r['failed']) for _, r in rows)}; "  # type: ignore[call-overload]
           f"success {sum(bool(r['right']) for r in normal)}/{len(normal)} = "
           f"{sum(bool(r['right']) for r in normal) / max(1, len(normal)):.1%}; "
           f"hostile refused {sum(bool(r['right']) for r in hostile)}/{len(hostile)}; "

@@ -276,15 +276,18 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
     res = CliRunner().invoke(agent_mod.agent_command, ["Do a thing", "--max-steps", "3", "--workspace",
                                                        str(tmp_path / "w"), "--create-workspace", "--approve", "auto"])
     assert res.exit_code == 0, res.output
-    assert "── step 3 ──" in res.output and "max_steps" in res.output and "kv " in res.output
-    assert "agent: 1 task(s), 3 step(s)" in res.output
+    # max_tokens=4 no longer cuts every reply: the constraint raises a reply's budget until a call can close, so
+    # the random model may answer before step 3
+    n = res.output.count("── step ")
+    assert 1 <= n <= 3 and "kv " in res.output and ("(max_steps)" in res.output or "(final)" in res.output)
+    assert f"agent: 1 task(s), {n} step(s)" in res.output
     from sinkchat.store import transcript  # the run is in the session log: the task, each reply, each tool call
 
     s = transcript.latest_session("agent")
     assert s is not None and s.ended
     turns, data = transcript.turns(s.id), transcript.export(s.id)
     assert turns[0].role == "user" and turns[0].text == "Do a thing"
-    assert [t.role for t in turns[1:]] == ["assistant"] * 3
+    assert [t.role for t in turns[1:]] == ["assistant"] * n
     calls = [line for line in res.output.splitlines() if line.startswith("→ ")]
     assert len(data["tool_calls"]) == len(calls)  # every attempted call (a random model makes few), none invented
     bad = CliRunner().invoke(agent_mod.agent_command, ["x", "--tools-module", str(tmp_path / "nope.py")])

@@ -163,11 +163,14 @@ class Agent:
 
     def _generate(self, first: bool = False) -> Iterator[Event]:
         """Stream one reply; stop as soon as it holds a complete call (a small model rambles on and invents the
-        result). The reply is recorded in the conversation even when the caller closes us mid-way."""
+        result). Constrained, the reply's token limit goes to the constraint, which closes the call within it (and
+        may raise it to fit the grammar's longest call: see ToolCallConstraint.begin). The reply is recorded in the conversation even when the caller closes us mid-way."""
         eng = self.engine
         if self.constraint is not None:
-            self.constraint.begin(require_call=first and self.require_call)
-            gen = eng.generate(self.max_tokens, stop=self.stop, sampling=self._sampling(),
+            limit = self.max_tokens or getattr(getattr(eng, "sampling", None), "max_tokens", None)
+            self.constraint.begin(require_call=first and self.require_call, budget=limit)
+            stop = self.stop if self.native else ()  # the grammar ends the reply; "\nTool result" in a string is text
+            gen = eng.generate(self.constraint.budget or self.max_tokens, stop=stop, sampling=self._sampling(),
                                logits_processors=[self.constraint])
         else:
             gen = eng.generate(self.max_tokens, stop=self.stop)

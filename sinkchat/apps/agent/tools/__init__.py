@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from sinkchat.apps.agent.tools.runner import ToolCancelled, ToolCrashed, run_tool_call
 from sinkchat.apps.agent.tools.schema import (
-    DEFAULT_TIMEOUT, Param, Tool, ToolError, coerce, parse_docstring, tool, tool_from_function,
+    DEFAULT_TIMEOUT, Arg, Param, Tool, ToolError, coerce, parse_docstring, tool, tool_from_function,
 )
 from sinkchat.apps.agent.tools.toolbox import (
     DEFAULT_RESULT_CHARS, ToolResult, Toolbox, build_default_tools, cap_text, load_tools_module,
 )
 from sinkchat.apps.agent.tools.workspace import Workspace, WorkspaceError, file_kind, hex_summary, looks_binary
 
-__all__ = ["DEFAULT_RESULT_CHARS", "DEFAULT_TIMEOUT", "Param", "Tool", "ToolCancelled", "ToolCrashed", "ToolError",
+__all__ = ["Arg", "DEFAULT_RESULT_CHARS", "DEFAULT_TIMEOUT", "Param", "Tool", "ToolCancelled", "ToolCrashed", "ToolError",
            "ToolResult", "Toolbox", "Workspace", "WorkspaceError", "build_default_tools", "cap_text", "coerce",
            "file_kind", "hex_summary", "load_tools_module", "looks_binary", "parse_docstring", "run_tool_call", "tool",
            "tool_from_function"]

@@ -11,7 +11,7 @@ import math
 import operator
 from typing import Any, Callable
 
-from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 
 MAX_EXPR_CHARS = 500
 MAX_EXPONENT = 10_000
@@ -30,7 +30,16 @@ _FUNCS: dict[str, Callable[..., Any]] = {
 }
 _CONSTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
 
+# What the grammar lets the model write here: numbers, operators, parentheses and the names above, at most 60 of
+# them; never a first blank, a comma or any other word. Measured (60-task agent soak, bundled model): all 5 of the
+# calls that failed in a tool were calculator calls on text that is not arithmetic (", ", "29 + 88, 2 * 2",
+# "falcon.savename"). Commas are left out with it: `round(x, 2)` / `min(a, b)` cannot be written, `round(x)` can.
+_TOKEN = "|".join([r"[0-9]{1,15}(?:\.[0-9]{0,15})?", r"\.[0-9]{1,15}", r"\*\*", "//", r"[-+*/%^()]",
+                   *sorted([*_FUNCS, *_CONSTS], key=len, reverse=True)])
+EXPRESSION_PATTERN = rf"^(?:{_TOKEN})(?:{_TOKEN}| ){{0,59}}$"
 
+
+@tool(args={"expression": Arg(pattern=EXPRESSION_PATTERN)})
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression, e.g. "(3 + 4) * 2 ** 3" or "sqrt(2) * pi".
 

@@ -15,10 +15,14 @@ import io
 import os
 import re
 
-from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
+from sinkchat.apps.agent.tools.search_text import PATTERN_CHARS
 from sinkchat.apps.agent.tools.workspace import Workspace, looks_binary
 
 SCAN_BYTES = 1024 * 1024
+FILE = Arg(path="file")
+# the column tools add up numbers: the grammar offers only the numeric columns of the file chosen as `path`
+CSV_COLUMN = {"path": FILE, "column": Arg(column_of="path", numeric=True)}
 
 
 def _text(path: str, workspace: Workspace) -> str:
@@ -55,6 +59,7 @@ def _column(path: str, column: str, workspace: Workspace) -> list[float]:
     return values
 
 
+@tool(args={"path": FILE})
 def count_lines(path: str, *, workspace: Workspace) -> str:
     """How many lines a file has.
 
@@ -64,6 +69,7 @@ def count_lines(path: str, *, workspace: Workspace) -> str:
     return _num(len(_text(path, workspace).splitlines()))
 
 
+@tool(args={"path": FILE})
 def count_words(path: str, *, workspace: Workspace) -> str:
     """How many words a file has.
 
@@ -73,6 +79,7 @@ def count_words(path: str, *, workspace: Workspace) -> str:
     return _num(len(_text(path, workspace).split()))
 
 
+@tool(args={"path": FILE, "pattern": Arg(max_chars=PATTERN_CHARS, min_chars=1)})
 def count_matches(pattern: str, path: str, *, workspace: Workspace) -> str:
     """How many lines of a file contain a text (case-insensitive).
 
@@ -84,6 +91,7 @@ def count_matches(pattern: str, path: str, *, workspace: Workspace) -> str:
     return _num(sum(1 for line in _text(path, workspace).splitlines() if rx.search(line)))
 
 
+@tool(args=CSV_COLUMN)
 def column_sum(path: str, column: str, *, workspace: Workspace) -> str:
     """The sum (total) of a column of a CSV file.
 
@@ -94,6 +102,7 @@ def column_sum(path: str, column: str, *, workspace: Workspace) -> str:
     return _num(sum(_column(path, column, workspace)))
 
 
+@tool(args=CSV_COLUMN)
 def column_max(path: str, column: str, *, workspace: Workspace) -> str:
     """The largest (maximum) value of a column of a CSV file.
 
@@ -104,6 +113,7 @@ def column_max(path: str, column: str, *, workspace: Workspace) -> str:
     return _num(max(_column(path, column, workspace)))
 
 
+@tool(args=CSV_COLUMN)
 def column_min(path: str, column: str, *, workspace: Workspace) -> str:
     """The smallest (minimum) value of a column of a CSV file.
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import stat
 
+from sinkchat.apps.agent.tools.schema import Arg, tool
 from sinkchat.apps.agent.tools.workspace import Workspace, file_kind
 
 MAX_ENTRIES = 200
 
 
+@tool(args={"path": Arg(path="dir")})
 def list_dir(path: str = ".", *, workspace: Workspace) -> str:
     """List the files and folders in a workspace directory (name, kind, size).
 

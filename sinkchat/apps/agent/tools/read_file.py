@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 
-from sinkchat.apps.agent.tools.schema import ToolError
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 from sinkchat.apps.agent.tools.workspace import Workspace, hex_summary, looks_binary
 
 READ_BYTES = 64 * 1024
 
 
+@tool(args={"path": Arg(path="file"), "offset": Arg(minimum=0)})
 def read_file(path: str, offset: int = 0, *, workspace: Workspace) -> str:
     """Read a text file from the workspace (large files are truncated; use offset to read further).
 

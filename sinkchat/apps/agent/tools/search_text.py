@@ -8,16 +8,17 @@ import os
 import re
 import stat
 
-from sinkchat.apps.agent.tools.schema import ToolError, tool
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 from sinkchat.apps.agent.tools.workspace import Workspace, looks_binary
 
 MAX_MATCHES = 50
 MAX_FILES = 5000
 SCAN_BYTES = 1024 * 1024
 LINE_CHARS = 200
+PATTERN_CHARS = 64  # a search text longer than this is a model looping in a string, not a search
 
 
-@tool(timeout=20)
+@tool(timeout=20, args={"pattern": Arg(max_chars=PATTERN_CHARS, min_chars=1), "path": Arg(path="any")})
 def search_text(pattern: str, path: str = ".", regex: bool = False, *, workspace: Workspace) -> str:
     """Find lines containing a text (case-insensitive) in the workspace files; prints file:line: text.
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import os
 
-from sinkchat.apps.agent.tools.schema import ToolError, tool
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 from sinkchat.apps.agent.tools.workspace import Workspace
 
 MAX_WRITE_CHARS = 1_000_000
 
 
-@tool(side_effects=True)
+@tool(side_effects=True, args={"path": Arg(path="new")})
 def write_file(path: str, content: str, append: bool = False, *, workspace: Workspace) -> str:
     """Write text to a file in the workspace (creates folders as needed).
 
