@@ -38,6 +38,9 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
                         "torch step compiled in the background), native, compiled (torch step and kernels, wait "
                         "for the compile), eager (torch step and kernels, never compiled) or hf (the transformers "
                         "forward, the reference)"),
+    "SINKCHAT_PREFILL": ("auto", "chunk prefill: auto (the native C prefill wherever the native step runs a model it "
+                         "computes, else the transformers forward) or hf (always the transformers forward: the "
+                         "reference, for measurements)"),
     "SINKCHAT_THREADS": ("0", "threads for sinkchat's kernels and torch (0 = one per physical core this process may "
                          "run on)"),
     "SINKCHAT_POLICY": ("sink", "cache policy: sink, window (naive, for comparison) or dense"),

@@ -125,7 +125,8 @@ class Engine:
         return logits
 
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
-        """One model call: the fast step for a single token when the model allows it, else transformers."""
+        """One model call: the fast step for a single token when the model allows it, the step's chunk path for
+        several, else transformers."""
         if self.step is not None and len(ids) == 1:
             keys, values = self.cache.buffers(self.step.n_kv, self.step.head_dim, self.device, self.kv_store)
             self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
@@ -133,6 +134,11 @@ class Engine:
             self.gauge.record(queries, self.gauge_n, shares)
             return logits
         self.gauge.discard_shares()  # shares of an earlier fast step must not stand for this forward's attention
+        prefill = getattr(self.step, "prefill", None)  # the step's chunk path (native: one C call), if it has one
+        if prefill is not None and not self.gauge.armed:  # armed: the gauge hooks want transformers' queries
+            keys, values = self.cache.buffers(self.step.n_kv, self.step.head_dim, self.device, self.kv_store)
+            self.cache.advance(len(ids))  # as for the step: an interrupted chunk is truncated back to L by the caller
+            return prefill(ids, L, keys, values, all_logits)  # [q or 1, V]
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
         out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,

@@ -209,10 +209,36 @@ class HybridKVCache(SinkKVCache):
 
     def buffers(self, n_kv: int, head_dim: int, device: torch.device, dtype: torch.dtype
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        raise RuntimeError("the fast decode steps do not run hybrid models (ModelSpec.fast_step_refusal)")
+        """For the native step's next token (`advance(1)` counts it): a global or shared layer's whole buffer
+        [1, H_kv, cap, D] (the token writes slot `length` and attends to 0..length); a ring's view of the slots the
+        token attends to, its own slot last ([1, H_kv, visible + 1, D], strided: always shorter than its buffer),
+        after making room for it."""
+        for layer in self.layers:
+            if not layer.is_initialized:
+                empty = torch.empty(1, n_kv, 0, head_dim, device=device, dtype=dtype)  # [B, H_kv, 0, D]
+                layer.lazy_initialization(empty, empty)
+        keys, values = [], []
+        for layer in self.layers:
+            if isinstance(layer, WindowLayer):
+                layer._make_room(1, self.scratch)
+                lo = layer.end - layer.visible
+                keys.append(layer.keys[:, :, lo : layer.end + 1])
+                values.append(layer.values[:, :, lo : layer.end + 1])
+            else:
+                keys.append(layer.keys)
+                values.append(layer.values)
+        return keys, values
 
     def advance(self, n: int) -> None:
-        raise RuntimeError("the fast decode steps do not run hybrid models (ModelSpec.fast_step_refusal)")
+        """Count `n` tokens written in place (one: only `buffers` made room in the rings)."""
+        if n != 1 and self.rings:
+            raise RuntimeError("a hybrid cache's rings take one token written in place at a time")
+        if self.length + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow ({self.length + n} > {self.capacity}): evict first")
+        for layer in self.layers:
+            layer.length += n
+            if isinstance(layer, WindowLayer):
+                layer.end += n
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """`SinkKVCache.load_state`, then each ring learns the current position. A ring saved full may have

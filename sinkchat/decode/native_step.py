@@ -11,8 +11,11 @@ GQA softmax attention over slots <= pos, SiLU MLP), with attention in fp32 over 
 (fp32 or bf16). Beyond the torch step: each linear may be q4 (`Int4Linear`), q8g (`Int8GLinear`), or the K-quants'
 q4k / q8k (`Int4KLinear`, `Int8KLinear`: tests/test_qk.py), as a GGUF of mixed types loads; Qwen3's per-head q/k
 RMSNorm; partial rotary; Phi-3's fused qkv_proj / gate_up_proj, passed to C as row-group views of the fused weights
-(no copy). Tests stream tiny Llama, Qwen2 (tests/test_native.py), Qwen3,
-Mistral and Phi-3 (tests/test_native_archs.py) models through it and through transformers and compare.
+(no copy). Gemma 2 / 3 through `sc_step_layers` (a `native.StepLayers` beside the Model): a RoPE, query scale and
+cache slice per layer (local rings: `HybridKVCache.buffers`), (1 + w) norms folded here, output norms, GELU,
+soft-capping. Tests stream tiny Llama, Qwen2 (tests/test_native.py), Qwen3, Mistral, Phi-3
+(tests/test_native_archs.py), Gemma 2 and 3 (tests/test_native_gemma.py) models through it and through transformers
+and compare.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from sinkchat.model import int4
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
 from sinkchat.kernels import native
-from sinkchat.model.spec import ModelSpec
+from sinkchat.decode.native_prefill import NativePrefill
+from sinkchat.model.spec import GEMMA_TYPES, ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +76,20 @@ def _weights_refusal(model: Any, spec: ModelSpec) -> str | None:
         if spec.norm.qk_norm and not all(_per_head_norm(getattr(layer.self_attn, n, None), spec)
                                          for n in ("q_norm", "k_norm")):
             return "q/k norms not RMSNorms of one head's width with the model's eps"
+        if any(getattr(getattr(layer, n, None), "weight", None) is None for n in _norm_names(spec) if n):
+            return f"layer norms {_norm_names(spec)}"
     if "mlp.gate_up_proj" in spec.linears and spec.inter % native.RG:
         return f"fused gate_up split at {spec.inter}, not a multiple of {native.RG} rows"
     return None
+
+
+def _norm_names(spec: ModelSpec) -> tuple[str, str, str | None, str | None]:
+    """A layer's norms as sc_step reads them: (attention input, MLP input, attention output, MLP output); Gemma 2 /
+    3 norm each block's output too, and name the MLP's input norm pre_feedforward_layernorm."""
+    if spec.norm.sandwich:
+        return ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                "post_feedforward_layernorm")
+    return "input_layernorm", "post_attention_layernorm", None, None
 
 
 def _per_head_norm(norm: Any, spec: ModelSpec) -> bool:
@@ -133,13 +148,13 @@ class NativeStep:
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
         self.head = None if table is not None else head  # an fp32 / q4 / q8g lm_head: applied here in torch
         self.vocab = table.num_embeddings if table is not None else spec.vocab
+        self._unit = spec.norm.unit_offset  # Gemma: norms multiply by 1 + w; folded here so C multiplies by w
+        self.final_softcap = spec.final_softcap  # Gemma 2: tanh(logits / cap) * cap, after the head (in torch)
+        norm_in, norm_mlp, attn_out, mlp_out = _norm_names(spec)
         # keep every tensor the struct points into alive for the step's lifetime
-        self._keep: list[torch.Tensor] = [
-            spec.inv_freq(0).contiguous(),
-            torch.stack([layer.input_layernorm.weight.detach().float() for layer in layers]).contiguous(),
-            torch.stack([layer.post_attention_layernorm.weight.detach().float() for layer in layers]).contiguous(),
-            base.norm.weight.detach().float().contiguous(),
-        ]
+        self._keep: list[torch.Tensor] = [spec.inv_freq(0).contiguous()]
+        ins = [self._stack([layer.get_submodule(n).weight for layer in layers]) for n in (norm_in, norm_mlp)]
+        final = self._stack([base.norm.weight])
         qk = [self._stack([layer.self_attn.get_submodule(n).weight for layer in layers]) if spec.norm.qk_norm else None
               for n in ("q_norm", "k_norm")]
         ptrs, types = [], []
@@ -158,20 +173,39 @@ class NativeStep:
             head_dim=self.head_dim, inter=spec.inter,
             vocab=table.hw.shape[0] * native.RG if table is not None else 0, kv_bf16=0,
             eps=spec.norm.eps, scaling=spec.layers[0].scaling, rope_scale=spec.layers[0].rope.attention_scaling,
-            inv_freq=self._keep[0].data_ptr(), norm_in=self._keep[1].data_ptr(), norm_post=self._keep[2].data_ptr(),
-            norm_final=self._keep[3].data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
+            inv_freq=self._keep[0].data_ptr(), norm_in=ins[0].data_ptr(), norm_post=ins[1].data_ptr(),
+            norm_final=final.data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
             table=None if table is None else table.hw.data_ptr(),
             table_scale=None if table is None else table.scale.data_ptr(),
             q_norm=None if qk[0] is None else qk[0].data_ptr(), k_norm=None if qk[1] is None else qk[1].data_ptr(),
             lin_type=ctypes.cast(self._types, ctypes.c_void_p), rot=spec.layers[0].rope.rot_dim)
         self._out = self._m.vocab if table is not None else spec.dim
         self._kv: tuple[Any, ...] = ()
+        self._layers = self._per_layer(layers, spec, attn_out, mlp_out) if spec.model_type in GEMMA_TYPES else None
+        self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
 
     def _stack(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        """fp32 [L, D] of per-layer norm weights, kept alive with the step."""
-        t = torch.stack([w.detach().float() for w in weights]).contiguous()
-        self._keep.append(t)
-        return t
+        """fp32 [L, D] of per-layer norm weights, kept alive with the step; Gemma's 1 + w formed here, in fp32 as
+        its RMSNorm forms it (then C's `w * (x * r)` is its `(x * r) * (1 + w)`: the same product)."""
+        t = torch.stack([w.detach().float() + 1.0 if self._unit else w.detach().float() for w in weights])
+        self._keep.append(t.contiguous())
+        return self._keep[-1]
+
+    def _per_layer(self, layers: Any, spec: ModelSpec, attn_out: str | None, mlp_out: str | None
+                   ) -> native.StepLayers:
+        """The sc_layers struct (Gemma 2 / 3): each layer's RoPE, cos/sin multiplier and query scale, the block
+        output norms, GELU, the attention soft-cap."""
+        per = [torch.stack([spec.inv_freq(i) for i in range(spec.n_layers)]).contiguous(),
+               torch.tensor([ls.rope.attention_scaling for ls in spec.layers], dtype=torch.float32),
+               torch.tensor([ls.scaling for ls in spec.layers], dtype=torch.float32)]
+        self._keep += per
+        outs = [None if n is None else self._stack([layer.get_submodule(n).weight for layer in layers])
+                for n in (attn_out, mlp_out)]
+        act = {"silu": native.ACT_SILU, "gelu_tanh": native.ACT_GELU_TANH}[spec.act]
+        return native.StepLayers(
+            inv_freq=per[0].data_ptr(), rope_scale=per[1].data_ptr(), scaling=per[2].data_ptr(),
+            norm_attn_out=None if outs[0] is None else outs[0].data_ptr(),
+            norm_mlp_out=None if outs[1] is None else outs[1].data_ptr(), softcap=spec.attn_softcap or 0.0, act=act)
 
     @classmethod
     def for_model(cls, model: Any, spec: ModelSpec) -> "NativeStep | None":
@@ -183,7 +217,11 @@ class NativeStep:
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2]."""
+        """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2].
+        Gemma: a layer's buffer may be a view shorter than its buffer (a local ring's window, the token's slot last:
+        `HybridKVCache.buffers`)."""
+        if self._layers is not None:
+            return self._call_layers(tok, pos, keys, values, n_gauge)
         k0 = keys[0]
         cap = k0.shape[2]
         ptrs = tuple(b.data_ptr() for b in keys + values)  # every buffer: a new cache may reuse some addresses
@@ -204,12 +242,57 @@ class NativeStep:
         if native.sc_step(self._m, x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
                           out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
             raise MemoryError("the native decode step ran out of memory")
+        return self._logits(out), queries, gauge
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[1, V] from the C step's output: its logits, or the head applied here; Gemma 2's final soft-cap."""
         if self.head is not None:
             with torch.no_grad():
                 logits = self.head(out[None]).float()  # [1, V]
         else:
             logits = out[None, : self.vocab]
-        return logits, queries, gauge
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _call_layers(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`__call__` through sc_step_layers: per layer its buffer's stride (cap) and the slots attended (n): a
+        whole buffer, slots 0..pos; a view shorter than its buffer (a ring's window), all of it."""
+        caps, ns = self._slices(keys, values, pos)
+        kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() for b in keys])
+        vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() for b in values])
+        self._m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)
+        with torch.no_grad():
+            x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
+        out = torch.empty(self._out)
+        queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
+        gauge = torch.empty(self.n_layers, 2)
+        rc = native.sc_step_layers(self._m, self._layers, x.data_ptr(), pos, n_gauge, kp, vp,
+                                   (ctypes.c_int * len(caps))(*caps), (ctypes.c_int * len(ns))(*ns), max(ns),
+                                   out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
+        if rc:
+            raise MemoryError("the native decode step ran out of memory") if rc == -1 else ValueError(
+                f"the native decode step refused its cache slices ({rc})")
+        return self._logits(out), queries, gauge
+
+    def _slices(self, keys: list[torch.Tensor], values: list[torch.Tensor], pos: int) -> tuple[list[int], list[int]]:
+        """(caps, ns) of each layer's keys / values: [1, H_kv, n, D] with unit strides in D and slots, the heads
+        `cap` slots apart, both alike; all fp32 or all bf16 on the CPU."""
+        if len(keys) != self.n_layers or len(values) != self.n_layers:
+            raise ValueError(f"{len(keys)} key buffers for {self.n_layers} layers")
+        caps, ns = [], []
+        D = self.head_dim
+        for k, v in zip(keys, values):
+            cap = k.stride(1) // D
+            if (k.shape != v.shape or k.stride() != v.stride() or k.shape[1] != self.n_kv or k.shape[3] != D
+                    or k.stride()[2:] != (D, 1) or k.stride(1) % D or k.shape[2] > cap or k.dtype != keys[0].dtype
+                    or v.dtype != k.dtype or k.dtype not in (torch.float32, torch.bfloat16) or k.device.type != "cpu"):
+                raise ValueError(f"KV buffer {tuple(k.shape)} strides {k.stride()} {k.dtype} {k.device}: want CPU "
+                                 f"[1, {self.n_kv}, n, {D}] rows, heads cap slots apart, fp32 or bf16 like the first")
+            caps.append(cap)
+            ns.append(pos + 1 if k.shape[2] == cap else k.shape[2])
+        return caps, ns
 
     def _check_buffers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """The layout the C code indexes: per layer [1, H_kv, cap, D], contiguous, CPU, all fp32 or all bf16."""

@@ -29,11 +29,12 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 5  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
-#          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads))
+ABI = 6  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+#          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
+#          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
-SHARED = ("linear.c", "step.c", "pool.c", "api.c")  # every build: the jobs, the step, the pool, the entry points
+SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
 _V256 = ("matmul256.c", "matmul256_k.c", "attend256.c", *SHARED)
 SOURCES = {"avx512": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "avxvnni": _V256, "avx2": _V256,
            "neon": ("matmul_neon.c", "matmul_neon_k.c", "attend_neon.c", *SHARED), "ref": ("ref.c", *SHARED)}
@@ -81,6 +82,17 @@ class StepModel(ctypes.Structure):
     _fields_ += [("rot", ctypes.c_int)]
 
 
+ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/kernels.h: SC_ACT_* (sc_layers.act)
+
+
+class StepLayers(ctypes.Structure):
+    """csrc/kernels.h's `sc_layers`: what `sc_step_layers` adds to a `Model` (per-layer RoPE, scale; Gemma's output
+    norms, GELU, soft-cap). Checked at load as `StepModel` is (offsets named "sc_layers.<field>")."""
+
+    _fields_ = [(n, ctypes.c_void_p) for n in ("inv_freq", "rope_scale", "scaling", "norm_attn_out", "norm_mlp_out")]
+    _fields_ += [("softcap", ctypes.c_float), ("act", ctypes.c_int)]
+
+
 # Every function in csrc/kernels.h's SC_EXPORTS: name -> (restype, argtypes). Returns: 0, or SC_ENOMEM (-1) /
 # SC_EWORK (-2); the sc_*_work functions return bytes.
 API: dict[str, tuple[Any, list[Any]]] = {
@@ -103,6 +115,11 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "sc_step": (I, [P, P, I, I, P, P, I, P, P, P, P, Z]),  # (model, x, pos, n_gauge, keys, values, cap, out,
     #                                                        queries, gauge, work, work_size)
     "kv_evict": (I, [P, P, I, I, I, I, I, I, P, P, I, I]),
+    "sc_step_layers": (I, [P, P, P, I, I, P, P, P, P, P, P, P, P, Z]),  # (model, layers, x, pos, n_gauge, keys,
+    #                                                  values, caps, ns, out, queries, gauge, work, work_size)
+    "sc_prefill_work": (Z, [P, I, I]),  # (model, T, cap)
+    "sc_prefill": (I, [P, P, I, I, I, P, P, I, P, P, Z]),  # (model, x, T, pos, n_out, keys, values, cap, out, work,
+    #                                                         work_size)
 }
 # The handshake's own declarations (what SC_ABI_VERSION promises about them).
 _HANDSHAKE: dict[str, tuple[Any, list[Any]]] = {
@@ -120,7 +137,7 @@ def layouts() -> dict[str, int]:
     """The sizes Python assumes for the structs and blocks it shares with C (`sc_sizeof` must agree)."""
     return {"Model": ctypes.sizeof(StepModel), "sc_q4_block": QB * RG // 2, "sc_q4_scales": 2 * RG * 2,
             "sc_q8_block": QB * RG, "sc_q8g_scales": 4 * RG * 2, "sc_q4k_scales": Q4K_SCALES,
-            "sc_q8k_scales": Q8K_SCALES}
+            "sc_q8k_scales": Q8K_SCALES, "sc_layers": ctypes.sizeof(StepLayers)}
 
 
 def signature(restype: Any, argtypes: list[Any]) -> str:
@@ -142,10 +159,11 @@ def open_library(path: Path, variant: str) -> Any:
     for name, size in layouts().items():
         if lib.sc_sizeof(name.encode()) != size:
             raise NativeABIError(f"{path.name}: sizeof({name}) is {lib.sc_sizeof(name.encode())} in C, {size} here")
-    for field, _ in StepModel._fields_:
-        if lib.sc_offsetof(field.encode()) != getattr(StepModel, field).offset:
-            raise NativeABIError(f"{path.name}: Model.{field} at offset {lib.sc_offsetof(field.encode())} in C, "
-                                 f"{getattr(StepModel, field).offset} here")
+    for struct, prefix in ((StepModel, ""), (StepLayers, "sc_layers.")):
+        for field, _ in struct._fields_:
+            at, want = lib.sc_offsetof(f"{prefix}{field}".encode()), getattr(struct, field).offset
+            if at != want:
+                raise NativeABIError(f"{path.name}: {prefix or 'Model.'}{field} at offset {at} in C, {want} here")
     exported = set(lib.sc_signature(None).decode().split())
     if exported != set(API):
         raise NativeABIError(f"{path.name} exports {sorted(exported)}, this binding declares {sorted(API)}")

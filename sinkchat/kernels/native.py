@@ -57,7 +57,8 @@ from typing import Any
 
 import torch
 
-from sinkchat.kernels.abi import QB, QK, RG, NativeABIError, StepModel  # noqa: F401  (StepModel, RG, QK: the API)
+from sinkchat.kernels.abi import (  # noqa: F401  (StepModel, StepLayers, ACT_*, RG, QK: the API)
+    ACT_GELU_TANH, ACT_SILU, QB, QK, RG, NativeABIError, StepLayers, StepModel)
 from sinkchat.kernels import abi
 from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native.pack_q4, native.pack_q8g, ...)
     pack_q4, pack_q4_dm, pack_q4k, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q8_rows, q8g_unpack,
@@ -239,6 +240,24 @@ def sc_step(m: StepModel, x: int, pos: int, n_gauge: int, keys: Any, values: Any
     lib = _lib()
     ptr, size = work_buffer(lib.sc_step_work(ctypes.byref(m), cap))
     return lib.sc_step(ctypes.byref(m), x, pos, n_gauge, keys, values, cap, out, queries, gauge, ptr, size)
+
+
+def sc_step_layers(m: StepModel, layers: StepLayers, x: int, pos: int, n_gauge: int, keys: Any, values: Any,
+                   caps: Any, ns: Any, most: int, out: int, queries: int, gauge: int) -> int:
+    """`sc_step` with per-layer extras and cache slices (caps / ns: int arrays [L]; most = max ns); 0, or nonzero
+    (-1: out of memory, -3: a slice outside its buffer)."""
+    lib = _lib()
+    ptr, size = work_buffer(lib.sc_step_work(ctypes.byref(m), most))
+    return lib.sc_step_layers(ctypes.byref(m), ctypes.byref(layers), x, pos, n_gauge, keys, values, caps, ns, out,
+                              queries, gauge, ptr, size)
+
+
+def sc_prefill(m: StepModel, x: int, t: int, pos: int, n_out: int, keys: Any, values: Any, cap: int, out: int) -> int:
+    """T tokens at slots pos..pos+T-1 through csrc/prefill.c (see `sinkchat.decode.native_prefill`), in this
+    thread's work buffer; 0, or nonzero (-1: out of memory, -3: rows outside the cache)."""
+    lib = _lib()
+    ptr, size = work_buffer(lib.sc_prefill_work(ctypes.byref(m), t, cap))
+    return lib.sc_prefill(ctypes.byref(m), x, t, pos, n_out, keys, values, cap, out, ptr, size)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

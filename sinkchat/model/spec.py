@@ -27,8 +27,10 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "proportional")
 # model types both fast decode steps (native C and torch) implement; others decode through transformers' forward
 FAST_STEP_TYPES = ("llama", "qwen2", "mistral")
-# the native C step also runs per-head q/k RMSNorm (Qwen3), partial rotary and fused qkv / gate_up linears (Phi-3)
-NATIVE_STEP_TYPES = (*FAST_STEP_TYPES, "qwen3", "phi3")
+# the native C step also runs per-head q/k RMSNorm (Qwen3), partial rotary and fused qkv / gate_up linears (Phi-3),
+# and Gemma 2 / 3: (1 + w) norms, output norms, GELU, soft-capping, a RoPE and a cache slice per layer (sc_layers)
+NATIVE_STEP_TYPES = (*FAST_STEP_TYPES, "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 NATIVE_HEAD_DIM_MULTIPLE = 16  # the C attention sums 16 lanes at a time
 ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
@@ -187,17 +189,20 @@ class ModelSpec:
         types = NATIVE_STEP_TYPES if native else FAST_STEP_TYPES
         if self.model_type not in types:
             return f"model type {self.model_type!r} ({'native' if native else 'torch'} fast step: {', '.join(types)})"
-        if self.act != "silu":
+        gemma = native and self.model_type in GEMMA_TYPES  # sc_step_layers: everything below but a RoPE's width
+        if self.act != "silu" and not (gemma and self.act == "gelu_tanh"):
             return f"activation {self.act}"
-        if self.norm.sandwich or self.norm.unit_offset or (self.norm.qk_norm and not native):
+        if (self.norm.sandwich or self.norm.unit_offset or (self.norm.qk_norm and not native)) and not gemma:
             return "norm variant"
         if not native and (self.layers[0].rope.rot_dim != self.head_dim or any("qkv" in n or "gate_up" in n
                                                                                for n in self.linears)):
             return "partial rotary or fused projections (the native step runs them)"
-        if self.attn_softcap or self.final_softcap or self.sliding_window_bites():
+        if (self.attn_softcap or self.final_softcap or self.sliding_window_bites()) and not gemma:
             return "attention variant"
-        if len({layer.rope for layer in self.layers}) > 1:
+        if len({layer.rope for layer in self.layers}) > 1 and not gemma:
             return "a RoPE per layer"
+        if len({layer.rope.rot_dim for layer in self.layers}) > 1:
+            return "rotary dims differing between layers"
         if native and not native_head_dim_ok(self.head_dim):
             return f"head dim {self.head_dim} (the C attention takes multiples of {NATIVE_HEAD_DIM_MULTIPLE})"
         return None
@@ -205,7 +210,8 @@ class ModelSpec:
     def sliding_window_bites(self) -> bool:
         """Whether some layer's window can hide cached tokens from a query. Not for a model whose every layer slides
         (Mistral): `context_limit` caps the cache at the window, so each layer attends to the whole cache, as the
-        fast steps do. A hybrid (Gemma 2 / 3) model's local windows do bite: only transformers' forward runs it.)"""
+        fast steps do. A hybrid (Gemma 2 / 3) model's local windows do bite: the torch step declines it; the native step
+        attends each local layer over its ring (`HybridKVCache.buffers`).)"""
         windows = [layer.window for layer in self.layers if layer.window]
         return bool(windows) and len(windows) < len(self.layers)
 

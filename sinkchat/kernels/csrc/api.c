@@ -72,7 +72,8 @@ long sc_sizeof(const char* type) {
              {"sc_q8_block", sizeof(sc_q8_block)},
              {"sc_q8g_scales", sizeof(sc_q8g_scales)},
              {"sc_q4k_scales", sizeof(sc_q4k_scales)},
-             {"sc_q8k_scales", sizeof(sc_q8k_scales)}};
+             {"sc_q8k_scales", sizeof(sc_q8k_scales)},
+             {"sc_layers", sizeof(sc_layers)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(type, t[i].name)) return (long)t[i].size;
     return -1;
@@ -88,6 +89,14 @@ long sc_offsetof(const char* field) {
              F(norm_final), F(lin),      F(table),    F(table_scale), F(q_norm),  F(k_norm),    F(lin_type),
              F(rot)};
 #undef F
+#define F(f) {"sc_layers." #f, offsetof(sc_layers, f)}
+    static const struct {
+        const char* name;
+        size_t at;
+    } x[] = {F(inv_freq), F(rope_scale), F(scaling), F(norm_attn_out), F(norm_mlp_out), F(softcap), F(act)};
+#undef F
+    for (size_t i = 0; i < sizeof x / sizeof x[0]; i++)
+        if (!strcmp(field, x[i].name)) return (long)x[i].at;
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(field, t[i].name)) return (long)t[i].at;
     return -1;

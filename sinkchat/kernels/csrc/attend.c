@@ -114,8 +114,8 @@ static void softmax(float* sc, int n) {
     if (s < n) _mm512_mask_storeu_ps(sc + s, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sc + s), inv));
 }
 
-void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float* sc, float* o,
-                    int D) {
+void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
+                        float* sc, float* o, int D) {
     switch (D) {  // constant chunk counts: the chunk loops unroll and the accumulators stay in registers
         case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
         case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
@@ -127,6 +127,7 @@ void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int 
                 sc[s] = hsum512(acc) * scale;
             }
     }
+    if (softcap > 0) sc_softcap(sc, n, softcap);
     softmax(sc, n);
     switch (D) {
         case 64: head_pv(sc, Vh, n, bf, o, 4); break;

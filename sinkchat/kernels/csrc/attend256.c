@@ -155,8 +155,8 @@ static void softmax(float* sc, int n) {
     for (s = 0; s < n; s++) sc[s] *= inv;
 }
 
-void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float* sc, float* o,
-                    int D) {
+void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
+                        float* sc, float* o, int D) {
     switch (D) {  // constant chunk counts, as attend.c; other D one chain a slot / a 16-dim chunk
         case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
         case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
@@ -167,6 +167,7 @@ void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int 
                 sc[s] = v16_sum(acc) * scale;
             }
     }
+    if (softcap > 0) sc_softcap(sc, n, softcap);
     softmax(sc, n);
     switch (D) {
         case 64: head_pv(sc, Vh, n, bf, o, 4); break;

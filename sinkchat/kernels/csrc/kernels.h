@@ -16,7 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 5
+#define SC_ABI_VERSION 6
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -27,6 +27,7 @@
 #define SC_OK 0
 #define SC_ENOMEM (-1)  // no work buffer was given and allocating one failed
 #define SC_EWORK (-2)   // the work buffer given is smaller than the sc_*_work function says
+#define SC_EARG (-3)    // arguments out of range (sc_prefill: rows or slots outside the cache)
 
 // ---- typed layouts (ggml style): what native.pack_q4 / pack_q8 write, one struct per 32 weights x 16 rows ------
 
@@ -111,6 +112,20 @@ typedef struct {
     const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
     int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
 } Model;
+
+// What sc_step_layers adds to a Model (native.StepLayers mirrors it; checked as Model is): what differs per layer,
+// and Gemma 2 / 3's extras. NULL pointers: as Model says for every layer / no such norm.
+#define SC_ACT_SILU 0       // the MLP's act(gate) * up: SiLU (Llama, Qwen, Phi-3)
+#define SC_ACT_GELU_TANH 1  // transformers' gelu_pytorch_tanh (Gemma)
+typedef struct {
+    const float* inv_freq;       // [L][rot/2]: each layer's RoPE (Gemma 3: local base 10k, global its own + scaling)
+    const float* rope_scale;     // [L]: each layer's cos/sin multiplier
+    const float* scaling;        // [L]: each layer's softmax scale of q.k (Gemma: query_pre_attn_scalar^-0.5)
+    const float* norm_attn_out;  // [L][C]: RMSNorm of the attention output before its residual add (Gemma)
+    const float* norm_mlp_out;   // [L][C]: the same for the MLP's output (Model.norm_post: the MLP's input norm)
+    float softcap;               // attention scores s -> softcap * tanh(s / softcap) before the softmax; 0: none
+    int act;                     // SC_ACT_*
+} sc_layers;
 
 // ---- caller-owned work buffers --------------------------------------------------------------------------------
 // An arena over the caller's buffer: takes 64-byte-aligned pieces, never frees. `sc_measure()` starts one that
@@ -260,7 +275,12 @@ void sc_lins_run(const sc_lin* l, int nl, const sc_act* a, float* acc, int slots
     X(int, sc_attend, const Model*, const float*, const void*, const void*, int, int, int, float*, float*, float*)     \
     X(int, sc_step, const Model*, const float*, int, int, void* const*, void* const*, int, float*, float*, float*,     \
       void*, size_t)                                                                                                   \
-    X(int, kv_evict, void*, void*, int, int, int, int, int, int, const float*, const float*, int, int)
+    X(int, kv_evict, void*, void*, int, int, int, int, int, int, const float*, const float*, int, int)            \
+    X(int, sc_step_layers, const Model*, const sc_layers*, const float*, int, int, void* const*, void* const*,        \
+      const int*, const int*, float*, float*, float*, void*, size_t)                                                 \
+    X(size_t, sc_prefill_work, const Model*, int, int)                                                                 \
+    X(int, sc_prefill, const Model*, const float*, int, int, int, void* const*, void* const*, int, float*, void*,     \
+      size_t)
 
 #define SC_PROTO(ret, name, ...) SC_API ret name(__VA_ARGS__);
 SC_EXPORTS(SC_PROTO)
@@ -268,7 +288,7 @@ SC_EXPORTS(SC_PROTO)
 SC_API int sc_abi(void);
 SC_API int sc_variant(void);                     // SC_VARIANT_*
 SC_API long sc_sizeof(const char* type);         // "Model", "sc_q4_block", ...; -1: unknown
-SC_API long sc_offsetof(const char* field);      // a Model field; -1: unknown
+SC_API long sc_offsetof(const char* field);      // a Model field, or "sc_layers." + one of its; -1: unknown
 SC_API const char* sc_signature(const char* fn);  // e.g. "i(piiipppppz)"; NULL: not exported
 // The pool's size (threads with the caller; 1: none): no arguments, so outside the table as the handshake is.
 SC_API int sc_threads(void);
@@ -299,6 +319,13 @@ void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int 
 // probabilities into sc [n], the output into o [D].
 void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float* sc, float* o,
                     int D);
+// The same with the scores soft-capped before the softmax (softcap > 0: s -> softcap * tanh(s / softcap), by
+// sc_softcap, so every variant rounds it alike; 0: sc_head_attend, which step.c defines over it for every build).
+void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
+                        float* sc, float* o, int D);
+static inline void sc_softcap(float* sc, int n, float cap) {  // as transformers: tanh(s / cap) * cap
+    for (int s = 0; s < n; s++) sc[s] = tanhf(sc[s] / cap) * cap;
+}
 void sc_put_bf16(uint16_t* p, const float* src, int D);  // round to nearest even, as torch; NaN stays NaN
 void sc_get_bf16(float* dst, const uint16_t* p, int D);
 

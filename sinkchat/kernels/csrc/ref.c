@@ -221,16 +221,18 @@ static inline float kv_at(const void* base, size_t i, int bf) {
     return bf ? sc_from_bf16(((const uint16_t*)base)[i]) : ((const float*)base)[i];
 }
 
-// Softmax attention of one head, by the definition: scores q.k * scale, p = exp(s - max) / sum, o = sum p * v.
-void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float* sc, float* o,
-                    int D) {
+// Softmax attention of one head, by the definition: scores q.k * scale (soft-capped: softcap > 0), p = exp(s - max)
+// / sum, o = sum p * v.
+void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
+                        float* sc, float* o, int D) {
     float mx = -INFINITY, sum = 0;
     for (int s = 0; s < n; s++) {
         float acc = 0;
         for (int d = 0; d < D; d++) acc += qh[d] * kv_at(Kh, (size_t)s * D + d, bf);
         sc[s] = acc * scale;
-        mx = sc[s] > mx ? sc[s] : mx;
     }
+    if (softcap > 0) sc_softcap(sc, n, softcap);
+    for (int s = 0; s < n; s++) mx = sc[s] > mx ? sc[s] : mx;
     for (int s = 0; s < n; s++) {
         sc[s] = expf(sc[s] - mx);
         sum += sc[s];

@@ -1,6 +1,9 @@
-// One decode step of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 shaped model in C, and the cache eviction: shared by
-// every build, over the pieces each variant implements (sc_lin_run, sc_head_attend, sc_rot_row, ...: kernels.h).
-// Each linear is q4, q8g, q4k or q8k (Model.lin_type); q/k norms and partial rotary are optional.
+// One decode step of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 shaped model in C, and the cache
+// eviction: shared by every build, over the pieces each variant implements (sc_lin_run, sc_head_attend_cap,
+// sc_rot_row, ...: kernels.h). Each linear is q4, q8g, q4k or q8k (Model.lin_type); q/k norms and partial rotary are
+// optional. sc_step_layers adds what differs per layer or is Gemma's (sc_layers): a RoPE and a query scale per layer,
+// each layer's own slice of the cache (a local layer's ring), norms of the attention and MLP outputs before each
+// residual add, GELU (tanh) instead of SiLU, soft-capped attention scores.
 //
 // Threads (pool.c): per layer five jobs, each split so every output is computed by one thread as it is alone (the
 // step's results are bit-identical at any thread count): q, k and v together (one input, quantized once), the heads'
@@ -15,7 +18,20 @@ enum { LQ, LK, LV, LO, LG, LU, LD };
 typedef struct {
     float *x, *h, *t, *q, *k, *v, *att, *gu, *cs, *sn, *scores;
     sc_act in;
+    const float* rope;  // the inv_freq row cs / sn hold now (sc_step_layers: layers of one RoPE share them)
+    float rope_scale;
 } StepBufs;
+
+// One call's cache: layer l's keys / values at keys[l] / values[l] hold [H_kv][cap_l][D]; the token attends to
+// slots 0..n_l-1 and writes its own k/v into slot n_l - 1. caps / ns NULL: every layer cap, n = pos + 1.
+typedef struct {
+    void* const *keys, *const *values;
+    const int *caps, *ns;
+    int cap, pos;
+} KvView;
+
+static inline int kv_cap(const KvView* kv, int l) { return kv->caps ? kv->caps[l] : kv->cap; }
+static inline int kv_n(const KvView* kv, int l) { return kv->ns ? kv->ns[l] : kv->pos + 1; }
 
 static int take_step(sc_arena* a, const Model* m, int n_slots, StepBufs* b) {
     size_t C = m->dim, D = m->head_dim, HD = (size_t)m->n_heads * D, KD = (size_t)m->n_kv * D;
@@ -25,10 +41,12 @@ static int take_step(sc_arena* a, const Model* m, int n_slots, StepBufs* b) {
         if (!(*at[i] = sc_take(a, sizeof(float) * n[i]))) return SC_EWORK;
     int k = m->dim > m->inter ? m->dim : m->inter;
     k = k > (int)HD ? k : (int)HD;
+    b->rope = NULL;
     return sc_take_act(a, 1, k, SC_ACT_16, &b->in);
 }
 
-// Bytes of work sc_step needs for a cache of `cap` slots (any thread count: at one row no thread keeps scratch).
+// Bytes of work sc_step needs for a cache of `cap` slots (any thread count: at one row no thread keeps scratch);
+// sc_step_layers: cap = the most slots any layer attends to.
 size_t sc_step_work(const Model* m, int cap) {
     sc_arena a = sc_measure();
     StepBufs b;
@@ -53,6 +71,19 @@ static const sc_act* quant_in(StepBufs* b, const float* x, int K) {
 // The rotary dims: Model.rot, or the whole head where it is unset.
 static inline int rot_dims(const Model* m) { return m->rot > 0 ? m->rot : m->head_dim; }
 
+// cos / sin of position pos for the RoPE inv_freq [rot/2], times scale (yarn / longrope), into b->cs / b->sn; kept
+// while the next layer's RoPE is the same (Gemma 3: 5 local layers of base 10k, then a global one of its own).
+static void rope_at(const Model* m, StepBufs* b, const float* inv_freq, float scale, int pos) {
+    int half = rot_dims(m) / 2;
+    if (b->rope && b->rope_scale == scale && !memcmp(b->rope, inv_freq, sizeof(float) * half)) return;
+    for (int i = 0; i < half; i++) {  // as transformers: fp32 angle = position x inv_freq
+        float ang = (float)pos * inv_freq[i];
+        b->cs[i] = b->cs[i + half] = cosf(ang) * scale;
+        b->sn[i] = b->sn[i + half] = sinf(ang) * scale;
+    }
+    b->rope = inv_freq, b->rope_scale = scale;
+}
+
 static void rms(const float* x, const float* w, int C, float eps, float* out) {
     float ss = 0;
     for (int i = 0; i < C; i++) ss += x[i] * x[i];
@@ -62,12 +93,24 @@ static void rms(const float* x, const float* w, int C, float eps, float* out) {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+// transformers' gelu_pytorch_tanh (Gemma): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
+static inline float gelu_tanh(float g) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
+// Every build's sc_head_attend: its sc_head_attend_cap without a cap.
+void sc_head_attend(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float* sc, float* o,
+                    int D) {
+    sc_head_attend_cap(qh, Kh, Vh, n, bf, scale, 0, sc, o, D);
+}
+
 // The heads' attention as a job: item hq is query head hq (its softmax and output computed by one thread).
 typedef struct {
     const Model* m;
     const float* q;
     const void *K, *V;
     int cap, n;
+    float scale, softcap;
     float *scores, *out;
 } AttJob;
 
@@ -79,24 +122,25 @@ static void att_task(void* ctx, int lo, int hi, int slot) {
     (void)slot;
     for (int hq = lo; hq < hi; hq++) {
         size_t head = (size_t)(hq / G) * j->cap * D * esz;
-        sc_head_attend(j->q + (size_t)hq * D, (const char*)j->K + head, (const char*)j->V + head, j->n, m->kv_bf16,
-                       m->scaling, j->scores + (size_t)hq * j->n, j->out + (size_t)hq * D, D);
+        sc_head_attend_cap(j->q + (size_t)hq * D, (const char*)j->K + head, (const char*)j->V + head, j->n,
+                           m->kv_bf16, j->scale, j->softcap, j->scores + (size_t)hq * j->n, j->out + (size_t)hq * D, D);
     }
 }
 
-// Attention of the H query heads over slots 0..pos of one layer's K/V [H_kv][cap][D]; writes out [H*D] and adds
-// the gauge shares (first n_gauge slots, newest n_gauge slots, mean over heads) to gauge[2]: on the caller, after
-// the heads' job, in head order (so the float sums do not depend on which thread did which head).
-static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge,
-                   float* scores, float* out, float* gauge) {
-    int H = m->n_heads, n = pos + 1;
-    AttJob j = {m, q, K, V, cap, n, scores, out};
+// Attention of the H query heads over slots 0..n-1 of one layer's K/V [H_kv][cap][D], scores times `scale` (and
+// soft-capped: softcap > 0); writes out [H*D] and adds the gauge shares (first n_gauge slots, newest n_gauge slots,
+// mean over heads) to gauge[2]: on the caller, after the heads' job, in head order (so the float sums do not depend
+// on which thread did which head).
+static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int n, float scale,
+                   float softcap, int n_gauge, float* scores, float* out, float* gauge) {
+    int H = m->n_heads;
+    AttJob j = {m, q, K, V, cap, n, scale, softcap, scores, out};
     sc_parallel(att_task, &j, H, sc_threads(), (size_t)H * n * m->head_dim * (m->kv_bf16 ? 4 : 8));
     for (int hq = 0; hq < H; hq++) {
         const float* sc = scores + (size_t)hq * n;
         float first = 0, last = 0;
         for (int t = 0; t < n_gauge && t < n; t++) first += sc[t];
-        for (int t = n - 1; t >= 0 && t > pos - n_gauge; t--) last += sc[t];
+        for (int t = n - 1; t >= 0 && t >= n - n_gauge; t--) last += sc[t];
         gauge[0] += first / H;
         gauge[1] += last / H;
     }
@@ -107,7 +151,7 @@ static void attend(const Model* m, const float* q, const void* K, const void* V,
 int sc_attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge, float* out,
               float* gauge, float* scores) {
     gauge[0] = gauge[1] = 0;
-    attend(m, q, K, V, cap, pos, n_gauge, scores, out, gauge);
+    attend(m, q, K, V, cap, pos + 1, m->scaling, 0, n_gauge, scores, out, gauge);
     return SC_OK;
 }
 
@@ -118,38 +162,48 @@ static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
         memcpy((float*)buf + at, src, sizeof(float) * D);
 }
 
-// The attention half of layer l: x += o_proj(attention(rope(q), rope(k) and v written at slot pos)). With q/k norms
-// (Qwen3) each head is RMS-normed after its projection and before RoPE, as transformers' Qwen3Attention does; the
-// queries handed back are those normed, unrotated ones (what the gauge's hook on q_norm sees).
-static void attention_block(const Model* m, StepBufs* b, int l, int pos, int n_gauge, void* const* keys,
-                            void* const* values, int cap, float* queries, float* gauge) {
+// x += t, t first normed by w where the model norms a block's output (Gemma's post-attention / post-feedforward).
+static void residual(const Model* m, float* x, float* t, const float* w) {
+    if (w) rms(t, w, m->dim, m->eps, t);
+    for (int c = 0; c < m->dim; c++) x[c] += t[c];
+}
+
+// The attention half of layer l: x += o_proj(attention(rope(q), rope(k) and v written at the layer's slot)). With
+// q/k norms (Qwen3, Gemma 3) each head is RMS-normed after its projection and before RoPE, as transformers'
+// attention does; the queries handed back are those normed, unrotated ones (what the gauge's hook on q_norm sees).
+static void attention_block(const Model* m, const sc_layers* X, StepBufs* b, int l, const KvView* kv, int n_gauge,
+                            float* queries, float* gauge) {
     int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, R = rot_dims(m), T = sc_threads();
+    int cap = kv_cap(kv, l), n = kv_n(kv, l);
     rms(b->x, m->norm_in + (size_t)l * C, C, m->eps, b->h);
     sc_lin qkv[3] = {lin_of(m, l, LQ, H * D, b->q), lin_of(m, l, LK, Hkv * D, b->k), lin_of(m, l, LV, Hkv * D, b->v)};
     sc_lins_run(qkv, 3, quant_in(b, b->h, C), NULL, T);
     for (int i = 0; m->q_norm && i < H; i++) rms(b->q + i * D, m->q_norm + (size_t)l * D, D, m->eps, b->q + i * D);
     for (int i = 0; m->k_norm && i < Hkv; i++) rms(b->k + i * D, m->k_norm + (size_t)l * D, D, m->eps, b->k + i * D);
     memcpy(queries + (size_t)l * H * D, b->q, sizeof(float) * H * D);
+    if (X && X->inv_freq)
+        rope_at(m, b, X->inv_freq + (size_t)l * (R / 2), X->rope_scale ? X->rope_scale[l] : m->rope_scale, kv->pos);
     for (int i = 0; i < H; i++) sc_rot_row(b->q + i * D, b->q + i * D, b->cs, b->sn, R, D);
     for (int i = 0; i < Hkv; i++) {
         sc_rot_row(b->k + i * D, b->k + i * D, b->cs, b->sn, R, D);
-        store_kv(keys[l], ((size_t)i * cap + pos) * D, b->k + i * D, D, m->kv_bf16);
-        store_kv(values[l], ((size_t)i * cap + pos) * D, b->v + i * D, D, m->kv_bf16);
+        store_kv(kv->keys[l], ((size_t)i * cap + n - 1) * D, b->k + i * D, D, m->kv_bf16);
+        store_kv(kv->values[l], ((size_t)i * cap + n - 1) * D, b->v + i * D, D, m->kv_bf16);
     }
     gauge[2 * l] = gauge[2 * l + 1] = 0;
-    attend(m, b->q, keys[l], values[l], cap, pos, n_gauge, b->scores, b->att, gauge + 2 * l);
+    float scale = X && X->scaling ? X->scaling[l] : m->scaling, softcap = X ? X->softcap : 0;
+    attend(m, b->q, kv->keys[l], kv->values[l], cap, n, scale, softcap, n_gauge, b->scores, b->att, gauge + 2 * l);
     sc_lin o = lin_of(m, l, LO, C, b->t);
     sc_lins_run(&o, 1, quant_in(b, b->att, H * D), NULL, T);
-    for (int c = 0; c < C; c++) b->x[c] += b->t[c];
+    residual(m, b->x, b->t, X && X->norm_attn_out ? X->norm_attn_out + (size_t)l * C : NULL);
 }
 
-// gate and up as one job: item g is row group g of both, then the SiLU product of its 16 values (the same
-// operations per element as a separate loop: silu(gate) * up).
+// gate and up as one job: item g is row group g of both, then the activation's product of its 16 values (the same
+// operations per element as a separate loop: act(gate) * up).
 typedef struct {
     sc_lin gate, up;
     const sc_act* in;
     float* gu;
-    int I;
+    int I, act;
 } MlpJob;
 
 static void gate_up_task(void* ctx, int lo, int hi, int slot) {
@@ -157,42 +211,41 @@ static void gate_up_task(void* ctx, int lo, int hi, int slot) {
     (void)slot;
     sc_lin_run(&j->gate, j->in, 0, 1, lo, hi, NULL);
     sc_lin_run(&j->up, j->in, 0, 1, lo, hi, NULL);
-    for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = silu(j->gu[i]) * j->gu[j->I + i];
+    if (j->act == SC_ACT_GELU_TANH)
+        for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = gelu_tanh(j->gu[i]) * j->gu[j->I + i];
+    else
+        for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = silu(j->gu[i]) * j->gu[j->I + i];
 }
 
-// The MLP half of layer l: x += down(silu(gate(h)) * up(h)), h = rms(x).
-static void mlp_block(const Model* m, StepBufs* b, int l) {
+// The MLP half of layer l: x += down(act(gate(h)) * up(h)), h = rms(x) (Gemma: pre_feedforward_layernorm, held in
+// norm_post; the output normed again by X->norm_mlp_out before the add).
+static void mlp_block(const Model* m, const sc_layers* X, StepBufs* b, int l) {
     int C = m->dim, I = m->inter, T = sc_threads();
     rms(b->x, m->norm_post + (size_t)l * C, C, m->eps, b->h);
-    MlpJob j = {lin_of(m, l, LG, I, b->gu), lin_of(m, l, LU, I, b->gu + I), quant_in(b, b->h, C), b->gu, I};
+    MlpJob j = {lin_of(m, l, LG, I, b->gu), lin_of(m, l, LU, I, b->gu + I), quant_in(b, b->h, C), b->gu, I,
+                X ? X->act : SC_ACT_SILU};
     size_t bytes = (size_t)I * C;  // about the weights' bytes (2 x I x C at 4 bits)
     sc_parallel(gate_up_task, &j, I / RG, T, bytes);
     sc_lin down = lin_of(m, l, LD, C, b->t);
     sc_lins_run(&down, 1, quant_in(b, b->gu, I), NULL, T);
-    for (int c = 0; c < C; c++) b->x[c] += b->t[c];
+    residual(m, b->x, b->t, X && X->norm_mlp_out ? X->norm_mlp_out + (size_t)l * C : NULL);
 }
 
-// One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
-// ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
-// model has a table, else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
-// work: sc_step_work(m, cap) bytes (or NULL: allocated here).
-int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
-            float* out, float* queries, float* gauge, void* work, size_t work_size) {
-    int C = m->dim, half = rot_dims(m) / 2, rc;
+// The whole token through every layer and the head (sc_step, sc_step_layers).
+static int run_step(const Model* m, const sc_layers* X, const float* x_in, const KvView* kv, int n_gauge, float* out,
+                    float* queries, float* gauge, void* work, size_t work_size) {
+    int C = m->dim, most = kv->pos + 1, rc;
+    for (int l = 0; kv->ns && l < m->n_layers; l++) most = kv->ns[l] > most ? kv->ns[l] : most;
     sc_arena a;
     void* own;
     StepBufs b;
-    if ((rc = sc_work_open(work, work_size, sc_step_work(m, cap), &a, &own)) || (rc = take_step(&a, m, pos + 1, &b)))
+    if ((rc = sc_work_open(work, work_size, sc_step_work(m, most), &a, &own)) || (rc = take_step(&a, m, most, &b)))
         goto done;
     memcpy(b.x, x_in, sizeof(float) * C);
-    for (int i = 0; i < half; i++) {  // as transformers: fp32 angle = position x inv_freq
-        float ang = (float)pos * m->inv_freq[i];
-        b.cs[i] = b.cs[i + half] = cosf(ang) * m->rope_scale;
-        b.sn[i] = b.sn[i + half] = sinf(ang) * m->rope_scale;
-    }
+    rope_at(m, &b, m->inv_freq, m->rope_scale, kv->pos);
     for (int l = 0; l < m->n_layers; l++) {
-        attention_block(m, &b, l, pos, n_gauge, keys, values, cap, queries, gauge);
-        mlp_block(m, &b, l);
+        attention_block(m, X, &b, l, kv, n_gauge, queries, gauge);
+        mlp_block(m, X, &b, l);
     }
     rms(b.x, m->norm_final, C, m->eps, b.h);
     if (m->table) {
@@ -204,6 +257,29 @@ int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const
 done:
     free(own);
     return rc;
+}
+
+// One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
+// ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
+// model has a table, else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
+// work: sc_step_work(m, cap) bytes (or NULL: allocated here).
+int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
+            float* out, float* queries, float* gauge, void* work, size_t work_size) {
+    KvView kv = {keys, values, NULL, NULL, cap, pos};
+    return run_step(m, NULL, x_in, &kv, n_gauge, out, queries, gauge, work, work_size);
+}
+
+// sc_step with the per-layer extras X (or NULL) and each layer's own cache slice: layer l's keys[l] / values[l] are
+// [H_kv][caps[l]][D] and the token, at RoPE position pos, writes slot ns[l] - 1 and attends over slots 0..ns[l]-1
+// (a global layer: the sink cache, ns = pos + 1; a local ring: its window, the new token last). work:
+// sc_step_work(m, max ns) bytes.
+int sc_step_layers(const Model* m, const sc_layers* X, const float* x_in, int pos, int n_gauge, void* const* keys,
+                   void* const* values, const int* caps, const int* ns, float* out, float* queries, float* gauge,
+                   void* work, size_t work_size) {
+    for (int l = 0; l < m->n_layers; l++)
+        if (ns[l] < 1 || ns[l] > caps[l]) return SC_EARG;
+    KvView kv = {keys, values, caps, ns, 0, pos};
+    return run_step(m, X, x_in, &kv, n_gauge, out, queries, gauge, work, work_size);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
