@@ -89,44 +89,7 @@ static inline v16 hsum16(const v16* v) {
     return (v16){_mm256_add_ps(lanes02(d[0]), lanes13(d[0])), _mm256_add_ps(lanes02(d[1]), lanes13(d[1]))};
 }
 
-// q . k of one slot over D = 16*DC dims: attend.c's unrolled chain (a product, then FMAs).
-static inline __attribute__((always_inline)) v16 dot_row(const float* qh, const void* Kh, size_t base, int bf,
-                                                         const int DC) {
-    v16 acc = v16_mul(v16_load(qh), v16_kv(Kh, base, bf));
-    for (int c = 1; c < DC; c++) acc = v16_fma(v16_load(qh + 16 * c), v16_kv(Kh, base + 16 * c, bf), acc);
-    return acc;
-}
-
-// attend.c: head_scores (D = 64, 128): 16 slots a round through hsum16, the rest one by one.
-static inline __attribute__((always_inline)) void head_scores(const float* qh, const void* Kh, int n, int bf,
-                                                              float scale, float* sc, const int DC) {
-    const size_t D = (size_t)DC * 16;
-    int s = 0;
-    for (; s + 16 <= n; s += 16) {
-        v16 v[16];
-        for (int j = 0; j < 16; j++) v[j] = dot_row(qh, Kh, (s + j) * D, bf, DC);
-        v16_store(sc + s, v16_mul(hsum16(v), v16_set1(scale)));
-    }
-    for (; s < n; s++) sc[s] = v16_sum(dot_row(qh, Kh, s * D, bf, DC)) * scale;
-}
-
-// attend.c: head_pv (D = 64, 128): even slots into a, odd ones into b, summed last.
-static inline __attribute__((always_inline)) void head_pv(const float* p, const void* Vh, int n, int bf, float* o,
-                                                          const int DC) {
-    const size_t D = (size_t)DC * 16;
-    v16 a[8], b[8];
-    for (int c = 0; c < DC; c++) a[c] = b[c] = v16_set1(0.0f);
-    int s = 0;
-    for (; s + 2 <= n; s += 2) {
-        v16 p0 = v16_set1(p[s]), p1 = v16_set1(p[s + 1]);
-        for (int c = 0; c < DC; c++) {
-            a[c] = v16_fma(p0, v16_kv(Vh, s * D + 16 * c, bf), a[c]);
-            b[c] = v16_fma(p1, v16_kv(Vh, (s + 1) * D + 16 * c, bf), b[c]);
-        }
-    }
-    for (int c = 0; s < n && c < DC; c++) a[c] = v16_fma(v16_set1(p[s]), v16_kv(Vh, s * D + 16 * c, bf), a[c]);
-    for (int c = 0; c < DC; c++) v16_store(o + 16 * c, v16_add(a[c], b[c]));
-}
+#include "attend_v16.h"
 
 // attend.c: softmax, in place over sc [n]: a 16-lane max and sum, the tail through a padded copy (pad lanes -inf
 // for the max, not added to the sum: the masked lanes there).
