@@ -63,8 +63,8 @@ def main(ctx: click.Context, **opts: Any) -> None:
     then SINKCHAT_* environment variables, then a .env file in the working directory.
 
     The default model, the embedded SmolLM2-135M-Instruct, is a small demo model: fast anywhere, often wrong. For
-    real use pass your own: `sinkchat --model FILE.gguf` (a llama.cpp GGUF of a Llama, Qwen2/3, Mistral or Phi-3
-    model: Q4_0 ... Q8_0, K-quants, F16) or `--model FOLDER` (a Hugging Face model folder).
+    real use pass your own: `sinkchat --model FILE.gguf` (a llama.cpp GGUF of a Llama, Qwen2/3, Mistral, Phi-3 or
+    Gemma 2/3 model: Q4_0 ... Q8_0, K-quants, F16) or `--model FOLDER` (a Hugging Face model folder).
     """
     ctx.obj = opts
     if ctx.invoked_subcommand is None:

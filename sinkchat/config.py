@@ -25,7 +25,7 @@ DECODERS = ("auto", "native", "compiled", "eager", "hf")
 ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_MODEL": ("", "model: HF id, local folder or .gguf file (empty = bundled SmolLM2-135M-Instruct)"),
     "SINKCHAT_QUANT": ("auto", "weight quantization: auto (q4 on CPU, nf4 on CUDA), q4 (asymmetric int4, group 32, "
-                       "sinkchat's VNNI kernels or torch's), nf4, fp4, int8 (bitsandbytes) or none"),
+                       "sinkchat's kernels or torch's), nf4, fp4, int8 (bitsandbytes) or none"),
     "SINKCHAT_KERNELS": ("auto", "q4 kernels: auto (sinkchat's native kernels for the best instruction set the CPU "
                          "has, avx512 / avxvnni / avx2 / neon, where a C compiler is found; else torch's), one of "
                          "those forced, torch, or ref (sinkchat's kernels through their scalar C reference: any CPU, "

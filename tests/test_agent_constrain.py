@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("llguidance")
 
@@ -184,3 +185,19 @@ def test_read_paths_are_limited_to_the_workspace_listing(tok, box, tmp_path):
     assert not allowed('{"tool": "count_lines", "args": {"path": "later.txt"}}')
     (root / "later.txt").write_text("now it exists")
     assert allowed('{"tool": "count_lines", "args": {"path": "later.txt"}}')
+
+
+def test_a_token_the_grammar_refuses_ends_the_reply(tok, box, caplog):
+    """A sampled token the matcher refuses (a tokenizer llguidance reads differently) used to switch the mask off:
+    on a mis-tokenizing Gemma file the reply then ran 512 tokens unconstrained. Now only the end tokens remain."""
+    eng = make_engine(tok)
+    con = constraint_for(eng, box)
+    con.begin()
+    logits = torch.randn(1, con.vocab)
+    first = con([], logits)
+    bad = tok.encode("x", add_special_tokens=False)[0]  # a reply cannot start with x
+    assert torch.isinf(first[0, bad])
+    out = con([bad], logits)
+    allowed = torch.isfinite(out[0]).nonzero().flatten().tolist()
+    assert allowed and set(allowed) <= set(eng.stop_ids)
+    assert sum("ending this reply" in r.getMessage() for r in caplog.records) == 1

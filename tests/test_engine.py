@@ -190,6 +190,34 @@ def test_plain_template_for_base_models_is_prefix_stable(word_tok):
     assert conv.fed == conv._render(conv.messages, True)
 
 
+class _BosTokenizer:
+    """A template-less tokenizer that puts its BOS in front of every encoding (as Gemma's and Llama's do)."""
+
+    chat_template = None
+    bos_token, bos_token_id = "<s>", 1
+
+    def __init__(self, adds_bos: bool) -> None:
+        self.adds_bos = adds_bos
+
+    def __call__(self, text: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=([1] if self.adds_bos else []) + [5])
+
+
+def test_a_base_model_whose_tokenizer_adds_bos_gets_it_first():
+    """Measured on Gemma 3 270M (a base GGUF without a chat template): without its BOS in front the chat answered
+    "2016161616..." and the sink gauge read 0.00; with it, words and 0.44. Only the first delta carries it."""
+    from sinkchat.core.turns import Conversation
+
+    conv = Conversation(_BosTokenizer(True), system="Be brief.")
+    assert conv.system_block() == "<s>System: Be brief.\n\n"
+    assert conv.delta_for("user", "hi") == "<s>System: Be brief.\n\nUser: hi\n\nAssistant: "
+    conv.add_reply("ok")
+    assert not conv.delta_for("user", "again").startswith("<s>")
+    assert Conversation(_BosTokenizer(False)).delta_for("user", "hi") == "User: hi\n\nAssistant: "
+
+
 def test_conversation_trim_keeps_next_delta_identical(bundled):
     from sinkchat.core.turns import Conversation
 

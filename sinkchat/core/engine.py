@@ -25,7 +25,7 @@ from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
-from sinkchat.core.tokens import IncrementalDecoder, stop_ids
+from sinkchat.core.tokens import IncrementalDecoder, bos_token, stop_ids
 from sinkchat.core.turns import Conversation
 from sinkchat.model.spec import ModelSpec
 
@@ -212,6 +212,12 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
         return list(self.tokenizer.encode(utf8_safe(text), add_special_tokens=False))
+
+    def encode_document(self, text: str) -> list[int]:
+        """Token ids of a text fed from the start of a stream (`ppl`, `demo`, `bench`): the BOS first where the
+        tokenizer puts one in front of every encoding, as the model was trained (`tokens.bos_token`)."""
+        bos = bos_token(self.tokenizer)
+        return ([self.tokenizer.bos_token_id] if bos else []) + self.encode(text)
 
     def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:
         """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""

@@ -24,7 +24,7 @@ class DecodeStep(Protocol):
 
     @property
     def status(self) -> str:
-        """For status lines: "native", "compiled", "compiling", "eager"."""
+        """For status lines: "native (avx2; prefill native)", "compiled", "compiling", "eager"."""
         ...
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4

@@ -1,4 +1,5 @@
-"""Tokenizer-side helpers of the Engine: streaming detokenization and the ids that end a reply."""
+"""Tokenizer-side helpers of the Engine: streaming detokenization, the ids that end a reply, and the BOS a stream
+starts with."""
 
 from __future__ import annotations
 
@@ -37,3 +38,20 @@ def stop_ids(tokenizer: Any, model: Any) -> set[int]:
         if isinstance(tid, int) and tid >= 0 and tid != unk:
             ids.add(tid)
     return ids
+
+
+def bos_token(tokenizer: Any) -> str | None:
+    """The BOS token's text where the tokenizer puts one in front of every encoding (Gemma, Llama), else None.
+
+    Why: sinkchat encodes without special tokens (turns are fed one delta at a time), so a stream gets its BOS only
+    if the chat template writes `{{ bos_token }}`. Without a template (a base model's GGUF: Gemma 3 270M carries
+    none) or in `ppl`, a model trained with a BOS in front saw none: measured on that Gemma 3 270M Q4_K_M file,
+    the chat answered "2016161616..." to "What is the capital of France?"; with the BOS it answers in words."""
+    bos, bos_id = getattr(tokenizer, "bos_token", None), getattr(tokenizer, "bos_token_id", None)
+    if not bos or bos_id is None:
+        return None
+    try:
+        ids = tokenizer("a").input_ids
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return bos if len(ids) and ids[0] == bos_id else None

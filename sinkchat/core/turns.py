@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from sinkchat.core.tokens import bos_token
+
 log = logging.getLogger(__name__)
 
 
@@ -28,8 +30,8 @@ class Conversation:
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         msgs = ([{"role": "system", "content": self.system}] if self.system is not None else []) + messages
         tmpl = getattr(self.tokenizer, "chat_template", None)
-        if not tmpl:
-            return _plain_render(msgs, add_generation_prompt)
+        if not tmpl:  # a base model: the transcript format, after the BOS its tokenizer puts first (if any)
+            return (bos_token(self.tokenizer) or "") + _plain_render(msgs, add_generation_prompt)
         return self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def delta_for(self, role: str, content: str, add_generation_prompt: bool = True) -> str:

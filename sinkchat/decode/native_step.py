@@ -132,7 +132,7 @@ def _rows_of(lin: Any, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor, 
 class NativeStep:
     """The Engine's single-token path on the native kernels: `__call__` as `torch_step.TorchStep`'s (logits,
     pre-RoPE queries, gauge shares). Nothing to build beyond the kernels' library, so `prepare` / `warm_up` do
-    nothing and the status is always "native"."""
+    nothing and the status is always "native (<kernel variant>; prefill native|hf)"."""
 
     mode = "native"
     status = "native"
@@ -183,6 +183,8 @@ class NativeStep:
         self._kv: tuple[Any, ...] = ()
         self._layers = self._per_layer(layers, spec, attn_out, mlp_out) if spec.model_type in GEMMA_TYPES else None
         self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
+        # what status lines show: which kernels' library runs the step, and which path feeds chunks
+        self.status = f"native ({native.variant()}; prefill {'native' if self.prefill is not None else 'hf'})"
 
     def _stack(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """fp32 [L, D] of per-layer norm weights, kept alive with the step; Gemma's 1 + w formed here, in fp32 as

@@ -98,6 +98,7 @@ class ToolCallConstraint:
         self.vocab, self.tools, self.native, self.string_chars = vocab, tools, native, string_chars
         self.workspace, self._hf = workspace, tokenizer
         self._lt = _lltokenizer(tokenizer, vocab, sorted(eos))
+        self._eos = torch.tensor(sorted(e for e in eos if 0 <= e < vocab), dtype=torch.long)
         self._closer, self._quote, self._nbytes = _token_info(self._lt, (id(tokenizer), vocab), vocab)
         self.view: WorkspaceView | None = scan_workspace(workspace)
         self.reserve = 0
@@ -123,7 +124,8 @@ class ToolCallConstraint:
             schemas = [json_protocol_schema(self.tools, self.string_chars, f, self.view) for f in (True, False)]
             grammars = [llguidance.LLMatcher.grammar_from_json_schema(s) for s in schemas]
             self.reserve = self._reserve(schemas[0])
-        self._matchers = [llguidance.LLMatcher(self._lt, g) for g in grammars]  # [call or final, call only]
+        # log_level 0: a refused token is reported once by __call__, not as llguidance's multi-line parser dump
+        self._matchers = [llguidance.LLMatcher(self._lt, g, log_level=0) for g in grammars]  # [call|final, call]
         for m in self._matchers:
             if m.is_error():
                 raise ConstraintUnavailable(f"tool grammar rejected: {m.get_error()}")
@@ -165,10 +167,7 @@ class ToolCallConstraint:
         if self._pending and recent_ids:
             tok = int(recent_ids[-1])
             if not self.matcher.consume_token(tok):
-                log.warning("tool grammar: token %d was not allowed (%s); unconstrained for the rest of this reply",
-                            tok, self.matcher.get_error())
-                self.active = False
-                return logits
+                return self._refused(tok, logits)
         self._pending = True
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(np.bool_)
@@ -184,6 +183,18 @@ class ToolCallConstraint:
         out = torch.where(mask[:n], logits, self._ninf)
         self.tokens += 1
         self.seconds += time.perf_counter() - t0
+        return out
+
+    def _refused(self, tok: int, logits: torch.Tensor) -> torch.Tensor:
+        """The matcher refused a sampled token (a tokenizer whose pieces llguidance reads differently): end the
+        reply here (only the end tokens allowed) rather than let it run unconstrained to the token limit, as it
+        once did (512 tokens of a broken call). The agent then reports the reply as unusable, in one line."""
+        err = (self.matcher.get_error() or "").splitlines()[0][:120]
+        log.warning("tool grammar: token %d was not allowed (%s); ending this reply", tok, err)
+        self.active = False
+        out = torch.full_like(logits, float("-inf"))
+        idx = self._eos.to(logits.device)
+        out[..., idx] = logits[..., idx]
         return out
 
     def _closing(self, allowed: np.ndarray) -> np.ndarray:

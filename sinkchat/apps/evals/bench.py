@@ -328,6 +328,6 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
         if max(sizes) + (decode if "dense" in pols else 0) >= engine.max_positions:
             raise ConfigError(f"--caches {max(sizes)} + --decode {decode} exceed the model's context "
                               f"({engine.max_positions})")
-        res = run_bench(engine, engine.encode(text), list(dict.fromkeys(pols)), sorted(set(sizes)), decode,
+        res = run_bench(engine, engine.encode_document(text), list(dict.fromkeys(pols)), sorted(set(sizes)), decode,
                         recompute_tokens, n_sink, evict_chunk, gauge_tokens, progress=say)
     click.echo(json.dumps(res) if as_json else format_report(res))

@@ -107,6 +107,8 @@ def dense_with_gauge(engine: Any, ids: list[int], chunk: int, n: int, from_pos: 
     g["first_per_layer"] = [v / k for v in sums["first"]]
     g["recent_per_layer"] = [v / k for v in sums["recent"]]
     g["per_position"] = [v / k for v in sums["per_pos"]]
+    g["layer_index"] = list(engine.gauge.layers)  # the model layer of each row (hybrids: the global layers only)
+    g["hybrid"] = len(g["layer_index"]) < engine.spec.n_layers
     g["first_mean"] = sum(g["first_per_layer"]) / len(g["first_per_layer"])
     g["recent_mean"] = sum(g["recent_per_layer"]) / len(g["recent_per_layer"])
     g["layers_first_gt_recent"] = sum(f > r for f, r in zip(g["first_per_layer"], g["recent_per_layer"]))
@@ -200,7 +202,7 @@ def _demo_ids(engine: Any, text: str, path: str, tokens: int, cap: int, ablation
     """The first `tokens` token ids of the text, refused up front when too short for a measurement (the window
     must evict at least once; the ablation needs its prefix and follow-up) or too long for the model's context
     (the dense run holds all of it)."""
-    ids = engine.encode(text)[:tokens]
+    ids = engine.encode_document(text)[:tokens]
     if len(ids) < 2 * cap or len(ids) < ablation_needs:
         raise ConfigError(f"{path} gives {len(ids)} tokens; the demo needs at least 2 x --cache ({2 * cap}) and "
                           f"--ablation-prefix + --ablation-tokens ({ablation_needs})")
@@ -264,7 +266,7 @@ def run_probe(settings: Any, text_path: str | None, tokens: int, cache_default: 
     path = text_path or str(default_text_path())
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
     engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
-    ids = engine.encode(read_text(path))[:tokens]
+    ids = engine.encode_document(read_text(path))[:tokens]
     cap = settings.cache.capacity or cache_default
     if len(ids) < 2 * cap or cap < max(counts) + 8:
         raise ConfigError(f"probe-sinks needs --cache >= {max(counts) + 8} and at least 2 x --cache tokens "

@@ -39,14 +39,15 @@ def render_markdown(s: dict[str, Any]) -> str:
     L += ["", f"Per-bin ppl ({s['bin']} tokens per bin; recompute is too sparse to bin): see `ppl.png`.", "",
           f"## 2. Where attention goes at long range (dense cache, {len(g['query_positions'])} query positions "
           f"from {g['query_positions'][0]} to {g['query_positions'][-1]})", "",
-          f"Mean over layers and heads: first {g['n']} positions {g['first_mean']:.3f}, most recent {g['n']} "
+          f"Mean over {'the global (full-attention) ' if g.get('hybrid') else ''}layers and heads: first {g['n']} positions {g['first_mean']:.3f}, most recent {g['n']} "
           f"{g['recent_mean']:.3f}, uniform {g['uniform']:.4f}. In {g['layers_first_gt_recent']} of "
           f"{len(g['first_per_layer'])} layers the first {g['n']} get more than the most recent {g['n']}.", "",
           "| position | " + " | ".join(str(i) for i in range(len(g["per_position"]))) + " |",
           "|---|" + "---|" * len(g["per_position"]),
           "| share | " + " | ".join(f"{v:.3f}" for v in g["per_position"]) + " |", "",
           "| layer | first | recent | uniform |", "|---|---|---|---|"]
-    for i, (f, r) in enumerate(zip(g["first_per_layer"], g["recent_per_layer"])):
+    index = g.get("layer_index") or list(range(len(g["first_per_layer"])))
+    for i, f, r in zip(index, g["first_per_layer"], g["recent_per_layer"]):
         L.append(f"| {i} | {f:.3f} | {r:.3f} | {g['uniform']:.4f} |")
     L += ["", f"## 3. Ablation (dense cache of {ab['prefix']} tokens, ppl of the next {ab['follow']})", "",
           "| evicted | ppl | vs none |", "|---|---|---|",
@@ -65,7 +66,7 @@ def plot_attention(s: dict[str, Any], path: Path) -> None:
 
     g, ab = s["attention"], s["ablation"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1]})
-    xs = list(range(len(g["first_per_layer"])))
+    xs = g.get("layer_index") or list(range(len(g["first_per_layer"])))
     a1.plot(xs, g["first_per_layer"], marker="o", label=f"first {g['n']} positions")
     a1.plot(xs, g["recent_per_layer"], marker="s", label=f"most recent {g['n']}")
     a1.axhline(g["uniform"], color="gray", ls="--", label="uniform")

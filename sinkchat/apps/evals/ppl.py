@@ -187,7 +187,7 @@ def ppl_command(file: str, policies: tuple[str, ...], bin_size: int, limit: int 
         pols = list(dict.fromkeys(policies or ("sink", "window")))
         text = read_text(file)
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
-        ids = engine.encode(text)
+        ids = engine.encode_document(text)
         if limit:
             ids = ids[:limit]
         if len(ids) < 2:
