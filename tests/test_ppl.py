@@ -52,3 +52,27 @@ def test_plot_written(ppl_run):
     _, out = ppl_run
     png = out / "ppl.png"
     assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_recompute_windows_start_with_the_bos_the_stream_starts_with():
+    """A model trained with a BOS first (Gemma) is scored on windows that start with it, as llama.cpp's
+    perplexity does per chunk; every window holds `capacity` tokens and ends right before its target."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from sinkchat.apps.evals.ppl import recompute_nll
+
+    seen = []
+
+    def model(input_ids, **kw):
+        seen.append(input_ids[0].tolist())
+        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 50))
+
+    ids = [1] + list(range(10, 40))
+    recompute_nll(model, ids, capacity=8, every=4, device="cpu", bos=1)
+    assert seen and all(w[0] == 1 and len(w) == min(8, t) for w, t in zip(seen, range(4, len(ids), 4)))
+    assert all(w[1:] == ids[t - len(w) + 1 : t] for w, t in zip(seen, range(4, len(ids), 4)))
+    seen.clear()
+    recompute_nll(model, ids, capacity=8, every=4, device="cpu")  # no BOS: the plain last 8 tokens
+    assert seen[-1] == ids[28 - 8 : 28]

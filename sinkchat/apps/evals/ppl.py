@@ -74,8 +74,11 @@ def stream_nll(engine: Any, ids: list[int], chunk: int, progress: Callable[[int]
     return res
 
 
-def recompute_nll(model: Any, ids: list[int], capacity: int, every: int, device: Any) -> PolicyResult:
-    """Oracle: for targets t = every-1, 2*every-1, ...: a fresh forward over the last `capacity` tokens before t."""
+def recompute_nll(model: Any, ids: list[int], capacity: int, every: int, device: Any,
+                  bos: int | None = None) -> PolicyResult:
+    """Oracle: for targets t = every-1, 2*every-1, ...: a fresh forward over the last `capacity` tokens before t.
+    `bos`: where the stream starts with one (`Engine.encode_document`), each window starts with it too, as every
+    sequence the model was trained on did (llama.cpp's perplexity does the same per chunk)."""
     import torch
 
     res = PolicyResult("recompute", nll=[float("nan")] * (len(ids) - 1))
@@ -83,6 +86,8 @@ def recompute_nll(model: Any, ids: list[int], capacity: int, every: int, device:
     with torch.no_grad():
         for t in range(every, len(ids), every):
             ctx = ids[max(0, t - capacity) : t]
+            if bos is not None and ctx[0] != bos:
+                ctx = [bos] + ctx[1:]  # the BOS in place of the oldest token: still `capacity` tokens
             out = model(input_ids=torch.tensor([ctx], device=device), use_cache=False, logits_to_keep=1)
             res.nll[t - 1] = float(-torch.log_softmax(out.logits[0, -1].float(), -1)[ids[t]])
     res.seconds = time.perf_counter() - t0
@@ -102,7 +107,8 @@ def run_ppl(
             progress(f"{pol}: {len(ids)} tokens")
         if pol == "recompute":
             cap = cache.resolved(engine.max_positions).capacity
-            results[pol] = recompute_nll(engine.model, ids, cap, recompute_every, engine.device)
+            bos = ids[0] if ids and ids[0] == getattr(engine.tokenizer, "bos_token_id", None) else None
+            results[pol] = recompute_nll(engine.model, ids, cap, recompute_every, engine.device, bos)
             continue
         engine.clear()
         # dense = no eviction at all: the whole text in context (the paper's dense-attention baseline)
