@@ -248,8 +248,17 @@ class Settings:
     gauge_every: int = 4
 
 
+def prefill_mode() -> str:
+    """SINKCHAT_PREFILL, checked: "auto" (the native C prefill where it runs) or "hf" (transformers' forward)."""
+    mode = env("SINKCHAT_PREFILL")
+    if mode not in ("auto", "hf"):
+        raise ConfigError(f"SINKCHAT_PREFILL must be auto or hf, not {mode!r}")
+    return mode
+
+
 def settings_from_env() -> Settings:
     """Settings from the environment and `.env` alone; CLI flags are applied on top with `dataclasses.replace`."""
+    prefill_mode()  # read where it is used (the native step); checked here, before any model loads
     return Settings(
         model=ModelConfig(
             model=env("SINKCHAT_MODEL") or None,

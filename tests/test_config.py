@@ -39,6 +39,14 @@ def test_bad_env_value_is_a_config_error(monkeypatch):
         settings_from_env()
 
 
+def test_a_bad_prefill_mode_is_refused_before_any_model_loads(monkeypatch):
+    monkeypatch.setenv("SINKCHAT_PREFILL", "fast")
+    with pytest.raises(ConfigError, match="SINKCHAT_PREFILL must be auto or hf"):
+        settings_from_env()
+    monkeypatch.setenv("SINKCHAT_PREFILL", "hf")
+    settings_from_env()
+
+
 def test_evict_chunk_larger_than_the_window_and_too_many_sinks_are_refused():
     from sinkchat.config import CacheConfig
 

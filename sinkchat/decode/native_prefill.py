@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from sinkchat.config import ConfigError, env
+from sinkchat.config import prefill_mode
 from sinkchat.kernels import native
 from sinkchat.model.spec import ModelSpec
 
@@ -35,10 +35,7 @@ PREFILL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 def refusal(spec: ModelSpec) -> str | None:
     """Why sc_prefill cannot run a model of this spec (None: it can), beyond what the native step checks."""
-    mode = env("SINKCHAT_PREFILL")
-    if mode not in ("auto", "hf"):
-        raise ConfigError(f"SINKCHAT_PREFILL must be auto or hf, not {mode!r}")
-    if mode == "hf":
+    if prefill_mode() == "hf":
         return "SINKCHAT_PREFILL=hf"
     if spec.model_type not in PREFILL_TYPES:
         return f"model type {spec.model_type!r} (native prefill: {', '.join(PREFILL_TYPES)})"
