@@ -76,8 +76,6 @@ static inline v16 hsum16(const v16* v) {
     return r;
 }
 
-#include "attend_v16.h"
-
 static inline v16 v16_exp_minus(v16 x, float m) {
     for (int i = 0; i < 4; i++) x.val[i] = exp4(vsubq_f32(x.val[i], vdupq_n_f32(m)));
     return x;
@@ -105,28 +103,4 @@ static void softmax(float* sc, int n) {
     for (int s = 0; s < n; s++) sc[s] *= inv;
 }
 
-void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
-                        float* sc, float* o, int D) {
-    switch (D) {
-        case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
-        case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
-        default:
-            for (int s = 0; s < n; s++) {
-                v16 acc = v16_set1(0.0f);
-                for (int d = 0; d < D; d += 16) acc = v16_fma(v16_load(qh + d), v16_kv(Kh, (size_t)s * D + d, bf), acc);
-                sc[s] = v16_sum(acc) * scale;
-            }
-    }
-    if (softcap > 0) sc_softcap(sc, n, softcap);
-    softmax(sc, n);
-    switch (D) {
-        case 64: head_pv(sc, Vh, n, bf, o, 4); break;
-        case 128: head_pv(sc, Vh, n, bf, o, 8); break;
-        default:
-            for (int d = 0; d < D; d += 16) {
-                v16 acc = v16_set1(0.0f);
-                for (int t = 0; t < n; t++) acc = v16_fma(v16_set1(sc[t]), v16_kv(Vh, (size_t)t * D + d, bf), acc);
-                v16_store(o + d, acc);
-            }
-    }
-}
+#include "attend_v16.h"  // the shared pieces and sc_head_attend_cap, over this file's softmax

@@ -1,7 +1,8 @@
 // The 16-lane attention pieces the 256-bit (attend256.c) and NEON (attend_neon.c) kernels share, written over
 // their `v16` type (16 floats as 2 or 4 registers) and its ops (v16_load, v16_store, v16_kv, v16_set1, v16_mul,
-// v16_fma, v16_add, v16_sum, hsum16), which each file defines before including this. Each mirrors attend.c's
-// AVX-512 code operation for operation, so the three give bit-identical attention.
+// v16_fma, v16_add, v16_sum, hsum16) and `softmax`, which each file defines before including this, last (it
+// defines the exported sc_head_attend_cap). Each mirrors attend.c's AVX-512 code operation for operation, so the
+// three give bit-identical attention.
 #pragma once
 
 // q . k of one slot over D = 16*DC dims: attend.c's unrolled chain (a product, then FMAs).
@@ -41,4 +42,31 @@ static inline __attribute__((always_inline)) void head_pv(const float* p, const 
     }
     for (int c = 0; s < n && c < DC; c++) a[c] = v16_fma(v16_set1(p[s]), v16_kv(Vh, s * D + 16 * c, bf), a[c]);
     for (int c = 0; c < DC; c++) v16_store(o + 16 * c, v16_add(a[c], b[c]));
+}
+
+// The exported head attention (kernels.h) for the 256-bit and NEON builds: scores, soft-cap, softmax, P.V.
+void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
+                        float* sc, float* o, int D) {
+    switch (D) {  // constant chunk counts, as attend.c; other D one chain a slot / a 16-dim chunk
+        case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
+        case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
+        default:
+            for (int s = 0; s < n; s++) {
+                v16 acc = v16_set1(0.0f);
+                for (int d = 0; d < D; d += 16) acc = v16_fma(v16_load(qh + d), v16_kv(Kh, (size_t)s * D + d, bf), acc);
+                sc[s] = v16_sum(acc) * scale;
+            }
+    }
+    if (softcap > 0) sc_softcap(sc, n, softcap);
+    softmax(sc, n);
+    switch (D) {
+        case 64: head_pv(sc, Vh, n, bf, o, 4); break;
+        case 128: head_pv(sc, Vh, n, bf, o, 8); break;
+        default:
+            for (int d = 0; d < D; d += 16) {
+                v16 acc = v16_set1(0.0f);
+                for (int t = 0; t < n; t++) acc = v16_fma(v16_set1(sc[t]), v16_kv(Vh, (size_t)t * D + d, bf), acc);
+                v16_store(o + d, acc);
+            }
+    }
 }
