@@ -88,6 +88,7 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
     engine.clear()
     engine.reconfigure(policy=policy, n_sink=args.sinks, capacity=args.cache, evict_chunk=args.evict_chunk)
     engine.prefill_chunk = args.chunk
+    list(engine.feed_ids(engine.encode_document("")))  # the BOS a stream starts with, where the model has one
     stream, prev = Stream(policy), None
     done[policy] = stream
     evicted0 = engine.ledger.evicted
