@@ -16,13 +16,16 @@ Usage: python benchmarks/long_stream.py [--passes K | --total 4000000] [--cache 
                                         [--tokens N] [--text FILE] [--out DIR] [--threads T]
 Speed: the stream goes through the prefill path, ~340-410 tokens/s here at cache 256 with another job on the second
 core, so 4M tokens a policy are ~3 h; `--tokens 20000 --passes 6` is a 5-minute check.
-Writes DIR/long_stream.json after every pass (an interrupted run keeps what it measured) and DIR/long_stream.png.
+Writes DIR/long_stream.json after every pass (an interrupted run keeps what it measured) and DIR/long_stream.png,
+and saves each policy's whole session (cache, ledger, last logits, passes) to DIR/<policy>.safetensors after every
+pass: `--resume` continues an interrupted run exactly where it stopped (`--passes` may be raised to go further).
 Exit 0 PASS, 3 FAIL (a sink pass drifted past the tolerance), 5 INCONCLUSIVE (fewer than 3 sink passes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -82,17 +85,24 @@ def feed_pass(engine: Any, ids: list[int], prev: Any, out: Pass) -> Any:
 
 
 def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespace, done: dict[str, Stream],
-               save: Any) -> Stream:
+               save: Any, run: dict[str, Any]) -> Stream:
+    """Stream `args.passes` passes under `policy`, saving the whole session (cache, ledger, last logits) and the
+    passes so far to DIR/<policy>.safetensors after every pass; `--resume` continues from that file."""
     from sinkchat.core.metrics import rss_bytes
+    from sinkchat.store.snapshot import save_snapshot
 
     engine.clear()
     engine.reconfigure(policy=policy, n_sink=args.sinks, capacity=args.cache, evict_chunk=args.evict_chunk)
     engine.prefill_chunk = args.chunk
-    list(engine.feed_ids(engine.encode_document("")))  # the BOS a stream starts with, where the model has one
-    stream, prev = Stream(policy), None
+    stream, prev, evicted0 = Stream(policy), None, engine.ledger.evicted
     done[policy] = stream
-    evicted0 = engine.ledger.evicted
-    for k in range(1, args.passes + 1):
+    snap = Path(args.out) / f"{policy}.safetensors"
+    if args.resume and snap.exists():
+        prev, evicted0 = resume(engine, snap, run, stream)
+        print(f"{policy}: resumed after pass {len(stream.passes)} from {snap}", file=sys.stderr)
+    else:
+        list(engine.feed_ids(engine.encode_document("")))  # the BOS a stream starts with, where the model has one
+    for k in range(len(stream.passes) + 1, args.passes + 1):
         p, t0 = Pass(k), time.perf_counter()
         prev = feed_pass(engine, ids, prev, p)
         p.seconds = time.perf_counter() - t0
@@ -102,8 +112,26 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
         print(f"{policy:7s} pass {k:3d}: ppl {p.ppl:8.4f}  {p.targets / p.seconds:6.0f} tok/s  "
               f"RSS {p.rss_mib:6.0f} MiB  cache {p.cache_bytes / 2**20:.1f} MiB  evicted {p.evicted:,}",
               file=sys.stderr, flush=True)
+        save_snapshot(engine, snap, extra={"run": run, "evicted0": evicted0,
+                                           "passes": [asdict(x) for x in stream.passes]})
         save()
     return stream
+
+
+def resume(engine: Any, path: Path, run: dict[str, Any], stream: Stream) -> tuple[Any, int]:
+    """Load a policy's saved session: the stream goes on exactly where it stopped (the cache, the ledger and the
+    logits that score the next pass's first token), with the passes it measured. Another run's file is refused."""
+    from sinkchat.store.snapshot import SnapshotError, load_snapshot
+
+    try:
+        extra = load_snapshot(engine, path)["extra"]
+    except SnapshotError as e:
+        raise SystemExit(f"error: cannot resume: {e}") from None
+    if extra.get("run") != run:
+        raise SystemExit(f"error: {path} was saved by another run ({extra.get('run')}, this one {run}); "
+                         "use another --out or drop --resume")
+    stream.passes = [Pass(**p) for p in extra["passes"]]
+    return engine.last_logits.reshape(-1), int(extra["evicted0"])
 
 
 def verdict(streams: dict[str, Stream], tolerance: float) -> tuple[str, str]:
@@ -175,6 +203,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="long_stream")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue each policy from DIR/<policy>.safetensors (saved after every pass)")
     return ap.parse_args()
 
 
@@ -197,6 +227,8 @@ def main() -> int:
     streams: dict[str, Stream] = {}
     head = {"text": str(text), "tokens_per_pass": len(ids), "cache": args.cache, "sinks": args.sinks,
             "chunk": args.chunk, "model": eng.loaded.source, "quant": eng.loaded.quant}
+    run = {"text_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(), "tokens_per_pass": len(ids),
+           "cache": args.cache, "sinks": args.sinks, "chunk": args.chunk, "evict_chunk": args.evict_chunk}
 
     def save() -> None:
         v, why = verdict(streams, args.tolerance)
@@ -208,7 +240,7 @@ def main() -> int:
 
     try:
         for pol in [p.strip() for p in args.policies.split(",") if p.strip()]:
-            run_policy(eng, ids, pol, args, streams, save)
+            run_policy(eng, ids, pol, args, streams, save, run)
     except KeyboardInterrupt:
         print("interrupted: reporting the passes measured", file=sys.stderr)
     if not streams or not any(s.passes for s in streams.values()):

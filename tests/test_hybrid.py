@@ -288,6 +288,20 @@ def test_the_status_line_and_stats_show_both_kinds_of_layers():
     assert want in "".join(str(c) for c in stats_table(s).columns[1]._cells)
     plain = read_stats(engine(mistral(2, None)), Metrics())
     assert plain.kv_layout == "" and f"{plain.cache_len}/{plain.capacity}" in status_line(plain)
+    assert s.gauge_local is None and " local 0." not in status_line(s)  # nothing measured yet: no figure
+    m = Metrics()
+    m.fold(eng.measure_gauge() or _armed_gauge(eng))
+    s = read_stats(eng, m)
+    shown = f" local {s.gauge_local:.2f}"
+    assert 0 < s.gauge_local < 1 and shown in status_line(s) and shown in toolbar_text(s)
+    assert "on the first tokens of their window" in "".join(str(c) for c in stats_table(s).columns[1]._cells)
+
+
+def _armed_gauge(eng):
+    eng.gauge.armed = True
+    list(eng.feed_ids([5]))
+    eng.gauge.armed = False
+    return eng.measure_gauge()
 
 
 def test_a_cache_state_restores_the_rings():
@@ -424,3 +438,44 @@ def literal_attention(model, ids, eng, window, depth):
     lo = w0 - depth * (window - 1)
     cols = list(range(pinned)) + [pinned + a - lo for a in idx[pinned:]]
     return w[:, cols]
+
+
+@pytest.mark.parametrize("build", [lambda: gemma2([S, F]), lambda: gemma3([S, F])], ids=["gemma2", "gemma3"])
+def test_gauge_measures_the_local_layers_over_their_own_window(build):
+    """The local layer's figure (separately from the gauge proper): its attention over its ring, oldest first, is
+    the attention weights transformers' eager attention returns for the same query. The reference is exact and
+    simple because the local layer comes first: its input is the tokens alone, so a fresh forward over the last W
+    tokens of the stream reproduces its window at the same relative distances. The event's `local` is that
+    layer's share on the window's first 4 tokens, not on the cache's first slots (the sinks)."""
+    model = build()
+    model.set_attn_implementation("eager")
+    eng = engine(model)
+    ids = random_ids(150, seed=3)
+    stream(eng, ids[:-1], singles=5)
+    eng.gauge.armed = True
+    list(eng.feed_ids(ids[-1:]))
+    eng.gauge.armed = False
+    assert eng.gauge.measured == (1, 0) and eng.ledger.evicted > 40
+    probs = eng.gauge.probs(eng.cache, 1)[0].reshape(4, -1)  # [H, W] the local layer over its window
+    captured = {}
+    handle = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, out: captured.update(w=out[1]))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids[-8:]]))
+    finally:
+        handle.remove()
+    ref = captured["w"][0, :, -1]  # [H, 8]: the last query over its window of 8
+    assert probs.shape == (4, 8) and (probs - ref).abs().max().item() <= 1e-5
+    glob = eng.gauge.probs(eng.cache, 0)[0].reshape(4, -1)  # the global layer over the kept slots: the sinks first
+    ev = eng.measure_gauge(4)
+    assert ev.local_per_layer == pytest.approx((float(ref[:, :4].sum(-1).mean()),), abs=1e-5)
+    assert ev.local == ev.local_per_layer[0] and ev.local_uniform == 4 / 8
+    assert glob.shape[-1] == eng.cache.length and ev.share == pytest.approx(float(glob[:, :4].sum(-1).mean()))
+    assert abs(ev.local - ev.share) > 1e-3  # two different measurements, not one figure shown twice
+
+
+def test_a_one_kind_model_has_no_local_figure():
+    eng = engine(mistral(2, None))
+    list(eng.feed_ids(random_ids(30)))
+    ev = _armed_gauge(eng)
+    assert ev.local is None and ev.local_per_layer == () and ev.local_uniform is None and len(ev.per_layer) == 2

@@ -152,6 +152,11 @@ def test_bf16_cache_and_the_gauge_of_the_global_layers():
     for x, y in zip(*evs):
         assert len(x.per_layer) == 2 and x.per_layer == pytest.approx(y.per_layer, abs=1e-4)
         assert (x.recent, x.n) == pytest.approx((y.recent, y.n), abs=1e-4)
+        # the local layers' figure: the step's share on the first slots of each ring's view (its window, oldest
+        # first) is what the gauge recomputes over the ring from transformers' queries
+        assert len(x.local_per_layer) == 2 and x.local_per_layer == pytest.approx(y.local_per_layer, abs=1e-4)
+        assert x.local_uniform == y.local_uniform == pytest.approx(4 / 8)
+    assert {round(v, 4) for x in evs[0] for v in x.local_per_layer} != {round(v, 4) for x in evs[0] for v in x.per_layer}
 
 
 def _simd() -> str | None:

@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sinkchat.core.events import DoneEvent, EvictionEvent
-from sinkchat.core.metrics import (Metrics, Stats, eviction_line, gauge_bar, human_bytes, policy_label, read_stats,
-                                   status_line)
+from sinkchat.core.metrics import (Metrics, Stats, eviction_line, gauge_bar, human_bytes, local_gauge, policy_label,
+                                   read_stats, status_line)
 
 Fragments = list[tuple[str, str]]
 
@@ -50,7 +50,7 @@ def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
             ("class:toolbar", f" seen {s.seen} "),
             ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
             ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''} "),
-            ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start} "),
+            ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start}{local_gauge(s)} "),
         ]
     mem = f" RSS {_short(s.rss)}" + (f" CUDA {_short(s.cuda[0])}" if s.cuda else "") + " "
     return [
@@ -92,7 +92,10 @@ def stats_table(s: Stats) -> Table:
         ("prefill", f"{s.prefill_tok_s:.1f} tok/s"),
         ("decoder", s.decoder or "-"),
         ("sink gauge", "n/a" if s.gauge is None else
-         f"{gauge_bar(s.gauge)} {s.gauge:.3f} (recent {s.gauge_recent:.3f}, uniform {s.gauge_uniform:.3f})"),
+         f"{gauge_bar(s.gauge)} {s.gauge:.3f} (recent {s.gauge_recent:.3f}, uniform {s.gauge_uniform:.3f})"
+         + (" on the global layers" if s.kv_layout else "")),
+        *([("local layers", f"{s.gauge_local:.3f} on the first tokens of their window (uniform "
+                            f"{s.gauge_local_uniform:.3f})")] if s.gauge_local is not None else []),
         ("holds stream start", "yes" if s.holds_start else "no"),
     ]
     for k, v in rows:

@@ -43,6 +43,9 @@ class GaugeEvent:
 
     `holds_start` tells whether those slots still hold the stream's first tokens (False once `window` evicted them).
     `recent` is the same share for the most recent `n` slots and `uniform` what an even spread would give.
+    Hybrid models: all of these describe the global layers; `local` is the local layers' share on the first `n`
+    tokens of their own window (mean over layers and heads; None without local layers), `local_uniform` an even
+    spread's share of that window.
     """
 
     share: float
@@ -51,6 +54,9 @@ class GaugeEvent:
     uniform: float
     n: int
     holds_start: bool
+    local: float | None = None
+    local_per_layer: tuple[float, ...] = ()
+    local_uniform: float | None = None
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ forward hook keeps the last token's query projection per layer; on sampled steps
 and recompute softmax(q K^T * scale) against the cached keys, which are exactly what attention used. Cost: one
 [H, D] x [D, L] product per layer on sampled steps only.
 
-Hybrid models (Gemma 2 / 3): only the global (full-attention) layers are measured. They are the ones the sink
-policy governs; a local layer's window holds no sinks once the stream is longer than the window, so its share on
-the first slots means nothing there. Each layer's query is rotated with its own RoPE, and Gemma 2's score
-soft-capping is applied as in its attention.
+Hybrid models (Gemma 2 / 3): the gauge proper is over the global (full-attention) layers, the ones the sink policy
+governs. The local layers are measured separately: their share on the first tokens of their own window (a ring of
+the last W tokens, so once the stream is longer than W those are whatever tokens W back, not the stream's start).
+That figure says whether local layers also park attention on whatever comes first in what they see; the sink
+policy cannot help them there and never evicts from their window. Each layer's query is rotated with its own RoPE,
+and Gemma 2's score soft-capping is applied as in its attention.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from sinkchat.core.events import GaugeEvent
+from sinkchat.core.hybrid_cache import WindowLayer
 from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.model.spec import ModelSpec
 
@@ -30,14 +33,16 @@ class SinkGauge:
     `record`; a transformers forward leaves its queries in the hooks and `measure` recomputes the softmax."""
 
     def __init__(self, model: Any, spec: ModelSpec) -> None:
-        self.layers = spec.global_layers  # cache layer of each measured layer (`attn`, `queries` follow this order)
-        ropes = spec.ropes()
-        self.ropes = [ropes[i] for i in self.layers]
+        self.layers = spec.global_layers  # the gauge proper: the layers the sink policy governs
+        self.local_layers = tuple(i for i in range(spec.n_layers) if i not in self.layers)  # hybrids only
+        self.measured = self.layers + self.local_layers  # cache layer of each measured layer (`attn`, `queries`,
+        ropes = spec.ropes()  # `ropes`, `scales` and `probs(cache, i)` follow this order: global, then local)
+        self.ropes = [ropes[i] for i in self.measured]
         self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
-        self.scales = [spec.layers[i].scaling for i in self.layers]
+        self.scales = [spec.layers[i].scaling for i in self.measured]
         self.softcap = spec.attn_softcap
         base = getattr(model, "model", model)
-        self.attn = [base.layers[i].self_attn for i in self.layers]
+        self.attn = [base.layers[i].self_attn for i in self.measured]
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
         self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
         self.armed = False
@@ -68,8 +73,8 @@ class SinkGauge:
     def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
         """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots."""
         if self.armed:
-            self.queries = list(queries[list(self.layers), None])
-            self.shares = (n, shares[list(self.layers)])
+            self.queries = list(queries[list(self.measured), None])
+            self.shares = (n, shares[list(self.measured)])  # a ring's slots run oldest first: its window's start
 
     def discard_shares(self) -> None:
         """Before a transformers forward: an earlier step's shares must not stand for this forward's attention."""
@@ -79,42 +84,47 @@ class SinkGauge:
         for h in self._handles:
             h.remove()
 
+    @staticmethod
+    def attended_keys(layer: Any, length: int) -> torch.Tensor:
+        """The cached keys [B, H_kv, n, D] the last token fed attended to, oldest first: a local layer's ring holds
+        its window (the token itself and the W - 1 before it), any other layer the slots 0..length-1."""
+        if isinstance(layer, WindowLayer):
+            return layer.keys[:, :, max(layer.floor, layer.end - layer.window) : layer.end]
+        return layer.keys[:, :, :length]
+
     def probs(self, cache: SinkKVCache, i: int) -> torch.Tensor:
-        """The i-th measured layer's attention probabilities [B, H_kv, G, L] of the captured query, rotated to its
-        in-cache position L-1, against the cached keys: what attention computed for the last token fed."""
+        """The i-th measured layer's attention probabilities [B, H_kv, G, n] of the captured query, rotated to its
+        in-cache position L-1, against the keys it attended to: what attention computed for the last token fed."""
         L = cache.length
         q = self.queries[i].reshape(1, self.n_heads, 1, self.head_dim)  # [B, H, 1, D]
         q = self.ropes[i].rotate(q, L - 1).float()
-        keys = cache.layers[self.layers[i]].keys[:, :, :L].float()  # [B, H_kv, L, D]
+        keys = self.attended_keys(cache.layers[self.measured[i]], L).float()  # [B, H_kv, n, D]
         qg = q.view(1, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # [B, H_kv, G, D]
-        scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * self.scales[i]  # [B, H_kv, G, L]
+        scores = torch.einsum("bhgd,bhld->bhgl", qg, keys) * self.scales[i]  # [B, H_kv, G, n]
         if self.softcap:  # Gemma 2: scores squashed into (-cap, cap) before the softmax
             scores = torch.tanh(scores / self.softcap) * self.softcap
         return torch.softmax(scores, dim=-1)
 
     def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
-        """Attention share of the last fed token on slots [0, n), from the queries captured in the last forward."""
+        """Attention share of the last fed token on slots [0, n) (and a local layer's on the first n of its
+        window), from the shares a fast step computed or the queries captured in the last forward."""
         L = cache.length
         shares, self.shares = self.shares, None
         if L == 0 or any(q is None for q in self.queries):
             return None
         if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
-            self.queries = [None] * len(self.attn)
             first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
-            return GaugeEvent(share=sum(first) / len(first), per_layer=tuple(first), recent=sum(last) / len(last),
-                              uniform=min(n, L) / L, n=min(n, L), holds_start=holds_start)
-        n = min(n, L)
-        per_layer, recent = [], []
-        for i in range(len(self.attn)):
-            probs = self.probs(cache, i)  # [B, H_kv, G, L]
-            per_layer.append(float(probs[..., :n].sum(-1).mean()))
-            recent.append(float(probs[..., L - n :].sum(-1).mean()))
+        else:
+            first, last = [], []
+            for i in range(len(self.attn)):
+                probs = self.probs(cache, i)  # [B, H_kv, G, n_i]
+                first.append(float(probs[..., :n].sum(-1).mean()))
+                last.append(float(probs[..., -n:].sum(-1).mean()))
         self.queries = [None] * len(self.attn)
-        return GaugeEvent(
-            share=sum(per_layer) / len(per_layer),
-            per_layer=tuple(per_layer),
-            recent=sum(recent) / len(recent),
-            uniform=n / L,
-            n=n,
-            holds_start=holds_start,
-        )
+        g, n = len(self.layers), min(n, L)
+        local = tuple(first[g:])
+        seen = [self.attended_keys(cache.layers[i], L).shape[-2] for i in self.local_layers[:1]]
+        return GaugeEvent(share=sum(first[:g]) / g, per_layer=tuple(first[:g]), recent=sum(last[:g]) / g,
+                          uniform=n / L, n=n, holds_start=holds_start,
+                          local=sum(local) / len(local) if local else None, local_per_layer=local,
+                          local_uniform=min(n, seen[0]) / seen[0] if seen and seen[0] else None)

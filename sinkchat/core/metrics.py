@@ -144,6 +144,8 @@ class Stats:
     decoder: str = ""  # how single tokens are decoded now, e.g. "compiled, kv bfloat16"
     pinned: int = 0  # leading slots kept forever beyond the sinks' own count (the pinned system prompt)
     kv_layout: str = ""  # hybrid models: "global 6 layers 1024/1024, local 20 layers 511/511" (empty otherwise)
+    gauge_local: float | None = None  # hybrid models: the local layers' share on the first tokens of their window
+    gauge_local_uniform: float | None = None  # ... and an even spread's share there
 
 
 def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stats:
@@ -171,6 +173,8 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         decoder=getattr(engine, "decoder_status", ""),
         pinned=engine.ledger.pinned if engine.cache_cfg.policy == "sink" else 0,
         kv_layout=kv_layout(engine.cache),
+        gauge_local=g.local if g else None,
+        gauge_local_uniform=g.local_uniform if g else None,
     )
 
 
@@ -215,5 +219,10 @@ def status_line(s: Stats) -> str:
     return (
         f"{policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
         f"{s.kv_layout or f'{s.cache_len}/{s.capacity}'} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
-        f"sink {gauge_bar(s.gauge)} {gauge}"
+        f"sink {gauge_bar(s.gauge)} {gauge}{local_gauge(s)}"
     )
+
+
+def local_gauge(s: Stats) -> str:
+    """" local 0.05": a hybrid model's local layers' share on the first tokens of their window (else "")."""
+    return "" if s.gauge_local is None else f" local {s.gauge_local:.2f}"

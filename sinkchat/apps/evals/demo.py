@@ -59,7 +59,8 @@ def stream_policy(engine: Any, ids: list[int], policy: str, capacity: int, n_sin
 
 
 def attention_rows(engine: Any) -> list[Any]:
-    """Per layer: attention probabilities [L] (mean over heads) of the last token fed while the gauge was armed.
+    """Per measured layer (global, then local): attention probabilities (mean over heads) of the last token fed while
+    the gauge was armed, over what the layer attended to ([L] slots; a local ring: [W] tokens, oldest first).
 
     `SinkGauge.probs`, as the gauge's own measurement uses it, but keeping every slot, so the demo can read single
     positions and the recent tail per layer."""
@@ -73,24 +74,33 @@ def dense_with_gauge(engine: Any, ids: list[int], chunk: int, n: int, from_pos: 
                      progress: Callable[[int], None] | None = None) -> tuple[PolicyResult, dict[str, Any]]:
     """Stream ids through a dense cache; after every chunk that ends at or past from_pos, read the attention of the
     chunk's last token. Returns the NLLs and, averaged over those query positions: per-layer share on the first n
-    slots and on the most recent n, the uniform share n/L, and each of the first 8 positions' share (mean of layers)."""
-    sums: dict[str, list[float]] = {"first": [], "recent": [], "per_pos": []}
+    slots and on the most recent n, the uniform share n/L, and each of the first 8 positions' share (mean of layers).
+    Hybrid models: those describe the global layers; the local ones get the same figures over their own window
+    (`local_*`: its first n tokens, its most recent n, an even spread's n/W)."""
+    sums: dict[str, list[float]] = {k: [] for k in ("first", "recent", "per_pos", "local_first", "local_recent")}
     queries: list[int] = []
     uniform: list[float] = []
+    local_uniform: list[float] = []
+    n_global = len(engine.gauge.layers)
 
     def add(key: str, vals: list[float]) -> None:
         sums[key] = vals if not sums[key] else [a + b for a, b in zip(sums[key], vals)]
 
     def on_block(pos: int) -> None:
         if pos >= from_pos:
-            rows = attention_rows(engine)
+            rows = attention_rows(engine)  # global layers' rows [L], then local layers' rows [window]
             if rows:
-                L = len(rows[0])
+                glob, local = rows[:n_global], rows[n_global:]
+                L = len(glob[0])
                 queries.append(pos - 1)
                 uniform.append(n / L)
-                add("first", [float(r[:n].sum()) for r in rows])
-                add("recent", [float(r[L - n :].sum()) for r in rows])
-                add("per_pos", [sum(float(r[j]) for r in rows) / len(rows) for j in range(min(8, L))])
+                add("first", [float(r[:n].sum()) for r in glob])
+                add("recent", [float(r[L - n :].sum()) for r in glob])
+                add("per_pos", [sum(float(r[j]) for r in glob) / len(glob) for j in range(min(8, L))])
+                if local:
+                    local_uniform.append(n / len(local[0]))
+                    add("local_first", [float(r[:n].sum()) for r in local])
+                    add("local_recent", [float(r[-n:].sum()) for r in local])
             engine.gauge.queries = [None] * len(engine.gauge.queries)
         if progress:
             progress(pos)
@@ -112,6 +122,12 @@ def dense_with_gauge(engine: Any, ids: list[int], chunk: int, n: int, from_pos: 
     g["first_mean"] = sum(g["first_per_layer"]) / len(g["first_per_layer"])
     g["recent_mean"] = sum(g["recent_per_layer"]) / len(g["recent_per_layer"])
     g["layers_first_gt_recent"] = sum(f > r for f, r in zip(g["first_per_layer"], g["recent_per_layer"]))
+    if local_uniform:
+        g["local"] = {"layer_index": list(engine.gauge.local_layers), "uniform": sum(local_uniform) / k,
+                      "first_per_layer": [v / k for v in sums["local_first"]],
+                      "recent_per_layer": [v / k for v in sums["local_recent"]]}
+        g["local"]["first_mean"] = sum(g["local"]["first_per_layer"]) / len(g["local"]["first_per_layer"])
+        g["local"]["recent_mean"] = sum(g["local"]["recent_per_layer"]) / len(g["local"]["recent_per_layer"])
     return res, g
 
 

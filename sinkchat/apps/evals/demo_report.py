@@ -49,6 +49,8 @@ def render_markdown(s: dict[str, Any]) -> str:
     index = g.get("layer_index") or list(range(len(g["first_per_layer"])))
     for i, f, r in zip(index, g["first_per_layer"], g["recent_per_layer"]):
         L.append(f"| {i} | {f:.3f} | {r:.3f} | {g['uniform']:.4f} |")
+    if g.get("local"):
+        L += local_rows(g["local"], g["n"])
     L += ["", f"## 3. Ablation (dense cache of {ab['prefix']} tokens, ppl of the next {ab['follow']})", "",
           "| evicted | ppl | vs none |", "|---|---|---|",
           f"| nothing | {fmt(ab['ppl']['none'])} | 1.00 |",
@@ -56,6 +58,17 @@ def render_markdown(s: dict[str, Any]) -> str:
           f"| {ab['n']} from slot {ab['middle_start']} | {fmt(ab['ppl']['middle'])} | {fmt(ab['middle_ratio'])} |",
           ""]
     return "\n".join(L)
+
+
+def local_rows(loc: dict[str, Any], n: int) -> list[str]:
+    """The local (sliding-window) layers' part of section 2: shares over each layer's own window."""
+    L = ["", f"Local (sliding-window) layers, over their own window: first {n} tokens of the window "
+         f"{loc['first_mean']:.3f}, most recent {n} {loc['recent_mean']:.3f}, uniform {loc['uniform']:.4f}. "
+         "The window's first tokens are just the tokens W back, not the stream's start; the sink policy never "
+         "evicts from this window.", "", "| local layer | window's first | recent | uniform |", "|---|---|---|---|"]
+    for i, f, r in zip(loc["layer_index"], loc["first_per_layer"], loc["recent_per_layer"]):
+        L.append(f"| {i} | {f:.3f} | {r:.3f} | {loc['uniform']:.4f} |")
+    return L
 
 
 def plot_attention(s: dict[str, Any], path: Path) -> None:
@@ -69,6 +82,10 @@ def plot_attention(s: dict[str, Any], path: Path) -> None:
     xs = g.get("layer_index") or list(range(len(g["first_per_layer"])))
     a1.plot(xs, g["first_per_layer"], marker="o", label=f"first {g['n']} positions")
     a1.plot(xs, g["recent_per_layer"], marker="s", label=f"most recent {g['n']}")
+    if g.get("local"):
+        loc = g["local"]
+        a1.plot(loc["layer_index"], loc["first_per_layer"], marker="^", ls=":",
+                label=f"local layers: first {g['n']} of their window")
     a1.axhline(g["uniform"], color="gray", ls="--", label="uniform")
     a1.set_xlabel("layer")
     a1.set_ylabel("attention share of the newest token")
