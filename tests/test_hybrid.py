@@ -270,7 +270,7 @@ def test_ring_layers_hold_the_window_not_the_cache():
     assert ring.visible == 7 and glob.length == eng.cache.length
     assert ring.capacity == 7 + 16  # keep + slack (the largest chunk was 7): under half the global layer's 64
     assert eng.cache.nbytes == 5 * ring.nbytes + glob.nbytes
-    assert eng.cache.layout() == f"global 1 layers {eng.cache.length}/64, local 5 layers 7/7"
+    assert eng.cache.layout() == f"global 1 layer {eng.cache.length}/64, local 5 layers 7/7"
     assert [layer.is_sliding for layer in layers] == [True] * 5 + [False]
 
 
@@ -283,7 +283,7 @@ def test_the_status_line_and_stats_show_both_kinds_of_layers():
     eng = engine(gemma3([S] * 5 + [F]), CacheConfig("sink", 4, 64, 6))
     stream(eng, random_ids(120))
     s = read_stats(eng, Metrics())
-    want = f"global 1 layers {eng.cache.length}/64, local 5 layers 7/7"
+    want = f"global 1 layer {eng.cache.length}/64, local 5 layers 7/7"
     assert s.kv_layout == want and want in status_line(s) and want in toolbar_text(s)
     assert want in "".join(str(c) for c in stats_table(s).columns[1]._cells)
     plain = read_stats(engine(mistral(2, None)), Metrics())

@@ -252,10 +252,13 @@ class HybridKVCache(SinkKVCache):
     def layout(self) -> str:
         """For status lines: "global 6 layers 1024/1024, local 20 layers 511/511" (a ring's visible tokens out of
         window - 1), or "..., local 20 layers shared" when the window cannot bite inside the cache."""
-        g = f"global {len(self.global_idx)} layers {self.length}/{self.capacity}"
+        def layers(n: int) -> str:
+            return f"{n} layer{'s' if n != 1 else ''}"
+
+        g = f"global {layers(len(self.global_idx))} {self.length}/{self.capacity}"
         ring = next((layer for layer in self.layers if isinstance(layer, WindowLayer)), None)
         local = "shared" if ring is None else f"{ring.visible}/{ring.keep}"
-        return f"{g}, local {len(self.local_idx)} layers {local}"
+        return f"{g}, local {layers(len(self.local_idx))} {local}"
 
 
 def local_layout(spec: ModelSpec, capacity: int) -> str:
