@@ -18,7 +18,7 @@ def ppl_run(tmp_path_factory):
     if not TEXT.is_file():
         pytest.skip("GPL-3 text not present")
     out = tmp_path_factory.mktemp("ppl")
-    cmd = [sys.executable, "-m", "sinkchat.cli", "ppl", str(TEXT), "--quant", "none", "--cache", "128",
+    cmd = [sys.executable, "-m", "sinkchat.cli", "ppl", str(TEXT), "--cache", "128",
            "--policy", "sink", "--policy", "window", "--policy", "recompute", "--tokens", "1100", "--bin", "100",
            "--recompute-every", "5", "--json", "--plot", str(out / "ppl.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
