@@ -149,8 +149,11 @@ def test_fp16_scales_and_offsets_stay_exact_in_the_dequantized_weights():
     assert lin.rows(ids).shape == (2, 3, 96)
     assert torch.equal(lin.rows(ids), exact[ids])
     assert lin.rows(torch.tensor(7)).shape == (96,) and lin.rows(torch.tensor([], dtype=torch.long)).shape == (0, 96)
-    with pytest.raises(IndexError):
-        lin.rows(torch.tensor([48]))
+    for one in (0, 17, 31, 47):  # a decode step's single id takes the indexing path: the same row
+        assert torch.equal(lin.rows(torch.tensor([one])), exact[[one]]) and torch.equal(lin.rows(torch.tensor(one)), exact[one])
+    for bad in ([48], [-1], 48):
+        with pytest.raises(IndexError):
+            lin.rows(torch.tensor(bad))
 
 
 def test_from_values_rounds_d_and_m_to_fp16_only():

@@ -69,11 +69,15 @@ def pack_q8g(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     return hw, sw
 
 
-def q8g_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The weights of a `pack_q8g` layout in fp32, [N, K] (or rows `rows` [n] only: [n, K]), from the bytes and
-    scales directly: d·q is exact in fp32 (11 x 8 bits), so each weight is d·q + m rounded once."""
+def q8g_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The weights of a `pack_q8g` layout in fp32, [N, K] (or rows `rows` [n] only: [n, K]; one row `rows` int:
+    [1, K]), from the bytes and scales directly: d·q is exact in fp32 (11 x 8 bits), so each weight is d·q + m
+    rounded once."""
     k = hw.shape[1] * QB
-    if rows is None:
+    if isinstance(rows, int):  # views, no gather
+        u = hw[rows // RG, :, :, rows % RG, :].reshape(1, k)  # [1, K]
+        dm = sw[rows // RG, :, :, :, rows % RG].transpose(-1, -2).reshape(1, k // 16, 2)  # [1, K/16, 2]
+    elif rows is None:
         u = hw.permute(0, 3, 1, 2, 4).reshape(hw.shape[0] * RG, k)  # [N, K]: [g, r, b, s, t]
         dm = sw.permute(0, 4, 1, 3, 2).reshape(sw.shape[0] * RG, k // 16, 2)  # [N, K/16, 2]: [g, r, b, half, d|m]
     else:

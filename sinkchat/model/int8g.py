@@ -79,6 +79,11 @@ class Int8GLinear(nn.Module):
         """Rows `ids` [...] of the weight, fp32 [..., K]: an embedding lookup into a table stored as q8g. Unpacks only
         those rows (cheap for a few ids), whatever the shape of ids."""
         flat = ids.reshape(-1).long()  # [n]
+        if flat.numel() == 1:  # one token (every decode step): plain indexing, half the time of a gather
+            row = int(flat)
+            if not 0 <= row < self.out_features:
+                raise IndexError(f"row ids outside 0..{self.out_features - 1}")
+            return native.q8g_unpack(self.qw, self.sw, row).reshape(*ids.shape, self.in_features)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"row ids outside 0..{self.out_features - 1}")
         return native.q8g_unpack(self.qw, self.sw, flat).reshape(*ids.shape, self.in_features)
