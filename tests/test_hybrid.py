@@ -398,19 +398,26 @@ def test_what_the_cache_cannot_express_is_refused_in_one_line():
         check_config(tf.Gemma3TextConfig(**SHAPE, num_hidden_layers=2, use_bidirectional_attention=True))
 
 
+def _eager_streamed(build, seed):
+    """The model on eager attention, 149 tokens streamed through a 40-slot sink cache, then one more with the gauge
+    armed (its queries captured)."""
+    model = build()
+    model.set_attn_implementation("eager")
+    eng = engine(model)
+    ids = random_ids(150, seed=seed)
+    stream(eng, ids[:-1], singles=5)
+    eng.gauge.armed = True
+    list(eng.feed_ids(ids[-1:]))
+    eng.gauge.armed = False
+    return model, eng, ids
+
+
 @pytest.mark.parametrize("build", [lambda: gemma2([S, F]), lambda: gemma3([S, F])], ids=["gemma2", "gemma3"])
 def test_gauge_measures_the_global_layers_as_attention_computed_them(build):
     """The gauge's probabilities for the global layer equal the attention weights transformers' eager attention
     returns for the same last query in the literal reference forward (Gemma 2: soft-capped scores; Gemma 3: q_norm
     and a RoPE of its own on the global layer)."""
-    model = build()
-    model.set_attn_implementation("eager")
-    eng = engine(model)
-    ids = random_ids(150, seed=7)
-    stream(eng, ids[:-1], singles=5)
-    eng.gauge.armed = True
-    list(eng.feed_ids(ids[-1:]))
-    eng.gauge.armed = False
+    model, eng, ids = _eager_streamed(build, seed=7)
     probs = eng.gauge.probs(eng.cache, 0)[0].reshape(4, -1)  # [H, L]
     ev = eng.measure_gauge(4)
     assert len(ev.per_layer) == 1 and ev.per_layer[0] == pytest.approx(float(probs[:, :4].sum(-1).mean()))
@@ -447,14 +454,7 @@ def test_gauge_measures_the_local_layers_over_their_own_window(build):
     simple because the local layer comes first: its input is the tokens alone, so a fresh forward over the last W
     tokens of the stream reproduces its window at the same relative distances. The event's `local` is that
     layer's share on the window's first 4 tokens, not on the cache's first slots (the sinks)."""
-    model = build()
-    model.set_attn_implementation("eager")
-    eng = engine(model)
-    ids = random_ids(150, seed=3)
-    stream(eng, ids[:-1], singles=5)
-    eng.gauge.armed = True
-    list(eng.feed_ids(ids[-1:]))
-    eng.gauge.armed = False
+    model, eng, ids = _eager_streamed(build, seed=3)
     assert eng.gauge.measured == (1, 0) and eng.ledger.evicted > 40
     probs = eng.gauge.probs(eng.cache, 1)[0].reshape(4, -1)  # [H, W] the local layer over its window
     captured = {}

@@ -9,10 +9,9 @@ multiplies bytes with `vpdpbusd` (64 multiply-adds an instruction); these kernel
 16 output rows in one 512-bit register (no horizontal sums in the inner loop). Measured on the bundled model's
 shapes: 1.4 ms instead of 7.5 ms per token when the weights are in cache, and 2.7x faster at a 256-token prefill.
 
-The activation rounding is llama.cpp's (int8, one scale per 32 values, exact block sums for the zero points); its
-cost in perplexity is in the README. The library is compiled once per source (and, for avx512, per CPU) with the
-system's C compiler into sinkchat's cache dir (~0.5 s) and loaded with ctypes: no torch headers, no build step at
-install time. Where no variant runs (no AVX2, no compiler) `available()` is False and torch's kernels run instead.
+The activation rounding is llama.cpp's (int8, one scale per 32 values, exact block sums for the zero points). The
+library is compiled once per source (and, for avx512, per CPU) with the system's C compiler into the cache dir
+(~0.5 s) and loaded with ctypes: no build step at install time. Where no variant runs `available()` is False.
 
 Variants, one library each, chosen at run time (`variant()`): SINKCHAT_KERNELS=avx512|avxvnni|avx2|neon|ref names one
 (a CPU without it is a one-line ConfigError, never a SIGILL: its library is not even loaded), `use()` switches this
@@ -26,13 +25,11 @@ process (tests), and "auto" takes `best()`, the first of these the CPU has:
   register, for aarch64 CPUs with the dot-product extension. Tested bit for bit under qemu-aarch64 (tests/
   test_neon.py, slow); not tuned (prefill runs its one-row code row by row) nor timed: no ARM machine here.
 - "ref" (ref.c): plain scalar C built with no -march flag, so it compiles and runs on any CPU; slow, for checking.
-Each links the same layer loop, pool and entry points (linear.c, step.c, pool.c, api.c). Why separate libraries
-rather than one with per-function target attributes and a dispatch: each build keeps its flags for all its code
-(the step's scalar loops included: the avx512 one is exactly as fast as before), and a build cannot pick up another
-ISA's instruction by accident (the 256-bit ones name -mavx2 -mfma -mf16c [-mavxvnni] and no -march, so they run on
-any CPU with those flags, and this AVX-512 CPU can build and test them). The cost is a ~0.5 s compile per variant,
-paid only for the variants a process uses. Tests hold every SIMD variant to the reference: bit-exact for the
-matmuls, the quantizer, the rotation and the eviction; to float rounding for attention (tests/test_kernels.py).
+Each links the same layer loop, pool and entry points (linear.c, step.c, pool.c, api.c). Separate libraries rather
+than per-function target attributes: each build keeps its flags for all its code (the step's scalar loops too), and
+cannot pick up another ISA's instruction by accident; the cost is a ~0.5 s compile per variant a process uses.
+Tests hold every SIMD variant to the reference: bit-exact for the matmuls, the quantizer, the rotation and the
+eviction; to float rounding for attention (tests/test_kernels.py).
 
 Scratch memory is the caller's (ggml's work buffers): each C kernel takes a work buffer of the size its
 `sc_*_work` function gives, and this binding keeps one per thread (`threading.local`: concurrent callers never
@@ -41,10 +38,9 @@ share one), grown to the next power of two when a call needs more and then reuse
 Threads: each library keeps a pool of worker threads (csrc/pool.c) that `set_threads(n)` sizes in every variant
 (the loader calls it with `--threads`); the matmuls (decode and prefill), the decode step's attention and the
 eviction split across it, and give the same bits at any thread count (tests/test_threads.py). The work sizes count
-one piece of scratch per thread. Measured on the 2-core dev VM (`sinkchat bench --policies sink --caches 512
---decode 128 --gauge-tokens 0`), 1 -> 2 threads, the other core idle: the ~1B Q4_0 model decodes 31-33 -> 39-42
-tok/s and prefills 103-108 -> 177-178; the bundled 135M 156-158 -> 153-171 and 645-658 -> 817-850. With the other
-core running a busy loop, 2 threads are as fast as 1 (1B: 28.2 / 29.7 tok/s; 135M: 119 / 123), not slower.
+one piece of scratch per thread. 1 -> 2 threads, the other core idle (`sinkchat bench --policies sink --caches 512
+--decode 128 --gauge-tokens 0`): the ~1B Q4_0 model decodes 31-33 -> 39-42 tok/s, prefills 103-108 -> 177-178;
+with the other core running a busy loop, 2 threads are as fast as 1 (1B: 28.2 / 29.7 tok/s), not slower.
 """
 
 from __future__ import annotations
@@ -190,9 +186,8 @@ _FAST: tuple[tuple[Any, ...], Any] | None = None  # what chooses the variant -> 
 
 
 def _lib() -> Any:
-    """`library()` for the kernels' calls. Memoized on what chooses the variant (`use()`, SINKCHAT_KERNELS, and the
-    CPU probe and loader themselves, which tests replace): the full lookup reads the settings and runs the CPU
-    checks, ~35 us, and a decode step made four such calls (~2% of a bundled-model token)."""
+    """`library()`, memoized on what chooses the variant (use(), SINKCHAT_KERNELS, the CPU probe and loader, which
+    tests replace): a lookup costs ~35 us, four a decode step (~2% of a bundled-model token)."""
     global _FAST
     key = (_override, os.environ.get("SINKCHAT_KERNELS"), _load, _variants.cpu)
     if _FAST is not None and _FAST[0] == key:
