@@ -156,6 +156,21 @@ def models(big: bool) -> list[Path]:
     return out
 
 
+def ratios(sc: dict[str, float], ll: dict[str, float], bw: float, sc_info: dict[str, float], ll_bytes: int
+           ) -> dict[str, float]:
+    """Decode ratios at the same cache fill (sinkchat's full cache of C against llama.cpp at depth C), each side's
+    decode as a share of its roofline (bandwidth / bytes of weights and KV read per token), and pp512's ratio."""
+    kv = sc_info["kv_bytes_per_token_bf16"]
+    out = {}
+    for depth in (512, 2048):
+        sc_tok, ll_tok = sc[f"decode@{depth}"], ll[f"tg128@d{depth}"]
+        out[f"decode_ratio@{depth}"] = sc_tok / ll_tok
+        out[f"sinkchat_roofline_share@{depth}"] = sc_tok / (bw * 1e9 / (sc_info["weight_bytes"] + kv * depth))
+        out[f"llama_roofline_share@{depth}"] = ll_tok / (bw * 1e9 / (ll_bytes + kv * depth))
+    out["prefill_ratio"] = sc["prefill@512"] / ll["pp512"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
@@ -171,15 +186,8 @@ def main() -> None:
             bw = run_bandwidth(t)
             ll = llama_bench(bin_dir, model, t)
             sc = sinkchat_bench(model, t)
-            kv = sc_info["kv_bytes_per_token_bf16"]
-            row = {"model": model.name, "threads": t, "bandwidth_gbs": bw, "llama": ll, "sinkchat": sc}
-            for depth, cap, lkey in ((512, 512, "tg128@d512"), (2048, 2048, "tg128@d2048")):
-                roof_sc = bw * 1e9 / (sc_info["weight_bytes"] + kv * depth)
-                roof_ll = bw * 1e9 / (ll_bytes + kv * depth)
-                row[f"decode_ratio@{cap}"] = sc[f"decode@{cap}"] / ll[lkey]
-                row[f"sinkchat_roofline_share@{cap}"] = sc[f"decode@{cap}"] / roof_sc
-                row[f"llama_roofline_share@{cap}"] = ll[lkey] / roof_ll
-            row["prefill_ratio"] = sc["prefill@512"] / ll["pp512"]
+            row = {"model": model.name, "threads": t, "bandwidth_gbs": bw, "llama": ll, "sinkchat": sc,
+                   **ratios(sc, ll, bw, sc_info, ll_bytes)}
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     if a.json:
