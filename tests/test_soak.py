@@ -531,3 +531,35 @@ def test_soak_turns_go_to_the_session_log(tmp_path):
     assert [t.role for t in turns] == ["user", "assistant"] * 3
     assert turns[0].text in ("Say hi.", "Name a color.") and turns[0].tokens > 0
     assert end["jobs"] == 3
+
+
+def test_a_stream_soak_starts_with_the_bos_the_model_was_trained_with(tmp_path, word_tok):
+    """A model whose tokenizer puts a BOS first (Gemma, Llama) gets it at the start of the fed stream, once, and a
+    tokenizer without one gets nothing extra: the soak measures the model as it was trained to read."""
+    from sinkchat.apps.soak.scenario_stream import StreamScenario
+
+    text = tmp_path / "t.txt"
+    text.write_text("1 2 3 4 5 6 7 8 9 10 11 12")
+    eng = _tiny_engine(word_tok)
+    plain = StreamScenario(eng, str(text), block=4)
+    list(plain.step(eng))
+    assert eng.ledger.ids[:4] == eng.encode("1 2 3 4")
+
+    from types import SimpleNamespace
+
+    from fakes import FakeTokenizer
+
+    class BosTok(FakeTokenizer):  # a tokenizer that puts its BOS (id 1) in front of every encoding
+        bos_token, bos_token_id = "<s>", 1
+
+        def __call__(self, text, **kw):
+            return SimpleNamespace(input_ids=[1, *self.encode("2")])
+
+    text.write_text("10 11 12 13 14 15 16 17 18 19")
+    eng = _tiny_engine(BosTok("words", chat_template=None))
+    scen = StreamScenario(eng, str(text), block=4)
+    list(scen.step(eng))
+    list(scen.step(eng))
+    assert eng.ledger.ids == [1, *eng.encode("10 11 12 13 14 15 16")]  # the BOS once, first
+    again = StreamScenario(eng, str(text), block=4)  # the engine has seen tokens already: no BOS mid-stream
+    assert list(again.ids) == []

@@ -50,6 +50,7 @@ class Interval:
     latencies: list[float] = field(default_factory=list)  # seconds per decoded token
     prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
     gauges: list[float] = field(default_factory=list)
+    local_gauges: list[float] = field(default_factory=list)  # hybrid models: the local layers' window-start share
     nll: list[float] = field(default_factory=list)  # NLL of every token fed through the cache (the NllTap's)
 
     def fold(self, ev: Any) -> None:
@@ -64,6 +65,8 @@ class Interval:
                 self.prefill_latencies.append(ev.seconds / ev.tokens)
         elif isinstance(ev, GaugeEvent):
             self.gauges.append(ev.share)
+            if ev.local is not None:
+                self.local_gauges.append(ev.local)
 
 
 def _rate(n: float, s: float) -> float | None:
@@ -211,6 +214,7 @@ class Soak:
             "p50_ms": round(1000 * percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * percentile(lat, 99), 3) if lat else None,
             "gauge": round(sum(iv.gauges) / len(iv.gauges), 4) if iv.gauges else None,
+            "gauge_local": round(sum(iv.local_gauges) / len(iv.local_gauges), 4) if iv.local_gauges else None,
             "ppl": input_ppl, "nll_sum": round(nll_sum, 4), "nll_n": nll_n,
             "errors": self.errors, "faults": self.faults, "attempts": self.attempts,
             "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,
