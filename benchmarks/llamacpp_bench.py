@@ -107,11 +107,16 @@ def run_bandwidth(threads: int) -> float:
 def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict[str, float]:
     out = lt.run_tool(bin_dir, "llama-bench", "-m", str(model), "-p", "512", "-n", "128", "-d", "0,512,2048", "-t",
                       str(threads), "-o", "json")
+    return parse_llama_bench(out)
+
+
+def parse_llama_bench(out: str) -> dict[str, float]:
+    """`llama-bench -o json` output -> {"pp512@d0": tok/s, "tg128@d512": ..., ...}."""
     rows = json.loads(out[out.index("[") : out.rindex("]") + 1])
     res = {}
-    for r in rows:
-        key = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}@d{r.get('n_depth', 0)}"
-        res[key] = float(r["avg_ts"])
+    for r in rows:  # llama-bench runs pp512 at every depth too: each key names its depth
+        kind = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        res[f"{kind}@d{r.get('n_depth', 0)}"] = float(r["avg_ts"])
     return res
 
 
@@ -167,7 +172,7 @@ def ratios(sc: dict[str, float], ll: dict[str, float], bw: float, sc_info: dict[
         out[f"decode_ratio@{depth}"] = sc_tok / ll_tok
         out[f"sinkchat_roofline_share@{depth}"] = sc_tok / (bw * 1e9 / (sc_info["weight_bytes"] + kv * depth))
         out[f"llama_roofline_share@{depth}"] = ll_tok / (bw * 1e9 / (ll_bytes + kv * depth))
-    out["prefill_ratio"] = sc["prefill@512"] / ll["pp512"]
+    out["prefill_ratio"] = sc["prefill@512"] / ll["pp512@d0"]  # both into an empty cache
     return out
 
 
@@ -202,7 +207,7 @@ def main() -> None:
               f"{ll['tg128@d512']:.0f} | {r['decode_ratio@512']:.2f} | {r['sinkchat_roofline_share@512']:.0%} / "
               f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | {ll['tg128@d0']:.0f} | "
               f"{sc['prefill@512']:.0f} / "
-              f"{ll['pp512']:.0f} | {r['prefill_ratio']:.2f} |")
+              f"{ll['pp512@d0']:.0f} | {r['prefill_ratio']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,23 @@ import llamacpp_bench as lb  # noqa: E402
 
 def test_decode_is_compared_at_the_same_fill_and_against_the_roofline():
     sc = {"decode@512": 40.0, "decode@2048": 30.0, "prefill@512": 200.0}
-    ll = {"tg128@d0": 36.0, "tg128@d512": 32.0, "tg128@d2048": 20.0, "pp512": 100.0}
+    ll = {"tg128@d0": 36.0, "tg128@d512": 32.0, "tg128@d2048": 20.0, "pp512@d0": 100.0, "pp512@d2048": 60.0}
     info = {"weight_bytes": 600e6, "kv_bytes_per_token_bf16": 100e3}
     r = lb.ratios(sc, ll, 36.0, info, 700_000_000)
     assert r["decode_ratio@512"] == pytest.approx(40 / 32)  # depth 512, not the empty cache's 36
-    assert r["decode_ratio@2048"] == pytest.approx(30 / 20) and r["prefill_ratio"] == pytest.approx(2.0)
+    assert r["decode_ratio@2048"] == pytest.approx(30 / 20) and r["prefill_ratio"] == pytest.approx(2.0)  # empty cache
     # 36 GB/s over 600 MB + 512 x 100 kB = 55.3 tok/s for sinkchat; llama.cpp reads its own 700 MB + the same KV
     assert r["sinkchat_roofline_share@512"] == pytest.approx(40 / (36e9 / (600e6 + 512 * 100e3)))
     assert r["llama_roofline_share@2048"] == pytest.approx(20 / (36e9 / (700e6 + 2048 * 100e3)))
     assert 0 < r["llama_roofline_share@512"] < r["sinkchat_roofline_share@512"] < 1
+
+
+def test_llama_bench_rows_are_keyed_by_depth_too():
+    """llama-bench runs the prompt test at every `-d` depth as well; the empty-cache one must not be overwritten by
+    the last depth's (it was: the prefill ratio set sinkchat's empty-cache prefill against llama.cpp's at 2048)."""
+    import json
+
+    rows = [{"n_prompt": 512, "n_gen": 0, "n_depth": d, "avg_ts": pp} for d, pp in ((0, 100.0), (2048, 60.0))]
+    rows += [{"n_prompt": 0, "n_gen": 128, "n_depth": d, "avg_ts": tg} for d, tg in ((0, 36.0), (512, 32.0))]
+    got = lb.parse_llama_bench("build: x\n" + json.dumps(rows) + "\n")
+    assert got == {"pp512@d0": 100.0, "pp512@d2048": 60.0, "tg128@d0": 36.0, "tg128@d512": 32.0}
