@@ -89,7 +89,7 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
     """Stream `args.passes` passes under `policy`, saving the whole session (cache, ledger, last logits) and the
     passes so far to DIR/<policy>.safetensors after every pass; `--resume` continues from that file."""
     from sinkchat.core.metrics import rss_bytes
-    from sinkchat.store.snapshot import save_snapshot
+    from sinkchat.store.snapshot import SnapshotError, save_snapshot
 
     engine.clear()
     engine.reconfigure(policy=policy, n_sink=args.sinks, capacity=args.cache, evict_chunk=args.evict_chunk)
@@ -100,6 +100,7 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
     if args.resume and snap.exists():
         prev, evicted0 = resume(engine, snap, run, stream)
         print(f"{policy}: resumed after pass {len(stream.passes)} from {snap}", file=sys.stderr)
+        save()  # the JSON says what the snapshot holds, even when no pass is left to run
     else:
         list(engine.feed_ids(engine.encode_document("")))  # the BOS a stream starts with, where the model has one
     for k in range(len(stream.passes) + 1, args.passes + 1):
@@ -112,8 +113,11 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
         print(f"{policy:7s} pass {k:3d}: ppl {p.ppl:8.4f}  {p.targets / p.seconds:6.0f} tok/s  "
               f"RSS {p.rss_mib:6.0f} MiB  cache {p.cache_bytes / 2**20:.1f} MiB  evicted {p.evicted:,}",
               file=sys.stderr, flush=True)
-        save_snapshot(engine, snap, extra={"run": run, "evicted0": evicted0,
-                                           "passes": [asdict(x) for x in stream.passes]})
+        try:
+            save_snapshot(engine, snap, extra={"run": run, "evicted0": evicted0,
+                                               "passes": [asdict(x) for x in stream.passes]})
+        except SnapshotError as e:  # a full disk: the previous snapshot stays whole (written atomically)
+            raise SystemExit(f"error: cannot save the session after pass {k}: {e}") from None
         save()
     return stream
 
@@ -121,6 +125,8 @@ def run_policy(engine: Any, ids: list[int], policy: str, args: argparse.Namespac
 def resume(engine: Any, path: Path, run: dict[str, Any], stream: Stream) -> tuple[Any, int]:
     """Load a policy's saved session: the stream goes on exactly where it stopped (the cache, the ledger and the
     logits that score the next pass's first token), with the passes it measured. Another run's file is refused."""
+    import torch
+
     from sinkchat.store.snapshot import SnapshotError, load_snapshot
 
     try:
@@ -131,7 +137,8 @@ def resume(engine: Any, path: Path, run: dict[str, Any], stream: Stream) -> tupl
         raise SystemExit(f"error: {path} was saved by another run ({extra.get('run')}, this one {run}); "
                          "use another --out or drop --resume")
     stream.passes = [Pass(**p) for p in extra["passes"]]
-    return engine.last_logits.reshape(-1), int(extra["evicted0"])
+    prev = torch.log_softmax(engine.last_logits.double().reshape(1, -1), dim=-1)[0]  # as feed_pass hands it on
+    return prev, int(extra["evicted0"])
 
 
 def verdict(streams: dict[str, Stream], tolerance: float) -> tuple[str, str]:

@@ -57,29 +57,32 @@ def _run(tmp_path: Path, out: str, *extra: str) -> dict:
     if not text.exists():
         text.write_text("The quick brown fox jumps over the lazy dog, and then it runs far away into the woods. " * 6)
     argv = ["long_stream.py", "--text", str(text), "--cache", "48", "--chunk", "16", "--threads", "1",
-            "--policies", "sink", "--out", str(tmp_path / out), *extra]
+            "--policies", "sink,window", "--out", str(tmp_path / out), *extra]
     old, sys.argv = sys.argv, argv
     try:
         rc = ls.main()
     finally:
         sys.argv = old
     data = json.loads((tmp_path / out / "long_stream.json").read_text())
-    return {"rc": rc, "passes": data["policies"]["sink"]}
+    return {"rc": rc, "passes": data["policies"]["sink"], "window": data["policies"].get("window", [])}
 
 
 def test_a_resumed_run_continues_the_stream_exactly(tmp_path):
-    """An interrupted multi-hour run goes on from its per-pass snapshot: stopping after pass 2 and resuming to pass
-    4 gives every pass the same NLL sum, bit for bit, as one uninterrupted run (the cache, the ledger and the logits
-    that score the next pass's first token all restored), and evictions keep counting from the stream's start.
+    """An interrupted multi-hour run goes on from its per-pass snapshots: stopping both policies after pass 2 and
+    resuming to pass 4 gives every pass the same NLL sum, bit for bit, as one uninterrupted run (the cache, the
+    ledger and the logits that score the next pass's first token all restored), and evictions keep counting from
+    each policy's own start (the window's starts after the sink policy's evictions: its offset is restored too).
     A resume that does not match the saved run is refused in one line."""
     whole = _run(tmp_path, "whole", "--passes", "4")
     _run(tmp_path, "split", "--passes", "2")
     resumed = _run(tmp_path, "split", "--passes", "4", "--resume")
     assert whole["rc"] == resumed["rc"] and len(whole["passes"]) == len(resumed["passes"]) == 4
-    for a, b in zip(whole["passes"], resumed["passes"]):
+    assert len(whole["window"]) == len(resumed["window"]) == 4
+    for a, b in zip(whole["passes"] + whole["window"], resumed["passes"] + resumed["window"]):
         assert (a["index"], a["nll_sum"], a["targets"], a["evicted"]) == (b["index"], b["nll_sum"], b["targets"],
                                                                           b["evicted"])
     assert whole["passes"][3]["evicted"] > whole["passes"][1]["evicted"] > 0
+    assert 0 < whole["window"][0]["evicted"] < whole["passes"][3]["evicted"]  # its own count, not the sum
     import pytest
 
     with pytest.raises(SystemExit, match="saved by another run"):

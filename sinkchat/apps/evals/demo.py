@@ -98,7 +98,7 @@ def dense_with_gauge(engine: Any, ids: list[int], chunk: int, n: int, from_pos: 
                 add("recent", [float(r[L - n :].sum()) for r in glob])
                 add("per_pos", [sum(float(r[j]) for r in glob) / len(glob) for j in range(min(8, L))])
                 if local:
-                    local_uniform.append(n / len(local[0]))
+                    local_uniform.append(min(n, len(local[0])) / len(local[0]))
                     add("local_first", [float(r[:n].sum()) for r in local])
                     add("local_recent", [float(r[-n:].sum()) for r in local])
             engine.gauge.queries = [None] * len(engine.gauge.queries)

@@ -31,9 +31,10 @@ class StreamScenario:
 
     def __init__(self, engine: Any, path: str, block: int | None = None) -> None:
         self.path, self.block = path, block or engine.max_chunk
+        self.ids: deque[int] = deque()
         # a stream starts with the BOS where the model was trained with one (Gemma): without it a Gemma 3 270M soak
         # read its sink gauge as 0.00 and scored the text worse (`Engine.encode_document`, as ppl / demo / bench)
-        self.ids: deque[int] = deque(engine.encode_document("") if engine.ledger.seen == 0 else ())
+        self.bos = engine.encode_document("")[:1]
         self.pieces = self._pieces()
         self.encode = engine.encode
 
@@ -75,6 +76,8 @@ class StreamScenario:
             yield tail
 
     def step(self, engine: Any) -> Iterator[Any]:
+        if self.bos and len(engine.ledger) == 0 and (not self.ids or self.ids[0] != self.bos[0]):
+            self.ids.appendleft(self.bos[0])  # the start of the stream, or of a cache cleared by recovery
         while len(self.ids) < self.block:
             piece = next(self.pieces, None)
             if piece is None:
