@@ -38,7 +38,7 @@ SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: 
 _V256 = ("matmul256.c", "matmul256_k.c", "attend256.c", *SHARED)
 SOURCES = {"avx512": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "avxvnni": _V256, "avx2": _V256,
            "neon": ("matmul_neon.c", "matmul_neon_k.c", "attend_neon.c", *SHARED), "ref": ("ref.c", *SHARED)}
-HEADERS = {"avx512": ("kernels.h", "simd512.h"), "avxvnni": ("kernels.h", "simd256.h", "attend_v16.h"),
+HEADERS = {"avx512": ("kernels.h", "simd512.h", "attend_v16.h"), "avxvnni": ("kernels.h", "simd256.h", "attend_v16.h"),
            "avx2": ("kernels.h", "simd256.h", "attend_v16.h"), "neon": ("kernels.h", "simd_neon.h", "attend_v16.h"),
            "ref": ("kernels.h",)}
 VARIANT_ID = {"ref": 0, "avx512": 1, "avx2": 2, "avxvnni": 3, "neon": 4}  # csrc/kernels.h: SC_VARIANT_*

@@ -45,52 +45,6 @@ static inline __m512 hsum16(const __m512* v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-// Scores of one query head qh [DC*16] against n key rows of Kh [n][DC*16], times scale, into sc [n].
-static inline __attribute__((always_inline)) void head_scores(const float* qh, const void* Kh, int n, int bf,
-                                                              float scale, float* sc, const int DC) {
-    const int D = DC * 16;
-    __m512 qv[8], v[16];
-    for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
-    int s = 0;
-    for (; s + 16 <= n; s += 16) {
-        for (int j = 0; j < 16; j++) {
-            size_t base = (size_t)(s + j) * D;
-            __m512 acc = _mm512_mul_ps(qv[0], kv16(Kh, base, bf));
-            for (int c = 1; c < DC; c++) acc = _mm512_fmadd_ps(qv[c], kv16(Kh, base + 16 * c, bf), acc);
-            v[j] = acc;
-        }
-        _mm512_storeu_ps(sc + s, _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
-    }
-    for (; s < n; s++) {
-        size_t base = (size_t)s * D;
-        __m512 acc = _mm512_mul_ps(qv[0], kv16(Kh, base, bf));
-        for (int c = 1; c < DC; c++) acc = _mm512_fmadd_ps(qv[c], kv16(Kh, base + 16 * c, bf), acc);
-        sc[s] = hsum512(acc) * scale;
-    }
-}
-
-// o [DC*16] = sum over s < n of p[s] * Vh[s]; two accumulator sets so the FMA chains overlap.
-static inline __attribute__((always_inline)) void head_pv(const float* p, const void* Vh, int n, int bf, float* o,
-                                                          const int DC) {
-    const int D = DC * 16;
-    __m512 a[8], b[8];
-    for (int c = 0; c < DC; c++) a[c] = b[c] = _mm512_setzero_ps();
-    int s = 0;
-    for (; s + 2 <= n; s += 2) {
-        __m512 p0 = _mm512_set1_ps(p[s]), p1 = _mm512_set1_ps(p[s + 1]);
-        size_t b0 = (size_t)s * D, b1 = b0 + D;
-        for (int c = 0; c < DC; c++) {
-            a[c] = _mm512_fmadd_ps(p0, kv16(Vh, b0 + 16 * c, bf), a[c]);
-            b[c] = _mm512_fmadd_ps(p1, kv16(Vh, b1 + 16 * c, bf), b[c]);
-        }
-    }
-    if (s < n) {
-        __m512 p0 = _mm512_set1_ps(p[s]);
-        for (int c = 0; c < DC; c++) a[c] = _mm512_fmadd_ps(p0, kv16(Vh, (size_t)s * D + 16 * c, bf), a[c]);
-    }
-    for (int c = 0; c < DC; c++) _mm512_storeu_ps(o + 16 * c, _mm512_add_ps(a[c], b[c]));
-}
-
 // In place over sc [n]: softmax, vectorized, the tail masked.
 static void softmax(float* sc, int n) {
     __m512 vm = _mm512_set1_ps(-INFINITY), vs = _mm512_setzero_ps();
@@ -114,29 +68,15 @@ static void softmax(float* sc, int n) {
     if (s < n) _mm512_mask_storeu_ps(sc + s, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, sc + s), inv));
 }
 
-void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
-                        float* sc, float* o, int D) {
-    switch (D) {  // constant chunk counts: the chunk loops unroll and the accumulators stay in registers
-        case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
-        case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
-        default:
-            for (int s = 0; s < n; s++) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int d = 0; d < D; d += 16)
-                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + d), kv16(Kh, (size_t)s * D + d, bf), acc);
-                sc[s] = hsum512(acc) * scale;
-            }
-    }
-    if (softcap > 0) sc_softcap(sc, n, softcap);
-    softmax(sc, n);
-    switch (D) {
-        case 64: head_pv(sc, Vh, n, bf, o, 4); break;
-        case 128: head_pv(sc, Vh, n, bf, o, 8); break;
-        default:
-            for (int d = 0; d < D; d += 16) {
-                __m512 acc = _mm512_setzero_ps();
-                for (int t = 0; t < n; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(sc[t]), kv16(Vh, (size_t)t * D + d, bf), acc);
-                _mm512_storeu_ps(o + d, acc);
-            }
-    }
-}
+// attend_v16.h's head attention on one __m512 per v16: the very operations the 256-bit and NEON builds mirror on
+// register pairs / quads, so all three share one source of the scores, the softmax's callers and P.V.
+typedef __m512 v16;
+static inline v16 v16_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void v16_store(float* p, v16 v) { _mm512_storeu_ps(p, v); }
+static inline v16 v16_kv(const void* base, size_t i, int bf) { return kv16(base, i, bf); }
+static inline v16 v16_set1(float f) { return _mm512_set1_ps(f); }
+static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+static inline float v16_sum(v16 v) { return hsum512(v); }
+#include "attend_v16.h"  // head_scores, head_pv and sc_head_attend_cap, over this file's hsum16 and softmax

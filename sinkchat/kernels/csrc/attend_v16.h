@@ -1,11 +1,11 @@
-// The 16-lane attention pieces the 256-bit (attend256.c) and NEON (attend_neon.c) kernels share, written over
-// their `v16` type (16 floats as 2 or 4 registers) and its ops (v16_load, v16_store, v16_kv, v16_set1, v16_mul,
-// v16_fma, v16_add, v16_sum, hsum16) and `softmax`, which each file defines before including this, last (it
-// defines the exported sc_head_attend_cap). Each mirrors attend.c's AVX-512 code operation for operation, so the
-// three give bit-identical attention.
+// The 16-lane head attention every SIMD build shares, written over its `v16` type (one __m512 in attend.c, two
+// 256-bit registers in attend256.c, four 128-bit ones in attend_neon.c) and its ops (v16_load, v16_store, v16_kv,
+// v16_set1, v16_mul, v16_fma, v16_add, v16_sum, hsum16) and `softmax`, which each file defines before including
+// this, last (it defines the exported sc_head_attend_cap). The narrower builds do the 512-bit lanes and add tree on
+// their registers, so one source gives all three bit-identical attention.
 #pragma once
 
-// q . k of one slot over D = 16*DC dims: attend.c's unrolled chain (a product, then FMAs).
+// q . k of one slot over D = 16*DC dims: an unrolled chain (a product, then FMAs).
 static inline __attribute__((always_inline)) v16 dot_row(const float* qh, const void* Kh, size_t base, int bf,
                                                          const int DC) {
     v16 acc = v16_mul(v16_load(qh), v16_kv(Kh, base, bf));
@@ -13,7 +13,7 @@ static inline __attribute__((always_inline)) v16 dot_row(const float* qh, const 
     return acc;
 }
 
-// attend.c: head_scores (D = 64, 128): 16 slots a round through hsum16, the rest one by one.
+// Scores (D = 64, 128): 16 slots a round through hsum16, times scale; the rest one by one.
 static inline __attribute__((always_inline)) void head_scores(const float* qh, const void* Kh, int n, int bf,
                                                               float scale, float* sc, const int DC) {
     const size_t D = (size_t)DC * 16;
@@ -26,7 +26,7 @@ static inline __attribute__((always_inline)) void head_scores(const float* qh, c
     for (; s < n; s++) sc[s] = v16_sum(dot_row(qh, Kh, s * D, bf, DC)) * scale;
 }
 
-// attend.c: head_pv (D = 64, 128): even slots into a, odd ones into b, summed last.
+// o = sum of p[s] * V[s] (D = 64, 128): even slots into a, odd ones into b (the FMA chains overlap), summed last.
 static inline __attribute__((always_inline)) void head_pv(const float* p, const void* Vh, int n, int bf, float* o,
                                                           const int DC) {
     const size_t D = (size_t)DC * 16;
@@ -44,10 +44,10 @@ static inline __attribute__((always_inline)) void head_pv(const float* p, const 
     for (int c = 0; c < DC; c++) v16_store(o + 16 * c, v16_add(a[c], b[c]));
 }
 
-// The exported head attention (kernels.h) for the 256-bit and NEON builds: scores, soft-cap, softmax, P.V.
+// The exported head attention (kernels.h) of every SIMD build: scores, soft-cap, softmax, P.V.
 void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
                         float* sc, float* o, int D) {
-    switch (D) {  // constant chunk counts, as attend.c; other D one chain a slot / a 16-dim chunk
+    switch (D) {  // constant chunk counts unroll the loops (accumulators in registers); other D: a chain a slot
         case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
         case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
         default:
