@@ -3,7 +3,7 @@ qemu-aarch64 against the x86 libraries in this process: slow (a minute of compil
 where the tools are absent (aarch64-linux-gnu-gcc with its libc headers, qemu-aarch64).
 
 tests/neon_harness.c loads the neon library in the emulator and makes the very calls this test makes in-process on
-the reference: the handshake (ABI, variant, every struct size and Model offset), the activation quantizer, every
+the reference: the handshake (ABI, variant, every struct size and Model offset), the activation quantizer, the SiLU, every
 matmul layout (one row, a few, past the prefill passes, with and without bias, the 8-bit extremes), the eviction,
 and at 3 threads again. All bit-exact to ref.c; attention bit-exact to the avx512 variant (attend_neon.c does its
 lanes and add tree in 128-bit registers) where this CPU has it, and within 4e-6 of ref.c in any case.
@@ -150,6 +150,10 @@ def _matmul_calls(calls: Calls) -> None:
     x = torch.randn(7, 128, generator=g)
     x[0, 3], x[1, :32], x[2, :32], x[4] = 40.0, 0.0, torch.arange(32) - 15.5, x[4] * 1e-30
     calls.add("sc_quant", x, 7, 128, torch.empty(7, 128, dtype=torch.int8), torch.empty(7, 4), torch.empty(7, 4))
+    from test_silu import _gates
+
+    gates = _gates()
+    calls.add("sc_silu", gates, torch.linspace(-3, 3, gates.numel()), gates.numel())
     for n, k, m in [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)]:
         x = torch.randn(m, k, generator=g)
         x[:, 5] = 30.0

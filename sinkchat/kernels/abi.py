@@ -29,9 +29,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 6  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+ABI = 7  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
-#          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap)
+#          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap;
+#          7: sc_silu, the MLP activation on its own exp)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
 SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
@@ -118,6 +119,7 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "kv_evict": (I, [P, P, I, I, I, I, I, I, P, P, I, I]),
     "sc_step_layers": (I, [P, P, P, I, I, P, P, P, P, P, P, P, P, Z]),  # (model, layers, x, pos, n_gauge, keys,
     #                                                  values, caps, ns, out, queries, gauge, work, work_size)
+    "sc_silu": (I, [P, P, Z]),  # (g, u, n): g = silu(g) * u
     "sc_prefill_work": (Z, [P, I, I]),  # (model, T, cap)
     "sc_prefill": (I, [P, P, I, I, I, P, P, I, P, P, Z]),  # (model, x, T, pos, n_out, keys, values, cap, out, work,
     #                                                         work_size)

@@ -91,8 +91,6 @@ static void rms(const float* x, const float* w, int C, float eps, float* out) {
     for (int i = 0; i < C; i++) out[i] = w[i] * (x[i] * r);
 }
 
-static inline float silu(float g) { return g / (1.0f + expf(-g)); }
-
 // transformers' gelu_pytorch_tanh (Gemma): 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))).
 static inline float gelu_tanh(float g) {
     return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
@@ -214,7 +212,7 @@ static void gate_up_task(void* ctx, int lo, int hi, int slot) {
     if (j->act == SC_ACT_GELU_TANH)
         for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = gelu_tanh(j->gu[i]) * j->gu[j->I + i];
     else
-        for (int i = lo * RG; i < hi * RG; i++) j->gu[i] = silu(j->gu[i]) * j->gu[j->I + i];
+        sc_silu_mul(j->gu + lo * RG, j->gu + j->I + lo * RG, (size_t)(hi - lo) * RG);
 }
 
 // The MLP half of layer l: x += down(act(gate(h)) * up(h)), h = rms(x) (Gemma: pre_feedforward_layernorm, held in
