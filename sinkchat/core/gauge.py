@@ -112,6 +112,7 @@ class SinkGauge:
         shares, self.shares = self.shares, None
         if L == 0 or any(q is None for q in self.queries):
             return None
+        g = len(self.layers)
         if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
             first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
         else:
@@ -119,12 +120,12 @@ class SinkGauge:
             for i in range(len(self.attn)):
                 probs = self.probs(cache, i)  # [B, H_kv, G, n_i]
                 first.append(float(probs[..., :n].sum(-1).mean()))
-                last.append(float(probs[..., -n:].sum(-1).mean()))
+                if i < g:  # the newest slots' share: the global layers' only (status line's "recent")
+                    last.append(float(probs[..., -n:].sum(-1).mean()))
         self.queries = [None] * len(self.attn)
-        g, n = len(self.layers), min(n, L)
-        local = tuple(first[g:])
-        seen = [self.attended_keys(cache.layers[i], L).shape[-2] for i in self.local_layers[:1]]
+        n, local = min(n, L), tuple(first[g:])
+        window = self.attended_keys(cache.layers[self.local_layers[0]], L).shape[-2] if self.local_layers else 0
         return GaugeEvent(share=sum(first[:g]) / g, per_layer=tuple(first[:g]), recent=sum(last[:g]) / g,
                           uniform=n / L, n=n, holds_start=holds_start,
                           local=sum(local) / len(local) if local else None, local_per_layer=local,
-                          local_uniform=min(n, seen[0]) / seen[0] if seen and seen[0] else None)
+                          local_uniform=min(n, window) / window if window else None)
