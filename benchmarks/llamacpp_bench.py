@@ -3,8 +3,8 @@
 length, decoded tokens and cache fill, at threads 1 and 2, with this machine's memory bandwidth and each side's
 decode as a share of its roofline (bytes read per token / bandwidth).
 
-- llama.cpp: `llama-bench -p 512 -n 128 -d 0,512,2048 -t T -o json`: pp512, tg128 at depth 0, 512 and 2048 (`-d`:
-  the KV cache already holds that many tokens). Decode is compared at the same cache fill: sinkchat's cache of 512
+- llama.cpp: `llama-bench -p 512 -n 0 -d 0` and `-p 0 -n 128 -d 0,512,2048` (`-t T -r 3 -o json`): pp512 into an
+  empty cache, tg128 at depth 0, 512 and 2048 (`-d`: the KV cache already holds that many tokens). Decode is compared at the same cache fill: sinkchat's cache of 512
   (full, evicting) against llama.cpp's depth 512, 2048 against 2048; depth 0 (an empty cache, which sinkchat's
   bench never decodes at) is printed for reference.
 - sinkchat: `sinkchat bench --policies sink --caches 512,2048 --decode 128 --threads T`: the prefill of 512 tokens,
@@ -109,10 +109,14 @@ def run_bandwidth(threads: int) -> float:
     return float(p.stdout.strip().splitlines()[-1])
 
 
-def llama_bench(bin_dir: Path, model: Path, threads: int) -> dict[str, float]:
-    out = lt.run_tool(bin_dir, "llama-bench", "-m", str(model), "-p", "512", "-n", "128", "-d", "0,512,2048", "-t",
-                      str(threads), "-o", "json")
-    return parse_llama_bench(out)
+def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int = 3) -> dict[str, float]:
+    """pp512 into an empty cache, and tg128 at depths 0, 512 and 2048: two invocations, since one `-p 512 -n 128
+    -d 0,512,2048` also runs pp512 at every depth, each repetition first filling the cache to it (~5 of a 1B
+    model's ~11 minutes at 1 thread, for figures nothing compares)."""
+    common = ("-m", str(model), "-t", str(threads), "-r", str(reps), "-o", "json")
+    pp = lt.run_tool(bin_dir, "llama-bench", "-p", "512", "-n", "0", "-d", "0", *common)
+    tg = lt.run_tool(bin_dir, "llama-bench", "-p", "0", "-n", "128", "-d", "0,512,2048", *common)
+    return {**parse_llama_bench(pp), **parse_llama_bench(tg)}
 
 
 def parse_llama_bench(out: str) -> dict[str, float]:
