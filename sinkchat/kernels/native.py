@@ -398,16 +398,3 @@ def quantize_activations(x: torch.Tensor, which: str | None = None) -> tuple[tor
         raise RuntimeError(f"native kernels unavailable: {load_error(which)}")
     lib.sc_quant(x.data_ptr(), m, k, xq.data_ptr(), dx.data_ptr(), sx.data_ptr())
     return xq, dx, sx
-
-
-def silu_mul(g: torch.Tensor, u: torch.Tensor, which: str | None = None) -> torch.Tensor:
-    """silu(g) * u elementwise as the native step and prefill compute it (csrc/kernels.h: sc_silu_mul, on its own
-    e^x), on `which` variant: g, u fp32 of one shape -> a new fp32 tensor of that shape."""
-    out, u = g.float().contiguous().clone(), u.float().contiguous()
-    if out.shape != u.shape:
-        raise ValueError(f"silu_mul: shapes {tuple(out.shape)} and {tuple(u.shape)} differ")
-    lib = library(which)
-    if lib is None:
-        raise RuntimeError(f"native kernels unavailable: {load_error(which)}")
-    lib.sc_silu(out.data_ptr(), u.data_ptr(), out.numel())
-    return out
