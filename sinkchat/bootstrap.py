@@ -31,7 +31,7 @@ COMMON = [
     click.option("--policy", type=click.Choice(POLICIES), default=None, help="KV cache policy [env SINKCHAT_POLICY; default sink]"),
     click.option("--sinks", type=click.IntRange(0, 64), default=None, help="pinned sink tokens [env SINKCHAT_SINKS; default 4]"),
     click.option("--pin", type=click.Choice(PINS), default=None, help="what the sink policy also keeps forever: system = the system prompt (and the agent's tool definitions), shown as 'pinned N' in the status; none = only the sinks [env SINKCHAT_PIN; default system]"),
-    click.option("--cache", "cache_size", type=click.IntRange(0, None), default=None, help="cache capacity in tokens incl. sinks [env SINKCHAT_CACHE; default min(2048, model context)]"),
+    click.option("--cache", "cache_size", type=click.IntRange(0, None), default=None, help="cache capacity in tokens incl. sinks [env SINKCHAT_CACHE; default (or 0) min(2048, model context)]"),
     click.option("--evict-chunk", type=click.IntRange(0, None), default=None, help="tokens evicted at once [env SINKCHAT_EVICT_CHUNK; default (cache - sinks)/16]"),
     click.option("--temperature", type=click.FloatRange(0, 10), default=None, help="[env SINKCHAT_TEMPERATURE; default 0.7; 0 = greedy]"),
     click.option("--max-tokens", type=click.IntRange(1, None), default=None, help="max tokens per reply [env SINKCHAT_MAX_TOKENS; default 512]"),

@@ -248,7 +248,7 @@ def test_soak_disk_full_for_metrics(tiny_dir, tmp_path):
 @pytest.mark.slow
 def test_chat_log_on_full_disk_and_sigterm(tiny_dir, tmp_path):
     """The session log's disk fills up (a 64 KiB tmpfs as SINKCHAT_HOME, root only): chat warns and carries on;
-    then SIGTERM on a normal home: the turns already committed are intact."""
+    then SIGTERM on a normal home: the turns already committed are intact, and the session is closed (exit 143)."""
     need("chat")
     full = tmp_path / "full"
     full.mkdir()
@@ -275,11 +275,12 @@ def test_chat_log_on_full_disk_and_sigterm(tiny_dir, tmp_path):
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGTERM  # chat keeps the default SIGTERM: it dies at once, committed turns intact
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and b"Traceback" not in err  # ended as /bye ends it, with 128 + SIGTERM
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert [r[0] for r in con.execute("SELECT role FROM turns ORDER BY seq")][:2] == ["user", "assistant"]
+    assert con.execute("SELECT ended FROM sessions").fetchone()[0] is not None  # closed: not listed as crashed
 
 
 @pytest.mark.slow

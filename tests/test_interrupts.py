@@ -168,3 +168,18 @@ def test_sigterm_with_a_raising_handler_is_held_too():
         assert signal.getsignal(signal.SIGTERM) is on_term
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_chat_turns_sigterm_into_exit_143_and_puts_the_old_handler_back():
+    """chat's SIGTERM: SystemExit(143) where it lands (so `finally` closes the session log), held by the Engine's
+    deferred sections like Ctrl-C (the handler is a Python callable), the previous handler back afterwards."""
+    from sinkchat.apps.chat.repl import _sigterm_exits
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        with _sigterm_exits():
+            with deferred_sigint():  # a cache-and-ledger update: the signal waits for its end
+                os.kill(os.getpid(), signal.SIGTERM)
+                held = True
+    assert e.value.code == 143 and held
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -76,3 +76,16 @@ def test_recompute_windows_start_with_the_bos_the_stream_starts_with():
     seen.clear()
     recompute_nll(model, ids, capacity=8, every=4, device="cpu")  # no BOS: the plain last 8 tokens
     assert seen[-1] == ids[28 - 8 : 28]
+
+
+def test_the_table_shows_recompute_only_on_its_sample_and_the_last_bin_as_it_is(ppl_run):
+    """recompute scores every 5th target: its bins and overall figure cover a sample, so the table leaves them out
+    ("—") and shows it on the "sampled" row beside the others' figures on the same targets; the last bin is labelled
+    with the targets it really holds (1,099 of 1,100 tokens: 1000-1099, not 1000-1100)."""
+    from sinkchat.apps.evals.ppl import format_table
+
+    summary, _ = ppl_run
+    lines = format_table(summary, 100).splitlines()
+    overall = next(line for line in lines if line.startswith("overall")).split()
+    assert overall[-1] == "—" and float(overall[1]) == pytest.approx(summary["policies"]["sink"]["ppl"], abs=0.006)
+    assert lines[-4].startswith("1000-1099") and lines[-1].startswith("sampled") and "—" not in lines[-1]

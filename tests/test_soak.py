@@ -564,3 +564,10 @@ def test_a_stream_soak_starts_with_the_bos_the_model_was_trained_with(tmp_path, 
     eng.clear()  # what recovery does to a broken cache: the refilled stream starts with the BOS again
     list(scen.step(eng))
     assert eng.ledger.ids == [1, *eng.encode("17 18 19")]
+
+
+def test_the_planned_duration_reads_as_the_user_gave_it():
+    from sinkchat.apps.soak import criteria
+
+    assert [criteria._plan("duration", s) for s in (20, 90, 1800, 28800)] == ["20 s", "90 s", "30 min", "8 h"]
+    assert criteria._plan("steps", 5) == "5"

@@ -229,3 +229,13 @@ def test_undecodable_input_is_stored_not_a_crash(tmp_path):
     log.close()
     (t,) = turns(log.id, path=tmp_path / "t.db")
     assert t.text.startswith("bad ") and t.text.endswith(" bytes") and "\ufffd" in t.text
+
+
+def test_a_long_model_name_is_cut_at_its_start_with_a_mark():
+    """A 31-character file name in the 28-column MODEL column keeps its end (quantization, type) behind an ellipsis
+    instead of losing it mid-word ("SmolLM2-135M-Instruct.Q4_1.g")."""
+    from sinkchat.apps.logs import _cut
+
+    got = _cut("SmolLM2-135M-Instruct.Q4_1.gguf", 28)
+    assert len(got) == 28 and got.startswith("…") and got.endswith("Q4_1.gguf")
+    assert _cut("SmolLM2-135M", 28) == "SmolLM2-135M"

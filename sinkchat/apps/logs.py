@@ -26,7 +26,7 @@ def format_sessions(sessions: list[SessionInfo]) -> str:
     lines = [head]
     for s in sessions:
         status = s.status or ("ended" if s.ended else "open/crashed")
-        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_model_name(s.model)[:28]:28}  {s.turns:>5}  "
+        lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_cut(_model_name(s.model), 28):28}  {s.turns:>5}  "
                      f"{s.tokens:>7}  {status}")
     return "\n".join(lines)
 
@@ -82,6 +82,12 @@ def _event_line(ev: dict[str, Any], markdown: bool) -> str:
     if markdown:
         return f"\n> *{ev['kind']}*: `{ev['text']}`{detail}"
     return f"\n[{ev['kind']}] {ev['text']}{detail}"
+
+
+def _cut(text: str, width: int) -> str:
+    """`text` in `width` columns, an ellipsis marking a cut ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "...Q4_1.g" said
+    nothing of the cut): the end kept, where a file's quantization and type are."""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1 :]
 
 
 def _model_name(model: str | None) -> str:

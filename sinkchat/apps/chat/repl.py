@@ -9,10 +9,13 @@ same loop with prompt-toolkit's pipe input or with plain line lists.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import click
 
@@ -320,9 +323,29 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
                         auto_snapshot=auto)
         try:
-            _start(loop, load_name, resume_id, interactive, stdin)
+            with _sigterm_exits():
+                _start(loop, load_name, resume_id, interactive, stdin)
         finally:
             slog.close()
+
+
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM (`kill`, a service manager, `timeout`) ends chat as /bye does, with exit status 143: SystemExit at
+    the next safe point (the Engine holds it through a cache-and-ledger update, as it holds Ctrl-C), so the session
+    log is closed and `sinkchat logs` lists the session as ended, not crashed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interactive: bool, stdin: Any) -> None:

@@ -219,12 +219,16 @@ def format_table(summary: dict[str, Any], bin_size: int) -> str:
     names = list(pols)
     lines = [f"{summary['tokens']} tokens, cache {summary['capacity']} ({summary['n_sink']} sinks)"]
     lines.append("bin".ljust(14) + "".join(n.rjust(12) for n in names))
-    nbins = max(len(p["bins"]) for p in pols.values())
+    nbins, targets = max(len(p["bins"]) for p in pols.values()), summary["tokens"] - 1
+
+    def cell(name: str, v: float) -> str:  # recompute scores a sample of the targets: only its "sampled" row counts
+        return "—".rjust(12) if name == "recompute" else f"{v:12.2f}"
+
     for b in range(nbins):
-        label = f"{b * bin_size}-{(b + 1) * bin_size}"
+        label = f"{b * bin_size}-{min((b + 1) * bin_size, targets)}"
         row = [pols[n]["bins"][b] if b < len(pols[n]["bins"]) else float("nan") for n in names]
-        lines.append(label.ljust(14) + "".join(f"{v:12.2f}" for v in row))
-    lines.append("overall".ljust(14) + "".join(f"{pols[n]['ppl']:12.2f}" for n in names))
+        lines.append(label.ljust(14) + "".join(cell(n, v) for n, v in zip(names, row)))
+    lines.append("overall".ljust(14) + "".join(cell(n, pols[n]["ppl"]) for n in names))
     if "recompute_targets" in summary:
         lines.append(f"on the {summary['recompute_targets']} recompute targets".ljust(14))
         lines.append("sampled".ljust(14) + "".join(f"{pols[n]['sampled_ppl']:12.2f}" for n in names))

@@ -296,7 +296,8 @@ def _fault_share_verdict(samples: list[dict[str, Any]], end: dict[str, Any] | No
     if steps == 0:
         return Verdict(name, "no step ran", limit, "FAIL")
     share = faulted / steps
-    return Verdict(name, f"{faulted}/{steps} ({share:.0%})", limit, "PASS" if share <= th.max_fault_share else "FAIL")
+    return Verdict(name, f"{faulted}/{steps} attempted ({share:.0%})", limit,  # attempts: the cut-off one too
+                   "PASS" if share <= th.max_fault_share else "FAIL")
 
 
 def _crash_verdict(end: dict[str, Any] | None) -> Verdict:
@@ -325,4 +326,8 @@ def _completion_verdict(end: dict[str, Any] | None, header: dict[str, Any]) -> V
 
 
 def _plan(key: str, v: Any) -> str:
-    return f"{float(v) / 60:g} min" if key == "duration" else str(v)
+    """A limit as the user gave it: "20 s", "30 min", "8 h" (not "0.333333 min")."""
+    if key != "duration":
+        return str(v)
+    sec = float(v)
+    return f"{sec:g} s" if sec < 120 else f"{sec / 60:.3g} min" if sec < 7200 else f"{sec / 3600:.3g} h"
