@@ -18,9 +18,9 @@ Models: (a) the bundled 135M Q4_1; (b) with `--big`, a ~1B Llama-shaped model wi
 Q4_K_M, written by `benchmarks/gguf_memory.py`'s writer (kept under the user cache dir). Every figure is a ratio of
 two measurements taken minutes apart on the same machine; machines here are shared, so run it on a quiet one.
 
-Rounds (`--rounds`, default 2): everything is measured that many times, alternating, and each side keeps its best
-figure (llama.cpp its best repetition, sinkchat its best round, the bandwidth its best probe): other tenants of a
-shared host only slow a run down. The table shows the spread.
+Rounds (`--rounds`, default 2): everything is measured that many times, alternating (which side goes first too),
+and each side keeps its best round (llama.cpp's round figure the mean of its 3 repetitions, sinkchat's one run; the
+bandwidth its best probe): other tenants of a shared host only slow a run down. The table shows the spread.
 
 Usage: python benchmarks/llamacpp_bench.py [--threads 1,2] [--big] [--rounds 2] [--json]
 """
@@ -120,13 +120,14 @@ def llama_bench(bin_dir: Path, model: Path, threads: int, reps: int = 3) -> dict
 
 
 def parse_llama_bench(out: str) -> dict[str, float]:
-    """`llama-bench -o json` output -> {"pp512@d0": tok/s, "tg128@d512": ..., ...}: each test's best repetition
-    (`samples_ts`; `avg_ts` where a build reports no samples), as sinkchat's side keeps its best round."""
+    """`llama-bench -o json` output -> {"pp512@d0": tok/s, "tg128@d512": ..., ...}: each test's mean over its
+    repetitions (`avg_ts`), one figure a round as sinkchat's side has (the best of 3 repetitions x 2 rounds against
+    the best of 2 runs would lean towards llama.cpp)."""
     rows = json.loads(out[out.index("[") : out.rindex("]") + 1])
     res = {}
     for r in rows:  # llama-bench runs pp512 at every depth too: each key names its depth
         kind = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-        res[f"{kind}@d{r.get('n_depth', 0)}"] = float(max(r.get("samples_ts") or [r["avg_ts"]]))
+        res[f"{kind}@d{r.get('n_depth', 0)}"] = float(r["avg_ts"])
     return res
 
 
@@ -199,16 +200,18 @@ def ratios(sc: dict[str, float], ll: dict[str, float], bw: float, sc_info: dict[
 
 
 def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Path) -> list[dict[str, Any]]:
-    """`rounds` rounds, each measuring every (model, threads) pair once on both sides and the bandwidth, alternating,
-    so a slow spell of the host lands on both sides; then each side's best round (`best`)."""
+    """`rounds` rounds, each measuring every (model, threads) pair once on both sides (llama.cpp first in even
+    rounds, sinkchat first in odd ones) and the bandwidth, so a slow spell of the host lands on both sides; then
+    each side's best round (`best`)."""
     cells: dict[tuple[Path, int], dict[str, list[Any]]] = {}
-    for _ in range(rounds):
+    for i in range(rounds):
         for model in model_list:
             for t in threads:
                 c = cells.setdefault((model, t), {"bw": [], "ll": [], "sc": []})
                 c["bw"].append(run_bandwidth(t))
-                c["ll"].append(llama_bench(bin_dir, model, t))
-                c["sc"].append(sinkchat_bench(model, t))
+                sides = [("ll", lambda: llama_bench(bin_dir, model, t)), ("sc", lambda: sinkchat_bench(model, t))]
+                for key, run in sides[:: 1 if i % 2 == 0 else -1]:  # odd rounds sinkchat first: no order effect
+                    c[key].append(run())
                 print(json.dumps({"model": model.name, "threads": t, "bandwidth_gbs": c["bw"][-1],
                                   "llama": c["ll"][-1], "sinkchat": c["sc"][-1]}), file=sys.stderr)
     rows = []

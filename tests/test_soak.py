@@ -569,5 +569,6 @@ def test_a_stream_soak_starts_with_the_bos_the_model_was_trained_with(tmp_path, 
 def test_the_planned_duration_reads_as_the_user_gave_it():
     from sinkchat.apps.soak import criteria
 
-    assert [criteria._plan("duration", s) for s in (20, 90, 1800, 28800)] == ["20 s", "90 s", "30 min", "8 h"]
+    got = [criteria._plan("duration", s) for s in (20, 90, 1800, 28800, 3601, 4e6)]
+    assert got == ["20 s", "90 s", "30 min", "8 h", "60.0 min", "66666.7 min"]
     assert criteria._plan("steps", 5) == "5"

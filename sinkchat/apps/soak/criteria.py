@@ -330,4 +330,8 @@ def _plan(key: str, v: Any) -> str:
     if key != "duration":
         return str(v)
     sec = float(v)
-    return f"{sec:g} s" if sec < 120 else f"{sec / 60:.3g} min" if sec < 7200 else f"{sec / 3600:.3g} h"
+    if sec < 120:
+        return f"{sec:g} s"
+    if sec % 3600 == 0:
+        return f"{sec / 3600:g} h"
+    return f"{sec / 60:g} min" if sec % 60 == 0 else f"{sec / 60:.1f} min"

@@ -51,13 +51,13 @@ int q8k_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const
     return run_lin(&(sc_lin){SC_LIN_Q8K, N, hw, sw, bias, y}, x, M, K, work, work_size);
 }
 
-// The activation quantizer alone: xq [M][K], dx and sx [M][K/32] are the caller's.
 // g = silu(g) * u over n elements (the MLP's activation, as the step and the prefill run it).
 int sc_silu(float* g, const float* u, size_t n) {
     sc_silu_mul(g, u, n);
     return 0;
 }
 
+// The activation quantizer alone: xq [M][K], dx and sx [M][K/32] are the caller's.
 int sc_quant(const float* x, int M, int K, int8_t* xq, float* dx, float* sx) {
     sc_quant_rows(x, M, K, xq, dx, sx);
     return SC_OK;
