@@ -144,7 +144,8 @@ def plot(summary: dict[str, Any], bin_size: int, path: str, title: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, entry in summary["policies"].items():
         xs = [(i + 0.5) * bin_size for i in range(len(entry["bins"]))]
-        ax.plot(xs, entry["bins"], marker="o", label=f"{name} ({entry['ppl']:.2f})")
+        sample = f", {summary['recompute_targets']} sampled targets" if name == "recompute" else ""
+        ax.plot(xs, entry["bins"], marker="o", label=f"{name} ({entry['ppl']:.2f}{sample})")
     ax.set_xlabel("token index")
     ax.set_ylabel(f"perplexity per {bin_size}-token bin")
     ax.set_yscale("log")
