@@ -4,9 +4,9 @@ length, decoded tokens and cache fill, at threads 1 and 2, with this machine's m
 decode as a share of its roofline (bytes read per token / bandwidth).
 
 - llama.cpp: `llama-bench -p 512 -n 0 -d 0` and `-p 0 -n 128 -d 0,512,2048` (`-t T -r 3 -o json`): pp512 into an
-  empty cache, tg128 at depth 0, 512 and 2048 (`-d`: the KV cache already holds that many tokens). Decode is compared at the same cache fill: sinkchat's cache of 512
-  (full, evicting) against llama.cpp's depth 512, 2048 against 2048; depth 0 (an empty cache, which sinkchat's
-  bench never decodes at) is printed for reference.
+  empty cache, tg128 at depth 0, 512 and 2048 (`-d`: the KV cache already holds that many tokens). Decode is
+  compared at the same cache fill: sinkchat's cache of 512 (full, evicting) against llama.cpp's depth 512, 2048
+  against 2048; depth 0 (an empty cache, which sinkchat's bench never decodes at) is printed for reference.
 - sinkchat: `sinkchat bench --policies sink --caches 512,2048 --decode 128 --threads T`: the prefill of 512 tokens,
   then 128 tokens decoded with the cache full (evicting), and the same at 2,048.
 - Bandwidth: a streaming read of a 1 GiB buffer (C, `-O3 -march=native`, T OpenMP threads, passive waits).
@@ -138,9 +138,10 @@ def best(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: max(s[k] for s in samples) for k in samples[0]}
 
 
-def spread(samples: list[dict[str, float]], key: str) -> str:
-    vals = sorted(s[key] for s in samples)
-    return f"{vals[0]:.0f}" if len(vals) == 1 else f"{vals[0]:.0f}-{vals[-1]:.0f}"
+def spread(values: list[float]) -> str:
+    """"40-44" over the rounds ("40" for one)."""
+    lo, hi = min(values), max(values)
+    return f"{lo:.0f}" if len(values) == 1 else f"{lo:.0f}-{hi:.0f}"
 
 
 def sinkchat_bench(model: Path, threads: int) -> dict[str, float]:
@@ -220,10 +221,10 @@ def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Pa
         for t in threads:
             c = cells[(model, t)]
             bw, ll, sc = max(c["bw"]), best(c["ll"]), best(c["sc"])
+            sp = {"sinkchat_decode@512": spread([x["decode@512"] for x in c["sc"]]),
+                  "llama_tg128@d512": spread([x["tg128@d512"] for x in c["ll"]]), "bandwidth_gbs": spread(c["bw"])}
             rows.append({"model": model.name, "threads": t, "rounds": rounds, "bandwidth_gbs": bw, "llama": ll,
-                         "sinkchat": sc, "spread": {"sinkchat_decode@512": spread(c["sc"], "decode@512"),
-                                                    "llama_tg128@d512": spread(c["ll"], "tg128@d512"),
-                                                    "bandwidth_gbs": spread([{"b": b} for b in c["bw"]], "b")},
+                         "sinkchat": sc, "spread": sp,
                          **ratios(sc, ll, bw, sc_info, ll_bytes)})
     return rows
 
@@ -239,7 +240,8 @@ def main() -> None:
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"best of {rows[0]['rounds']} rounds each (the spread of decode at fill 512 and of the bandwidth in brackets)")
+    print(f"best of {rows[0]['rounds']} rounds each "
+          "(the spread of decode at fill 512 and of the bandwidth in brackets)")
     print("| model | t | GB/s | decode sc / llama, fill 512 | ratio | roofline sc / llama | decode @2048 ratio | "
           "llama tg128 empty | prefill sc / llama pp512 | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|")

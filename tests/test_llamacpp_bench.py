@@ -41,7 +41,7 @@ def test_llama_bench_rows_are_keyed_by_depth_too():
 def test_each_side_keeps_its_best_round_and_the_spread_shows():
     rounds = [{"decode@512": 40.0, "prefill@512": 210.0}, {"decode@512": 44.0, "prefill@512": 190.0}]
     assert lb.best(rounds) == {"decode@512": 44.0, "prefill@512": 210.0}  # per figure, not one round's pair
-    assert lb.spread(rounds, "decode@512") == "40-44" and lb.spread(rounds[:1], "decode@512") == "40"
+    assert lb.spread([r["decode@512"] for r in rounds]) == "40-44" and lb.spread([40.0]) == "40"
 
 
 def test_the_rounds_alternate_the_sides_and_the_table_takes_the_best(monkeypatch, tmp_path):
