@@ -12,7 +12,8 @@ decode as a share of its roofline (bytes read per token / bandwidth).
 - Bandwidth: a streaming read of a 1 GiB buffer (C, `-O3 -march=native`, T OpenMP threads, passive waits).
 - Roofline tok/s = bandwidth / (weight bytes read per token + KV bytes at that fill). sinkchat's weight bytes are
   its packed layouts' (the token table once, as the head); llama.cpp's the file's tensors minus the embedding
-  lookup (plus the head: the table again when tied).
+  lookup (plus the head: the table again when tied). Both are printed (MB read a token at fill 512): where decode
+  is bound by memory, a side that reads more bytes is slower by about their ratio.
 
 Models: (a) the bundled 135M Q4_1; (b) with `--big`, a ~1B Llama-shaped model with random weights in Q4_0 and
 Q4_K_M, written by `benchmarks/gguf_memory.py`'s writer (kept under the user cache dir). Every figure is a ratio of
@@ -193,9 +194,11 @@ def ratios(sc: dict[str, float], ll: dict[str, float], bw: float, sc_info: dict[
     out = {}
     for depth in (512, 2048):
         sc_tok, ll_tok = sc[f"decode@{depth}"], ll[f"tg128@d{depth}"]
+        sc_read, ll_read = sc_info["weight_bytes"] + kv * depth, ll_bytes + kv * depth
         out[f"decode_ratio@{depth}"] = sc_tok / ll_tok
-        out[f"sinkchat_roofline_share@{depth}"] = sc_tok / (bw * 1e9 / (sc_info["weight_bytes"] + kv * depth))
-        out[f"llama_roofline_share@{depth}"] = ll_tok / (bw * 1e9 / (ll_bytes + kv * depth))
+        out[f"sinkchat_mb_per_token@{depth}"], out[f"llama_mb_per_token@{depth}"] = sc_read / 1e6, ll_read / 1e6
+        out[f"sinkchat_roofline_share@{depth}"] = sc_tok / (bw * 1e9 / sc_read)
+        out[f"llama_roofline_share@{depth}"] = ll_tok / (bw * 1e9 / ll_read)
     out["prefill_ratio"] = sc["prefill@512"] / ll["pp512@d0"]  # both into an empty cache
     return out
 
@@ -243,14 +246,15 @@ def main() -> None:
     print(f"best of {rows[0]['rounds']} rounds each "
           "(the spread of decode at fill 512 and of the bandwidth in brackets)")
     print("| model | t | GB/s | decode sc / llama, fill 512 | ratio | roofline sc / llama | decode @2048 ratio | "
-          "llama tg128 empty | prefill sc / llama pp512 | ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "MB read a token sc / llama | llama tg128 empty | prefill sc / llama pp512 | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         sc, ll, sp = r["sinkchat"], r["llama"], r["spread"]
         print(f"| {r['model']} | {r['threads']} | {r['bandwidth_gbs']:.1f} ({sp['bandwidth_gbs']}) | "
               f"{sc['decode@512']:.0f} ({sp['sinkchat_decode@512']}) / {ll['tg128@d512']:.0f} "
               f"({sp['llama_tg128@d512']}) | {r['decode_ratio@512']:.2f} | {r['sinkchat_roofline_share@512']:.0%} / "
-              f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | {ll['tg128@d0']:.0f} | "
+              f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | {r['sinkchat_mb_per_token@512']:.0f} / "
+              f"{r['llama_mb_per_token@512']:.0f} | {ll['tg128@d0']:.0f} | "
               f"{sc['prefill@512']:.0f} / {ll['pp512@d0']:.0f} | {r['prefill_ratio']:.2f} |")
 
 
