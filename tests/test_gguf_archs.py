@@ -145,3 +145,35 @@ def test_stream_with_evictions_matches_transformers_forward(case, word_tok):
     spread = (want.max() - want.min()).item()
     err = (got - want).abs().max().item()
     assert err <= 0.05 * spread, f"{name}: max |Δlogit| {err:.4f} vs range {spread:.3f}"
+
+
+def test_the_head_runs_in_c_with_the_bits_of_its_module(case):
+    """A GGUF's head, tied or not, in the file's own layout, is the C step's last linear (it was applied in torch
+    after the step: one more call from Python, at ~2/3 of the step's bandwidth); its logits are the head module's
+    on the step's final hidden state, bit for bit (the same kernel, on the same int8 activations)."""
+    name, _, loaded, _, _, _ = case
+    head = loaded.model.get_output_embeddings()
+    step = decode.select(loaded.model, "native", loaded.spec)
+    assert step.head is None and (step._m.head is not None or step._m.table is not None), name
+    if step._m.head is None:  # a float table: the int8 table layout, in C already
+        return
+    bare = decode.select(loaded.model, "native", loaded.spec)  # the same step, its head taken out of C again
+    bare._m.head, bare.head, bare._out = None, head, loaded.spec.dim
+    sp = loaded.spec
+
+    def run(s):
+        keys = [torch.zeros(1, sp.n_kv, 8, sp.head_dim) for _ in range(sp.n_layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        return [s(tok, pos, keys, values)[0] for pos, tok in enumerate([5, 17, 300])]
+
+    for got, want in zip(run(step), run(bare)):
+        assert got.shape == want.shape == (1, head.out_features), name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+    def chunk(s):  # the native prefill's head: every row's logits (ppl), the many-row kernels
+        keys = [torch.zeros(1, sp.n_kv, 40, sp.head_dim) for _ in range(sp.n_layers)]
+        return s.prefill(list(range(3, 36)), 0, keys, [torch.zeros_like(k) for k in keys], all_logits=True)
+
+    got, want = chunk(step), chunk(bare)
+    assert got.shape == want.shape == (33, head.out_features), name
+    torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

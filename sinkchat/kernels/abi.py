@@ -29,10 +29,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 7  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+ABI = 8  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
 #          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap;
-#          7: sc_silu, the MLP activation on its own exp)
+#          7: sc_silu, the MLP activation on its own exp; 8: Model.head / head_type, the head as any linear)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
 SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
@@ -81,7 +81,7 @@ class StepModel(ctypes.Structure):
     _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
     _fields_ += [(n, ctypes.c_void_p) for n in ("inv_freq", "norm_in", "norm_post", "norm_final", "lin", "table",
                                                  "table_scale", "q_norm", "k_norm", "lin_type")]
-    _fields_ += [("rot", ctypes.c_int)]
+    _fields_ += [("rot", ctypes.c_int), ("head", ctypes.c_void_p), ("head_type", ctypes.c_int)]
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/kernels.h: SC_ACT_* (sc_layers.act)

@@ -16,7 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 7
+#define SC_ABI_VERSION 8
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -105,12 +105,14 @@ typedef struct {
     const float* norm_post;    // [L][C]
     const float* norm_final;   // [C]
     const void* const* lin;    // [L][7][3]: (weights, scales, bias or NULL) for q, k, v, o, gate, up, down
-    const sc_q8_block* table;  // the tied token table (q8_matmul's hw), or NULL: no head here
+    const sc_q8_block* table;  // the tied token table (q8_matmul's hw), or NULL: Model.head
     const float* table_scale;  // [V]
     const float* q_norm;       // [L][D]: RMSNorm of each query head before RoPE (Qwen3), or NULL: none
     const float* k_norm;       // [L][D]: the same for each key head, or NULL
     const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
     int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
+    const void* const* head;   // [3]: the output head as a linear of layout head_type (weights, scales, bias or
+    int head_type;             // NULL), vocab rows, where there is no table; NULL: the final normed hidden state out
 } Model;
 
 // What sc_step_layers adds to a Model (native.StepLayers mirrors it; checked as Model is): what differs per layer,
@@ -249,6 +251,8 @@ size_t sc_lin_work(int type, int M, int K, int slots);
 int sc_lin_mm(sc_arena* a, const sc_lin* l, const float* x, int M, int K);
 // The nl linears that read one input (the decode step's q, k, v), one job over all their row groups.
 void sc_lins_run(const sc_lin* l, int nl, const sc_act* a, float* acc, int slots);
+// The output head as a linear writing logits to out (Model.table, else Model.head): 0 where the model has none.
+int sc_head_of(const Model* m, float* out, sc_lin* l);
 
 // ---- the exported functions, each signature once: prototypes below, sc_signature's table in api.c ------------
 // X(return type, name, argument types...). native.py's declarations must give the same codes (sc_signature).

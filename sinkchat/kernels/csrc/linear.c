@@ -89,3 +89,11 @@ int sc_lin_mm(sc_arena* a, const sc_lin* l, const float* x, int M, int K) {
     sc_lins_run(l, 1, &act, acc, slots);
     return SC_OK;
 }
+
+int sc_head_of(const Model* m, float* out, sc_lin* l) {
+    if (m->table)
+        *l = (sc_lin){SC_LIN_TABLE, m->vocab, m->table, m->table_scale, NULL, out};
+    else if (m->head)
+        *l = (sc_lin){m->head_type, m->vocab, m->head[0], m->head[1], m->head[2], out};
+    return m->table || m->head;
+}

@@ -174,7 +174,7 @@ static void mlp_block(const Model* m, PrefillBufs* b, int l, int T) {
 // T tokens whose embeddings are x_in [T][C], at in-cache slots pos..pos+T-1 (pos + T <= cap): writes their k/v into
 // those slots of keys[i] / values[i] ([H_kv][cap][D], fp32 or bf16 as Model.kv_bf16 says) and attends causally over
 // slots <= each row's own. Output for the last n_out rows (1 <= n_out <= T): out [n_out][vocab padded to 16] logits
-// when the model has a table, else the final normed hidden states [n_out][C]. work: sc_prefill_work(m, T, cap)
+// when the model has a head (a table or Model.head), else the final normed hidden states [n_out][C]. work: sc_prefill_work(m, T, cap)
 // bytes (or NULL: allocated here).
 int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, void* const* keys, void* const* values,
                int cap, float* out, void* work, size_t work_size) {
@@ -199,12 +199,11 @@ int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, voi
     }
     const float* last = b.x + (size_t)(T - n_out) * C;
     rms_rows(last, m->norm_final, n_out, C, m->eps, b.h);
-    if (m->table) {
-        sc_lin head = {SC_LIN_TABLE, m->vocab, m->table, m->table_scale, NULL, out};
-        sc_lins_run(&head, 1, quant_rows(&b, b.h, n_out, C), NULL, b.slots);
-    } else {
+    sc_lin head;
+    if (sc_head_of(m, out, &head))
+        sc_lins_run(&head, 1, quant_rows(&b, b.h, n_out, C), b.acc, b.slots);
+    else
         memcpy(out, b.h, sizeof(float) * C * n_out);
-    }
 done:
     free(own);
     return rc;

@@ -246,12 +246,11 @@ static int run_step(const Model* m, const sc_layers* X, const float* x_in, const
         mlp_block(m, X, &b, l);
     }
     rms(b.x, m->norm_final, C, m->eps, b.h);
-    if (m->table) {
-        sc_lin head = {SC_LIN_TABLE, m->vocab, m->table, m->table_scale, NULL, out};
+    sc_lin head;
+    if (sc_head_of(m, out, &head))
         sc_lins_run(&head, 1, quant_in(&b, b.h, C), NULL, sc_threads());
-    } else {
+    else
         memcpy(out, b.h, sizeof(float) * C);
-    }
 done:
     free(own);
     return rc;
@@ -259,7 +258,7 @@ done:
 
 // One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
 // ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
-// model has a table, else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
+// model has a head (table or Model.head), else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
 // work: sc_step_work(m, cap) bytes (or NULL: allocated here).
 int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
             float* out, float* queries, float* gauge, void* work, size_t work_size) {
