@@ -331,12 +331,11 @@ void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, 
 static inline void sc_softcap(float* sc, int n, float cap) {  // as transformers: tanh(s / cap) * cap
     for (int s = 0; s < n; s++) sc[s] = tanhf(sc[s] / cap) * cap;
 }
-// e^x in plain float operations, so that every build (the reference at -O2, the SIMD ones vectorizing it) rounds it
-// alike: Cephes' expf (x = n ln2 + r, |r| <= ln2/2, a degree-7 polynomial, 2^n from exponent bits), the SiLU within
-// 1.8e-7 of fp64 (tests/test_silu.py). Why not libm's expf: it is one call per element, and its overflow path
-// (xflowf) alone took 1.6% of a 1B model's prefill whose gates reach -100; this loop vectorizes: the 1B model's
-// 512-token prefill spent 5.4% in silu and expf, now 0.7%. For the SiLU's use only: below -86 it returns e^-86
-// (4e-38; 1 + e^x is 1 there anyway), above 88 infinity (e^88.7 overflows; g / inf is the -0 torch gives).
+// e^x in plain float operations, rounded alike in every build (the reference at -O2, the SIMD ones vectorizing it):
+// Cephes' expf (x = n ln2 + r, |r| <= ln2/2, degree-7 polynomial, 2^n from exponent bits), the SiLU within 1.8e-7 of
+// fp64 (tests/test_silu.py). libm's expf is a call per element, and its overflow path alone took 1.6% of a 1B prefill
+// whose gates reach -100 (silu + expf: 5.4% -> 0.7%). SiLU use only: below -86 it returns e^-86 (1 + e^x is 1
+// there), above 88 infinity (g / inf is the -0 torch gives).
 static inline float sc_exp(float x) {
     float c = x < -86.0f ? -86.0f : x > 88.0f ? 88.0f : x;
     float t = c * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23 + round(c / ln 2): n in the low mantissa bits
@@ -393,8 +392,7 @@ static inline float sc_from_bf16(uint16_t h) {
     return f;
 }
 
-// The q8 table's +128 offset, per row: 128 * sum over blocks of sx (= dx * sum(xq)). Shared so every variant
-// round it alike.
+// The q8 table's +128 offset per row, 128 * sum of sx (= dx * sum(xq)): shared, so every variant rounds it alike.
 static inline void sc_q8_corr(const float* sx, int M, int nb, float* corr) {
     for (int m = 0; m < M; m++) {
         float c = 0;
