@@ -183,3 +183,19 @@ def test_chat_turns_sigterm_into_exit_143_and_puts_the_old_handler_back():
                 held = True
     assert e.value.code == 143 and held
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_second_sigterm_while_chat_closes_its_log_is_ignored():
+    """The first SIGTERM ends chat; one more while the session log closes (a service manager repeating itself)
+    must not raise inside that close (it used to: the old handler was back by then, and the process died)."""
+    from sinkchat.apps.chat.repl import _sigterm_exits
+
+    closed = []
+    with pytest.raises(SystemExit) as e:
+        with _sigterm_exits():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # during the close
+                closed.append("log closed")
+    assert e.value.code == 143 and closed == ["log closed"]

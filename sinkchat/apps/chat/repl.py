@@ -322,24 +322,28 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
             auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
                         auto_snapshot=auto)
-        try:
-            with _sigterm_exits():
+        with _sigterm_exits():
+            try:
                 _start(loop, load_name, resume_id, interactive, stdin)
-        finally:
-            slog.close()
+            finally:
+                slog.close()
 
 
 @contextmanager
 def _sigterm_exits() -> Iterator[None]:
     """SIGTERM (`kill`, a service manager, `timeout`) ends chat as /bye does, with exit status 143: SystemExit at
     the next safe point (the Engine holds it through a cache-and-ledger update, as it holds Ctrl-C), so the session
-    log is closed and `sinkchat logs` lists the session as ended, not crashed."""
+    log is closed and `sinkchat logs` lists the session as ended, not crashed. Only the first one: a second SIGTERM
+    (a service manager repeating itself) while the log closes is ignored, not a second SystemExit inside the close."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    ending: list[int] = []
 
     def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
+        if not ending:
+            ending.append(signum)
+            raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
