@@ -40,6 +40,7 @@ CASES = [
     ("phi3-q4_1", "phi3", {"tie_word_embeddings": True}, {"*": "Q4_1"}),
     ("llama-float", "llama", {"tie_word_embeddings": True}, {"token_embd.weight": "BF16", "blk.*.attn_*": "F16",
                                                              "*": "F32"}),
+    ("llama-f16-head", "llama", {}, {"output.weight": "F16", "*": "Q4_0"}),  # an untied float head: the int8 table
 ]
 FLOATS = (T.F32, T.F16, T.BF16)  # linears of float files run in 8 bits, absmax per 16: within half a step
 SCORE_STD = 3.0  # peaked attention: a wrong position or mask moves logits by O(0.1), not 1e-3 (tests/fakes.py)

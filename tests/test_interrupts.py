@@ -185,17 +185,24 @@ def test_chat_turns_sigterm_into_exit_143_and_puts_the_old_handler_back():
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_a_second_sigterm_while_chat_closes_its_log_is_ignored():
-    """The first SIGTERM ends chat; one more while the session log closes (a service manager repeating itself)
-    must not raise inside that close (it used to: the old handler was back by then, and the process died)."""
+def test_a_sigterm_while_chat_closes_its_log_is_ignored():
+    """The first SIGTERM ends chat; one more while the session log closes (a service manager repeating itself),
+    or a first one after /bye, must not raise inside that close (the old handler was back by then, and the process
+    died). chat_command closes the log as below; the second half is its /bye path."""
     from sinkchat.apps.chat.repl import _sigterm_exits
 
     closed = []
     with pytest.raises(SystemExit) as e:
-        with _sigterm_exits():
+        with _sigterm_exits() as closing:
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
             finally:
+                closing()
                 os.kill(os.getpid(), signal.SIGTERM)  # during the close
                 closed.append("log closed")
     assert e.value.code == 143 and closed == ["log closed"]
+    with _sigterm_exits() as closing:  # /bye: the loop ended by itself, then a SIGTERM lands in the close
+        closing()
+        os.kill(os.getpid(), signal.SIGTERM)
+        closed.append("closed after /bye")
+    assert closed[-1] == "closed after /bye"

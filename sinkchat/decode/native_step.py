@@ -146,8 +146,8 @@ class NativeStep:
         self.embed = model.get_input_embeddings()  # called as a module: an Int8Embedding or any other lookup
         head = model.get_output_embeddings()
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
-        packed = head if table is None and _is_native(head) else None  # a GGUF's head, in the file's own layout
-        self.head = None if table is not None or packed is not None else head  # an fp32 lm_head: applied in torch
+        packed = head if table is None and _is_native(head) and head.in_features == spec.dim else None  # a GGUF's
+        self.head = None if table is not None or packed is not None else head  # anything else: applied in torch
         self.vocab = table.num_embeddings if table is not None else spec.vocab
         self._unit = spec.norm.unit_offset  # Gemma: norms multiply by 1 + w; folded here so C multiplies by w
         self.final_softcap = spec.final_softcap  # Gemma 2: tanh(logits / cap) * cap, after the head (in torch)

@@ -81,7 +81,7 @@ class StepModel(ctypes.Structure):
     _fields_ += [(n, ctypes.c_float) for n in ("eps", "scaling", "rope_scale")]
     _fields_ += [(n, ctypes.c_void_p) for n in ("inv_freq", "norm_in", "norm_post", "norm_final", "lin", "table",
                                                  "table_scale", "q_norm", "k_norm", "lin_type")]
-    _fields_ += [("rot", ctypes.c_int), ("head", ctypes.c_void_p), ("head_type", ctypes.c_int)]
+    _fields_ += [("rot", ctypes.c_int), ("head_type", ctypes.c_int), ("head", ctypes.c_void_p)]
 
 
 ACT_SILU, ACT_GELU_TANH = 0, 1  # csrc/kernels.h: SC_ACT_* (sc_layers.act)

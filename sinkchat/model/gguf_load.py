@@ -200,8 +200,9 @@ def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arc
                 continue
             if hf == "model.embed_tokens.weight":
                 _install_table(model, _table(f, t, kernels), tied="output.weight" not in table)
-            elif hf == "lm_head.weight":
-                _put(model, "lm_head", _table(f, t, kernels))
+            elif hf == "lm_head.weight":  # an untied head; a per-row int8 one (a float file's) projects as a head
+                head = _table(f, t, kernels)
+                _put(model, "lm_head", int4.Int8Head(head) if isinstance(head, int4.Int8Table) else head)
             elif len(t.shape) == 2:
                 mod = module_of(f, t, kernels, heads=_heads(hf, model.config, arch))
                 _put(model, hf.removesuffix(".weight"), mod)

@@ -136,7 +136,7 @@ def _wire(model: nn.Module, shells: dict[str, nn.Module], w: dict[str, Any]) -> 
     elif w["embedding"] == "Int8Embedding":
         model.set_input_embeddings(int4.Int8Embedding(table, pad, scale))
     head = shells.get(w["head"]) if w["head"] else None
-    if w["head_kind"] == "Int8Head":
+    if w["head_kind"] == "Int8Head" or isinstance(head, int4.Int8Table):  # (a cache from before heads were wrapped)
         model.set_output_embeddings(int4.Int8Head(head))
     elif head is not None:
         model.set_output_embeddings(head)

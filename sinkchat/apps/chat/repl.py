@@ -15,7 +15,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import click
 
@@ -322,23 +322,25 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
             auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
                         auto_snapshot=auto)
-        with _sigterm_exits():
+        with _sigterm_exits() as closing:
             try:
                 _start(loop, load_name, resume_id, interactive, stdin)
             finally:
+                closing()  # from here SIGTERM is ignored: the log's close is not cut short
                 slog.close()
 
 
 @contextmanager
-def _sigterm_exits() -> Iterator[None]:
+def _sigterm_exits() -> Iterator[Callable[[], None]]:
     """SIGTERM (`kill`, a service manager, `timeout`) ends chat as /bye does, with exit status 143: SystemExit at
     the next safe point (the Engine holds it through a cache-and-ledger update, as it holds Ctrl-C), so the session
-    log is closed and `sinkchat logs` lists the session as ended, not crashed. Only the first one: a second SIGTERM
-    (a service manager repeating itself) while the log closes is ignored, not a second SystemExit inside the close."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    log is closed and `sinkchat logs` lists the session as ended, not crashed. Only the first one, and none once the
+    caller says it is closing (the callable yielded): a SIGTERM while the log closes (a service manager repeating
+    itself, or one after /bye) is ignored, not a SystemExit inside the close."""
     ending: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
 
     def on_term(signum: int, frame: Any) -> None:
         if not ending:
@@ -347,7 +349,7 @@ def _sigterm_exits() -> Iterator[None]:
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield lambda: ending.append(0)
     finally:
         signal.signal(signal.SIGTERM, old)
 

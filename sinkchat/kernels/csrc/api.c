@@ -93,7 +93,7 @@ long sc_offsetof(const char* field) {
     } t[] = {F(n_layers), F(dim),        F(n_heads),  F(n_kv),      F(head_dim),   F(inter),     F(vocab),
              F(kv_bf16),  F(eps),        F(scaling),  F(rope_scale), F(inv_freq),  F(norm_in),   F(norm_post),
              F(norm_final), F(lin),      F(table),    F(table_scale), F(q_norm),  F(k_norm),    F(lin_type),
-             F(rot),      F(head),       F(head_type)};
+             F(rot),      F(head_type),  F(head)};
 #undef F
 #define F(f) {"sc_layers." #f, offsetof(sc_layers, f)}
     static const struct {

@@ -111,9 +111,9 @@ typedef struct {
     const float* k_norm;       // [L][D]: the same for each key head, or NULL
     const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
     int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
-    const void* const* head;   // [3]: the output head as a linear of layout head_type (weights, scales, bias or
-    int head_type;             // NULL), vocab rows, where there is no table; NULL: the final normed hidden state out
-} Model;
+    int head_type;             // SC_LIN_* of head:
+    const void* const* head;   // [3] the output head as a linear (weights, scales, bias or NULL) of vocab rows, where
+} Model;                       // there is no table; NULL: the final normed hidden state is the output
 
 // What sc_step_layers adds to a Model (native.StepLayers mirrors it; checked as Model is): what differs per layer,
 // and Gemma 2 / 3's extras. NULL pointers: as Model says for every layer / no such norm.
@@ -251,8 +251,10 @@ size_t sc_lin_work(int type, int M, int K, int slots);
 int sc_lin_mm(sc_arena* a, const sc_lin* l, const float* x, int M, int K);
 // The nl linears that read one input (the decode step's q, k, v), one job over all their row groups.
 void sc_lins_run(const sc_lin* l, int nl, const sc_act* a, float* acc, int slots);
-// The output head as a linear writing logits to out (Model.table, else Model.head): 0 where the model has none.
+// The output head as a linear writing logits to out (Model.table, else Model.head): 0 where the model has none;
+// sc_head_bad: a head whose vocab is no whole number of row groups (sc_step / sc_prefill refuse it: SC_EARG).
 int sc_head_of(const Model* m, float* out, sc_lin* l);
+static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && (m->vocab < RG || m->vocab % RG); }
 
 // ---- the exported functions, each signature once: prototypes below, sc_signature's table in api.c ------------
 // X(return type, name, argument types...). native.py's declarations must give the same codes (sc_signature).

@@ -182,7 +182,7 @@ int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, voi
     sc_arena a;
     void* own;
     PrefillBufs b;
-    if (T < 1 || n_out < 1 || n_out > T || pos < 0 || pos + T > cap) return SC_EARG;
+    if (T < 1 || n_out < 1 || n_out > T || pos < 0 || pos + T > cap || sc_head_bad(m)) return SC_EARG;
     if ((rc = sc_work_open(work, work_size, sc_prefill_work(m, T, cap), &a, &own)) ||
         (rc = take_prefill(&a, m, T, cap, &b)))
         goto done;

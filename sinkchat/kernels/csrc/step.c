@@ -233,6 +233,7 @@ static void mlp_block(const Model* m, const sc_layers* X, StepBufs* b, int l) {
 static int run_step(const Model* m, const sc_layers* X, const float* x_in, const KvView* kv, int n_gauge, float* out,
                     float* queries, float* gauge, void* work, size_t work_size) {
     int C = m->dim, most = kv->pos + 1, rc;
+    if (sc_head_bad(m)) return SC_EARG;
     for (int l = 0; kv->ns && l < m->n_layers; l++) most = kv->ns[l] > most ? kv->ns[l] : most;
     sc_arena a;
     void* own;
