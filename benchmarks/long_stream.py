@@ -185,6 +185,9 @@ def plot(streams: dict[str, Stream], path: Path, title: str) -> None:
     ax.set_xlabel("tokens streamed (millions)")
     ax.set_ylabel("perplexity of each pass of the text")
     ax.set_yscale("log")
+    plain = matplotlib.ticker.FormatStrFormatter("%g")  # 38, not 3.8 x 10^1, on a log axis of a narrow range
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
