@@ -253,8 +253,8 @@ def main() -> None:
         print(f"| {r['model']} | {r['threads']} | {r['bandwidth_gbs']:.1f} ({sp['bandwidth_gbs']}) | "
               f"{sc['decode@512']:.0f} ({sp['sinkchat_decode@512']}) / {ll['tg128@d512']:.0f} "
               f"({sp['llama_tg128@d512']}) | {r['decode_ratio@512']:.2f} | {r['sinkchat_roofline_share@512']:.0%} / "
-              f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | {r['sinkchat_mb_per_token@512']:.0f} / "
-              f"{r['llama_mb_per_token@512']:.0f} | {ll['tg128@d0']:.0f} | "
+              f"{r['llama_roofline_share@512']:.0%} | {r['decode_ratio@2048']:.2f} | "
+              f"{r['sinkchat_mb_per_token@512']:.0f} / {r['llama_mb_per_token@512']:.0f} | {ll['tg128@d0']:.0f} | "
               f"{sc['prefill@512']:.0f} / {ll['pp512@d0']:.0f} | {r['prefill_ratio']:.2f} |")
 
 

@@ -148,7 +148,11 @@ class NativeStep:
         table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
         packed = head if table is None and _is_native(head) and head.in_features == spec.dim else None  # a GGUF's
         self.head = None if table is not None or packed is not None else head  # anything else: applied in torch
-        self.vocab = table.num_embeddings if table is not None else spec.vocab
+        self.vocab, c_vocab = spec.vocab, 0  # C's logits rows: the table's (padded to 16), a packed head's, or none
+        if table is not None:
+            self.vocab, c_vocab = table.num_embeddings, table.hw.shape[0] * native.RG
+        elif packed is not None:
+            self.vocab = c_vocab = packed.out_features
         self._unit = spec.norm.unit_offset  # Gemma: norms multiply by 1 + w; folded here so C multiplies by w
         self.final_softcap = spec.final_softcap  # Gemma 2: tanh(logits / cap) * cap, after the head (in torch)
         norm_in, norm_mlp, attn_out, mlp_out = _norm_names(spec)
@@ -173,7 +177,7 @@ class NativeStep:
         self._m = native.StepModel(
             n_layers=self.n_layers, dim=spec.dim, n_heads=self.n_heads, n_kv=self.n_kv,
             head_dim=self.head_dim, inter=spec.inter,
-            vocab=table.hw.shape[0] * native.RG if table is not None else 0, kv_bf16=0,
+            vocab=c_vocab, kv_bf16=0,
             eps=spec.norm.eps, scaling=spec.layers[0].scaling, rope_scale=spec.layers[0].rope.attention_scaling,
             inv_freq=self._keep[0].data_ptr(), norm_in=ins[0].data_ptr(), norm_post=ins[1].data_ptr(),
             norm_final=final.data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
@@ -183,9 +187,7 @@ class NativeStep:
             lin_type=ctypes.cast(self._types, ctypes.c_void_p), rot=spec.layers[0].rope.rot_dim,
             head=None if packed is None else ctypes.cast(self._head, ctypes.c_void_p),
             head_type=0 if packed is None else _LIN_TYPE[packed.layout])
-        if packed is not None:
-            self._m.vocab = self.vocab = packed.out_features
-        self._out = self._m.vocab if table is not None or packed is not None else spec.dim
+        self._out = self._m.vocab or spec.dim  # logits where C has a head, else the final hidden state
         self._kv: tuple[Any, ...] = ()
         self._layers = self._per_layer(layers, spec, attn_out, mlp_out) if spec.model_type in GEMMA_TYPES else None
         self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None

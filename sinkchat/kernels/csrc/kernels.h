@@ -105,15 +105,17 @@ typedef struct {
     const float* norm_post;    // [L][C]
     const float* norm_final;   // [C]
     const void* const* lin;    // [L][7][3]: (weights, scales, bias or NULL) for q, k, v, o, gate, up, down
-    const sc_q8_block* table;  // the tied token table (q8_matmul's hw), or NULL: Model.head
+    const sc_q8_block* table;  // the int8 token table as the head (q8_matmul's hw), or NULL: Model.head
     const float* table_scale;  // [V]
     const float* q_norm;       // [L][D]: RMSNorm of each query head before RoPE (Qwen3), or NULL: none
     const float* k_norm;       // [L][D]: the same for each key head, or NULL
     const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
     int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
-    int head_type;             // SC_LIN_* of head:
-    const void* const* head;   // [3] the output head as a linear (weights, scales, bias or NULL) of vocab rows, where
-} Model;                       // there is no table; NULL: the final normed hidden state is the output
+    // The head as a linear of layout head_type (SC_LIN_*), vocab rows, where there is no table; NULL: neither, and
+    // the final normed hidden state is the output.
+    int head_type;
+    const void* const* head;  // [3]: (weights, scales, bias or NULL)
+} Model;
 
 // What sc_step_layers adds to a Model (native.StepLayers mirrors it; checked as Model is): what differs per layer,
 // and Gemma 2 / 3's extras. NULL pointers: as Model says for every layer / no such norm.

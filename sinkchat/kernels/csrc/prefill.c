@@ -174,8 +174,8 @@ static void mlp_block(const Model* m, PrefillBufs* b, int l, int T) {
 // T tokens whose embeddings are x_in [T][C], at in-cache slots pos..pos+T-1 (pos + T <= cap): writes their k/v into
 // those slots of keys[i] / values[i] ([H_kv][cap][D], fp32 or bf16 as Model.kv_bf16 says) and attends causally over
 // slots <= each row's own. Output for the last n_out rows (1 <= n_out <= T): out [n_out][vocab padded to 16] logits
-// when the model has a head (a table or Model.head), else the final normed hidden states [n_out][C]. work: sc_prefill_work(m, T, cap)
-// bytes (or NULL: allocated here).
+// when the model has a head (a table or Model.head), else the final normed hidden states [n_out][C].
+// work: sc_prefill_work(m, T, cap) bytes (or NULL: allocated here).
 int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, void* const* keys, void* const* values,
                int cap, float* out, void* work, size_t work_size) {
     int C = m->dim, half = rot_dims(m) / 2, R = rot_dims(m), rc;

@@ -259,7 +259,8 @@ done:
 
 // One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
 // ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
-// model has a head (table or Model.head), else the final normed hidden state [C]; the pre-RoPE queries [L][H*D]; gauge [L][2].
+// model has a head (table or Model.head), else the final normed hidden state [C]; the pre-RoPE queries [L][H*D];
+// gauge [L][2].
 // work: sc_step_work(m, cap) bytes (or NULL: allocated here).
 int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
             float* out, float* queries, float* gauge, void* work, size_t work_size) {
