@@ -70,3 +70,90 @@ void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, 
             }
     }
 }
+
+// ---- tiles: many queries over one K/V head (the prefill), each as sc_head_attend_cap computes it alone ----------
+// Per block of SC_KVB slots the K rows (then the V rows) are read once from the cache (converted to fp32 when bf16)
+// and every query of the tile runs over them in L1: one query at a time read the whole head from L2 (a 1024-slot
+// bf16 head, K and V: 256 KB) and widened every bf16 row again. The blocks split nothing a query sums: its 16-slot
+// score groups and its P.V pairs start at multiples of 16 and 2, and its P.V accumulators wait in `st` between blocks.
+
+// Slots [s0, s0 + n) of a head from the cache into fp32 rows kv [n][D], or the cache itself when it is fp32.
+static inline const float* kv_block(const void* base, int s0, int n, int bf, int D, float* kv) {
+    if (!bf) return (const float*)base + (size_t)s0 * D;
+    for (int i = 0; i < n; i++)
+        for (int d = 0; d < D; d += 16) v16_store(kv + (size_t)i * D + d, v16_kv(base, (size_t)(s0 + i) * D + d, 1));
+    return kv;
+}
+
+// head_scores over the block's slots [s0, e) (e <= s0 + SC_KVB, e <= n), the block's rows at Kb (row 0 = slot s0).
+static inline __attribute__((always_inline)) void block_scores(const float* qh, const float* Kb, int s0, int e, int n,
+                                                               float scale, float* sc, const int DC) {
+    const size_t D = (size_t)DC * 16;
+    int s = s0;
+    for (; s + 16 <= e; s += 16) {
+        v16 v[16];
+        for (int j = 0; j < 16; j++) v[j] = dot_row(qh, Kb, (s - s0 + j) * D, 0, DC);
+        v16_store(sc + s, v16_mul(hsum16(v), v16_set1(scale)));
+    }
+    for (; s < e && e == n; s++) sc[s] = v16_sum(dot_row(qh, Kb, (s - s0) * D, 0, DC)) * scale;
+}
+
+// head_pv over the block's slots [s0, e), its accumulators a | b in st [2][D] before and after.
+static inline __attribute__((always_inline)) void block_pv(const float* p, const float* Vb, int s0, int e, int n,
+                                                           float* st, const int DC) {
+    const size_t D = (size_t)DC * 16;
+    v16 a[8], b[8];
+    for (int c = 0; c < DC; c++) a[c] = v16_load(st + 16 * c), b[c] = v16_load(st + D + 16 * c);
+    int s = s0;
+    for (; s + 2 <= e; s += 2) {
+        v16 p0 = v16_set1(p[s]), p1 = v16_set1(p[s + 1]);
+        for (int c = 0; c < DC; c++) {
+            a[c] = v16_fma(p0, v16_load(Vb + (s - s0) * D + 16 * c), a[c]);
+            b[c] = v16_fma(p1, v16_load(Vb + (s + 1 - s0) * D + 16 * c), b[c]);
+        }
+    }
+    for (int c = 0; s < e && e == n && c < DC; c++) a[c] = v16_fma(v16_set1(p[s]), v16_load(Vb + (s - s0) * D + 16 * c), a[c]);
+    for (int c = 0; c < DC; c++) v16_store(st + 16 * c, a[c]), v16_store(st + D + 16 * c, b[c]);
+}
+
+static inline __attribute__((always_inline)) void tile_attend(const float* const* qs, const int* ns, int nq,
+                                                              const void* Kh, const void* Vh, int bf, float scale,
+                                                              float softcap, float* sc, size_t stride,
+                                                              float* const* outs, float* kv, const int DC) {
+    const int D = DC * 16;
+    int top = 0;
+    for (int i = 0; i < nq; i++) top = ns[i] > top ? ns[i] : top;
+    float* st = kv + (size_t)SC_KVB * D;  // [nq][2][D]: each query's P.V accumulators between blocks
+    for (int s0 = 0; s0 < top; s0 += SC_KVB) {
+        int e = s0 + SC_KVB < top ? s0 + SC_KVB : top;
+        const float* Kb = kv_block(Kh, s0, e - s0, bf, D, kv);
+        for (int i = 0; i < nq; i++)
+            if (ns[i] > s0) block_scores(qs[i], Kb, s0, e < ns[i] ? e : ns[i], ns[i], scale, sc + i * stride, DC);
+    }
+    for (int i = 0; i < nq; i++) {
+        if (softcap > 0) sc_softcap(sc + i * stride, ns[i], softcap);
+        softmax(sc + i * stride, ns[i]);
+        for (int d = 0; d < 2 * D; d += 16) v16_store(st + (size_t)i * 2 * D + d, v16_set1(0.0f));
+    }
+    for (int s0 = 0; s0 < top; s0 += SC_KVB) {
+        int e = s0 + SC_KVB < top ? s0 + SC_KVB : top;
+        const float* Vb = kv_block(Vh, s0, e - s0, bf, D, kv);
+        for (int i = 0; i < nq; i++)
+            if (ns[i] > s0) block_pv(sc + i * stride, Vb, s0, e < ns[i] ? e : ns[i], ns[i], st + (size_t)i * 2 * D, DC);
+    }
+    for (int i = 0; i < nq; i++)
+        for (int d = 0; d < D; d += 16)
+            v16_store(outs[i] + d, v16_add(v16_load(st + (size_t)i * 2 * D + d), v16_load(st + (size_t)i * 2 * D + D + d)));
+}
+
+// kernels.h: sc_heads_attend. D = 64 / 128 in tiles; any other D one query at a time (as sc_head_attend_cap).
+void sc_heads_attend(const float* const* qs, const int* ns, int nq, const void* Kh, const void* Vh, int bf, float scale,
+                     float softcap, float* sc, size_t stride, float* const* outs, int D, float* kv) {
+    if (D == 64)
+        tile_attend(qs, ns, nq, Kh, Vh, bf, scale, softcap, sc, stride, outs, kv, 4);
+    else if (D == 128)
+        tile_attend(qs, ns, nq, Kh, Vh, bf, scale, softcap, sc, stride, outs, kv, 8);
+    else
+        for (int i = 0; i < nq; i++)
+            sc_head_attend_cap(qs[i], Kh, Vh, ns[i], bf, scale, softcap, sc + i * stride, outs[i], D);
+}

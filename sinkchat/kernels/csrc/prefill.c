@@ -1,6 +1,6 @@
 // Prefill of a chunk of T tokens in C (shared by every build): the decode step's model (Model, the same weights and
 // KV buffers as sc_step) run on T rows at once, over the pieces each variant implements (sc_lins_run for the
-// linears, sc_head_attend, sc_rot_row, sc_put_bf16: kernels.h). Per layer: RMSNorm of the T rows, q, k and v as one
+// linears, sc_heads_attend, sc_rot_row, sc_put_bf16: kernels.h). Per layer: RMSNorm of the T rows, q, k and v as one
 // T-row job (the input quantized once), q/k norms where the model has them, RoPE at each row's in-cache slot, the T
 // keys / values written into slots pos..pos+T-1 of the cache (fp32 or bf16, as sc_step writes them), causal attention
 // of each query over the slots up to its own, o, the residual, then the SiLU MLP. The logits (or the final normed
@@ -19,23 +19,32 @@
 enum { LQ, LK, LV, LO, LG, LU, LD };  // Model.lin's order (step.c)
 
 // The chunk's activations, carved from the caller's work buffer (sizes: sc_prefill_work, which carves the same way):
-// rows [T][...] each; cs / sn [T][rot] (each row's angles); scores [slots][cap] and the linears' accumulators
-// [slots][SC_ACC] (one piece per thread of the pool); `in` the quantized input of the next linears.
+// rows [T][...] each; cs / sn [T][rot] (each row's angles); scores [slots][tile_queries][cap], the attention tiles'
+// scratch [slots][sc_tile_floats] and the linears' accumulators [slots][SC_ACC] (one piece per thread of the pool);
+// `in` the quantized input of the next linears.
 typedef struct {
-    float *x, *h, *t, *q, *k, *v, *att, *g, *u, *cs, *sn, *scores, *acc;
+    float *x, *h, *t, *q, *k, *v, *att, *g, *u, *cs, *sn, *scores, *kv, *acc;
     sc_act in;
     int slots;
 } PrefillBufs;
 
 static inline int rot_dims(const Model* m) { return m->rot > 0 ? m->rot : m->head_dim; }
 
+// Chunk rows per attention tile: a tile is one kv head's query heads for this many rows (SC_TILE queries or so).
+static inline int tile_rows(const Model* m) {
+    int G = m->n_heads / m->n_kv;
+    return G >= SC_TILE ? 1 : SC_TILE / G;
+}
+
 static int take_prefill(sc_arena* a, const Model* m, int T, int cap, PrefillBufs* b) {
     size_t C = m->dim, HD = (size_t)m->n_heads * m->head_dim, KD = (size_t)m->n_kv * m->head_dim, I = m->inter;
     b->slots = sc_threads();
+    int nq = tile_rows(m) * (m->n_heads / m->n_kv);
     float** at[] = {&b->x, &b->h, &b->t, &b->q, &b->k, &b->v, &b->att, &b->g, &b->u, &b->cs, &b->sn, &b->scores,
-                    &b->acc};
+                    &b->kv, &b->acc};
     size_t n[] = {C * T, C * T, C * T, HD * T, KD * T, KD * T, HD * T, I * T, I * T, (size_t)rot_dims(m) * T,
-                  (size_t)rot_dims(m) * T, (size_t)b->slots * cap, (size_t)b->slots * SC_ACC};
+                  (size_t)rot_dims(m) * T, (size_t)b->slots * nq * cap, b->slots * sc_tile_floats(m->head_dim, nq),
+                  (size_t)b->slots * SC_ACC};
     for (size_t i = 0; i < sizeof n / sizeof n[0]; i++)
         if (!(*at[i] = sc_take(a, sizeof(float) * n[i]))) return SC_EWORK;
     int k = m->dim > m->inter ? m->dim : m->inter;
@@ -92,28 +101,38 @@ static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
         memcpy((float*)buf + at, src, sizeof(float) * D);
 }
 
-// The causal attention as a job: item i is query head i % H of chunk row order(i / H), its softmax in this thread's
-// scores row. Rows are taken alternately from both ends (0, T-1, 1, T-2, ...) so that each contiguous chunk of items
-// the pool hands out costs about the same (row t attends over pos + t + 1 slots).
+// The causal attention as a job: item i is kv head i % H_kv of the tile_rows rows of chunk row block order(i / H_kv),
+// one sc_heads_attend tile (every query as sc_head_attend computes it alone: the decode step's bits), its softmaxes
+// in this thread's scores rows. Row blocks are taken alternately from both ends (0, last, 1, last - 1, ...) so that
+// each contiguous chunk of items the pool hands out costs about the same (row t attends over pos + t + 1 slots).
 typedef struct {
     const Model* m;
     const float* q;
     const void *K, *V;
-    int cap, pos, T;
-    float *scores, *out;
+    int cap, pos, T, rows;
+    float *scores, *kv, *out;
 } AttJob;
 
 static void att_task(void* ctx, int lo, int hi, int slot) {
     const AttJob* j = ctx;
     const Model* m = j->m;
-    int D = m->head_dim, H = m->n_heads, G = H / m->n_kv;
-    size_t esz = m->kv_bf16 ? 2 : 4;
-    float* sc = j->scores + (size_t)slot * j->cap;
+    int D = m->head_dim, H = m->n_heads, Hkv = m->n_kv, G = H / Hkv, nb = (j->T + j->rows - 1) / j->rows;
+    size_t esz = m->kv_bf16 ? 2 : 4, nq_max = (size_t)j->rows * G;
+    float* sc = j->scores + (size_t)slot * nq_max * j->cap;
+    float* kv = j->kv + (size_t)slot * sc_tile_floats(D, (int)nq_max);
+    const float* qs[nq_max];
+    float* outs[nq_max];
+    int ns[nq_max];
     for (int i = lo; i < hi; i++) {
-        int r = i / H, hq = i % H, t = r % 2 ? j->T - 1 - r / 2 : r / 2;
-        size_t head = (size_t)(hq / G) * j->cap * D * esz, at = ((size_t)t * H + hq) * D;
-        sc_head_attend(j->q + at, (const char*)j->K + head, (const char*)j->V + head, j->pos + t + 1, m->kv_bf16,
-                       m->scaling, sc, j->out + at, D);
+        int r = i / Hkv, h = i % Hkv, rb = r % 2 ? nb - 1 - r / 2 : r / 2, nq = 0;
+        for (int t = rb * j->rows; t < j->T && t < (rb + 1) * j->rows; t++)
+            for (int g = 0; g < G; g++, nq++) {
+                size_t at = ((size_t)t * H + h * G + g) * D;
+                qs[nq] = j->q + at, outs[nq] = j->out + at, ns[nq] = j->pos + t + 1;
+            }
+        size_t head = (size_t)h * j->cap * D * esz;
+        sc_heads_attend(qs, ns, nq, (const char*)j->K + head, (const char*)j->V + head, m->kv_bf16, m->scaling, 0,
+                        sc, j->cap, outs, D, kv);
     }
 }
 
@@ -137,9 +156,10 @@ static void attention_block(const Model* m, PrefillBufs* b, int l, int T, int po
             store_kv(values[l], ((size_t)i * cap + pos + t) * D, v, D, m->kv_bf16);
         }
     }
-    AttJob j = {m, b->q, keys[l], values[l], cap, pos, T, b->scores, b->att};
+    int blocks = (T + tile_rows(m) - 1) / tile_rows(m);  // row blocks of even size (36 rows, 10 a tile: 4 of 9)
+    AttJob j = {m, b->q, keys[l], values[l], cap, pos, T, (T + blocks - 1) / blocks, b->scores, b->kv, b->att};
     size_t bytes = (size_t)H * T * (pos + T) * D * (m->kv_bf16 ? 2 : 4);  // about the K/V rows read
-    sc_parallel(att_task, &j, T * H, b->slots, bytes);
+    sc_parallel(att_task, &j, (T + j.rows - 1) / j.rows * Hkv, b->slots, bytes);
     sc_lin o = lin_at(m, l, LO, C, b->t);
     run_lins(b, &o, 1, b->att, T, H * D);
     add_rows(b->x, b->t, (size_t)T * C);
