@@ -80,7 +80,23 @@ def test_bench_restores_engine_state():
     eng.stop_ids = set(stops)
     bench.run_bench(eng, list(range(100)), ["sink"], [32], 10, 1, 4, 8, 4)
     assert eng.stop_ids == stops and eng.gauge_every == every
-    assert eng.ledger.seen - eng.ledger.evicted == eng.cache.length == len(eng.ledger.ids)
+    led = eng.ledger  # the warm-up's tokens were cleared, not evicted
+    assert led.seen - led.evicted - led.cleared == eng.cache.length == len(led.ids) and led.cleared > 0
+
+
+def test_bench_warms_up_untimed_then_times_from_an_empty_cache():
+    """As llama-bench's warmup run: one prefill and a few tokens before the timed runs, none of it in the figures."""
+    eng = tiny_engine()
+    fed, feed = [], eng.feed_ids
+
+    def counting(ids, *a, **k):
+        fed.append((len(ids), eng.cache.length))
+        return feed(ids, *a, **k)
+
+    eng.feed_ids = counting
+    res = bench.run_bench(eng, list(range(1, 100)), ["sink"], [32], 10, 1, 4, 8, 0)
+    assert fed == [(min(32, 2 * eng.max_chunk), 0), (32, 0)]  # the warm-up, then the timed prefill into an empty cache
+    assert res["runs"][0]["prefill_tokens"] == 32 and res["runs"][0]["decode_tokens"] == 10
 
 
 def test_bench_sink_run_stays_in_its_buffers():
