@@ -320,7 +320,8 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
 // two accumulators (halves 0, 1), summed last. The K-quants (matmul_k.c; ref.c), per 32-block b (sub-block j of
 // super-block b / 8), ds = d*sc_j and dm = dmin*mn_j in fp32 (exact): q4k: acc = fmaf(isum, ds*dx, acc), then
 // acc = fmaf(-dm, sx, acc); q8k: as q8g per half h with its own j, acc_h = fmaf(isum_h, ds*dx, acc_h), then
-// acc_h = fmaf(-dm, sx16_h, acc_h). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
+// acc_h = fmaf(-dm, sx16_h, acc_h) (the AVX-512 prefill leaves it out where dmin is 0 throughout a row group: the
+// same bits). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
 void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
@@ -335,14 +336,13 @@ void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, 
 // Softmax attention of nq queries over one K/V head (the prefill's tiles: a kv head's query heads of a few rows):
 // query i is qs[i] [D] over slots 0..ns[i]-1 of Kh / Vh [cap][D], its probabilities into sc + i * stride, its output
 // into outs[i] [D]; each bit-identical to sc_head_attend_cap on that query alone. The SIMD builds convert the K (then
-// V) rows once per SC_KVB slots into `kv` and run every query of the tile over them there, in L1; kv: sc_tile_floats.
+// V) rows once per SC_KVB slots into `kv` (sc_tile_floats(D, nq) floats) and run every query of the tile over them
+// in L1 (an fp32 cache is read in place); other head dims than 64 / 128 go a query at a time.
 void sc_heads_attend(const float* const* qs, const int* ns, int nq, const void* Kh, const void* Vh, int bf, float scale,
                      float softcap, float* sc, size_t stride, float* const* outs, int D, float* kv);
-// Measured (the bundled 135M model, 2048 tokens into a 2048-slot bf16 cache, 1 thread, tok/s): a query at a time
-// 411-431; tiles of 8 queries 457-459, 16: 480-490, 32: 500-503 (64 slots a block: 497-505, no better).
-#define SC_KVB 32    // slots per block of sc_heads_attend (a bf16 block of D = 128 converted: 16 KB, in L1)
-#define SC_TILE 32   // queries per prefill attention tile (more when one kv head has more query heads)
-_Static_assert(SC_KVB % 16 == 0, "a block holds whole 16-slot score groups (and P.V pairs): no query's sum splits");
+#define SC_KVB 32   // slots per block of sc_heads_attend (a bf16 block of D = 128 converted: 16 KB, in L1)
+#define SC_TILE 32  // queries per prefill attention tile (more when one kv head has more query heads)
+_Static_assert(SC_KVB % 16 == 0, "no query's 16-slot score group or P.V pair spans two blocks");
 static inline size_t sc_tile_floats(int D, int nq) { return (size_t)SC_KVB * D + 2 * (size_t)nq * D; }
 static inline void sc_softcap(float* sc, int n, float cap) {  // as transformers: tanh(s / cap) * cap
     for (int s = 0; s < n; s++) sc[s] = tanhf(sc[s] / cap) * cap;

@@ -147,9 +147,10 @@ static void q8k_row(const sc_xq* xa, const sc_x16* xh, int K, int g0, int g1, co
     }
 }
 
-// q8k_half without the m term, for a block whose mins are all 0 (Q6_K): acc - 0*sx is acc, as no accumulator is -0
-// (each starts at +0, and a sum that rounds to 0 is +0 unless both terms are -0), so the same bits, two FMAs of 16
-// fewer. Measured: Q6_K is 16% of a ~1B Q4_K_M prefill's time at 2 threads.
+// q8k_half without the m term, for row groups whose dmin is 0 throughout (Q6_K): there every m step is
+// acc - (+-0)*sx, which is acc unless acc is -0, and without m steps no accumulator is ever -0 (each starts at +0; an
+// isum step's exact result is 0 only when isum is, and +0 + +-0 is +0), so the same bits, two FMAs of 16 fewer.
+// Measured: Q6_K is 16% of a ~1B Q4_K_M prefill's time at 2 threads; this ~3% of that prefill.
 static inline __m512 q8k_half0(__m512 acc, __m512i i0, __m512i i1, int32_t c16, __m512 ds, float dx) {
     __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(i0, i1), _mm512_set1_epi32(c16));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(ds, _mm512_set1_ps(dx)), acc);
@@ -164,6 +165,9 @@ static void q8k_rows(const sc_xq* xa, const sc_x16* xh, float* acc_buf, int m0, 
     for (int g = g0; g < g1; g++) {
         const sc_q8_block* wg = hw + (size_t)g * nb;
         const sc_q8k_scales* sg = sw + (size_t)g * ns;
+        int mins = 0;  // any dmin of the group not +-0 (Q5_K); Q6_K has none
+        for (int s = 0; s < ns; s++)
+            for (int r = 0; r < RG; r++) mins |= sg[s].dmin[r] & 0x7FFF;
         for (int m = 0; m < 2 * mn; m++) acc[m] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++) {
             __m512i w[8];
@@ -173,8 +177,6 @@ static void q8k_rows(const sc_xq* xa, const sc_x16* xh, float* acc_buf, int m0, 
             __m512 d = f16x16(ss->d), dmin = f16x16(ss->dmin);
             __m512 ds0 = _mm512_mul_ps(d, i8x16(ss->sc[j])), dm0 = _mm512_mul_ps(dmin, u8x16(ss->mn[j]));
             __m512 ds1 = _mm512_mul_ps(d, i8x16(ss->sc[j + 1])), dm1 = _mm512_mul_ps(dmin, u8x16(ss->mn[j + 1]));
-            __m512 z = _mm512_setzero_ps();
-            int mins = (_mm512_cmpneq_ps_mask(dm0, z) | _mm512_cmpneq_ps_mask(dm1, z)) != 0;  // Q6_K: none
             for (int m = 0; m < mn; m++) {
                 const int32_t* xm = (const int32_t*)(xa->xq + (size_t)(m0 + m) * K) + b * 8;
                 __m512i i[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
@@ -185,7 +187,8 @@ static void q8k_rows(const sc_xq* xa, const sc_x16* xh, float* acc_buf, int m0, 
                 size_t h = (size_t)(m0 + m) * nh + 2 * b;
                 if (mins) {
                     acc[2 * m] = q8k_half(acc[2 * m], i[0], i[1], xh->c16[h], ds0, dm0, dx, xh->sx16[h]);
-                    acc[2 * m + 1] = q8k_half(acc[2 * m + 1], i[2], i[3], xh->c16[h + 1], ds1, dm1, dx, xh->sx16[h + 1]);
+                    acc[2 * m + 1] =
+                        q8k_half(acc[2 * m + 1], i[2], i[3], xh->c16[h + 1], ds1, dm1, dx, xh->sx16[h + 1]);
                 } else {
                     acc[2 * m] = q8k_half0(acc[2 * m], i[0], i[1], xh->c16[h], ds0, dx);
                     acc[2 * m + 1] = q8k_half0(acc[2 * m + 1], i[2], i[3], xh->c16[h + 1], ds1, dx);

@@ -39,7 +39,7 @@ static inline int tile_rows(const Model* m) {
 static int take_prefill(sc_arena* a, const Model* m, int T, int cap, PrefillBufs* b) {
     size_t C = m->dim, HD = (size_t)m->n_heads * m->head_dim, KD = (size_t)m->n_kv * m->head_dim, I = m->inter;
     b->slots = sc_threads();
-    int nq = tile_rows(m) * (m->n_heads / m->n_kv);
+    int nq = (tile_rows(m) < T ? tile_rows(m) : T) * (m->n_heads / m->n_kv);  // att_task's rows <= both
     float** at[] = {&b->x, &b->h, &b->t, &b->q, &b->k, &b->v, &b->att, &b->g, &b->u, &b->cs, &b->sn, &b->scores,
                     &b->kv, &b->acc};
     size_t n[] = {C * T, C * T, C * T, HD * T, KD * T, KD * T, HD * T, I * T, I * T, (size_t)rot_dims(m) * T,
@@ -101,7 +101,7 @@ static void store_kv(void* buf, size_t at, const float* src, int D, int bf16) {
         memcpy((float*)buf + at, src, sizeof(float) * D);
 }
 
-// The causal attention as a job: item i is kv head i % H_kv of the tile_rows rows of chunk row block order(i / H_kv),
+// The causal attention as a job: item i is kv head i % H_kv of the `rows` rows of chunk row block order(i / H_kv),
 // one sc_heads_attend tile (every query as sc_head_attend computes it alone: the decode step's bits), its softmaxes
 // in this thread's scores rows. Row blocks are taken alternately from both ends (0, last, 1, last - 1, ...) so that
 // each contiguous chunk of items the pool hands out costs about the same (row t attends over pos + t + 1 slots).
@@ -156,7 +156,9 @@ static void attention_block(const Model* m, PrefillBufs* b, int l, int T, int po
             store_kv(values[l], ((size_t)i * cap + pos + t) * D, v, D, m->kv_bf16);
         }
     }
-    int blocks = (T + tile_rows(m) - 1) / tile_rows(m);  // row blocks of even size (36 rows, 10 a tile: 4 of 9)
+    int blocks = (T + tile_rows(m) - 1) / tile_rows(m), busy = (2 * b->slots + Hkv - 1) / Hkv;
+    blocks = blocks < busy ? (busy < T ? busy : T) : blocks;  // two tiles a thread at least, where the rows allow
+    // row blocks of even size (36 rows, 10 a tile: 4 of 9)
     AttJob j = {m, b->q, keys[l], values[l], cap, pos, T, (T + blocks - 1) / blocks, b->scores, b->kv, b->att};
     size_t bytes = (size_t)H * T * (pos + T) * D * (m->kv_bf16 ? 2 : 4);  // about the K/V rows read
     sc_parallel(att_task, &j, (T + j.rows - 1) / j.rows * Hkv, b->slots, bytes);

@@ -250,5 +250,6 @@ void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, 
 void sc_heads_attend(const float* const* qs, const int* ns, int nq, const void* Kh, const void* Vh, int bf, float scale,
                      float softcap, float* sc, size_t stride, float* const* outs, int D, float* kv) {
     (void)kv;
-    for (int i = 0; i < nq; i++) sc_head_attend_cap(qs[i], Kh, Vh, ns[i], bf, scale, softcap, sc + i * stride, outs[i], D);
+    for (int i = 0; i < nq; i++)
+        sc_head_attend_cap(qs[i], Kh, Vh, ns[i], bf, scale, softcap, sc + i * stride, outs[i], D);
 }
