@@ -209,20 +209,23 @@ def _simd_variants() -> list[str]:
     return SIMD
 
 
+MQA = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=1, intermediate_size=128)  # G >= SC_TILE
+
+
 @pytest.mark.parametrize("variant", _simd_variants())
-@pytest.mark.parametrize("shape", ["D64", "D128"])
+@pytest.mark.parametrize("shape", ["D64", "D128", "MQA"])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_every_simd_prefill_attends_in_tiles_with_the_decode_steps_bits(variant, shape, kv):
     """The prefill attends in tiles (csrc/attend_v16.h: sc_heads_attend: a kv head's query heads for a few rows,
     the K / V rows converted once per 32 slots), each query summed as the decode step sums it alone: so every SIMD
     build's prefill gives its own decode step's caches bit for bit. Head dims 64 and 128 (the tiled ones), 3 and 2
-    query heads on one kv head, chunks of up to 36 rows (tiles of up to 9 and 12 rows) over a 40-slot cache (two
-    slot blocks, the second partial; odd and even slot counts)."""
+    query heads on one kv head (and 32 on one: a tile a row), chunks of up to 36 rows (tiles of up to 9 and 12 rows)
+    over a 40-slot cache (two slot blocks, the second partial; odd and even slot counts)."""
     import test_native
     from test_kernels import on
 
     if native.unsupported(variant):
         pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
-    model = test_native._native_model("llama", True, **getattr(test_native, shape))
+    model = test_native._native_model("llama", True, **(MQA if shape == "MQA" else getattr(test_native, shape)))
     with on(variant):
         same_as_the_decode_step(model, kv, 36, 0)  # the tied int8 table in C: logits bit for bit too
