@@ -127,10 +127,12 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
     # before transformers is imported (importing it fixes inductor's cache dir): compiled decode steps are kept
     # with sinkchat's other caches, not in /tmp where they would be rebuilt after every reboot
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from sinkchat.model.loader import load, precheck
+
+    precheck(settings.model.model)  # a truncated or foreign file: one line in well under a second, before torch
     from sinkchat import decode
     from sinkchat.core.engine import Engine
     from sinkchat.core.sampling import Sampler
-    from sinkchat.model.loader import load
 
     loaded = load(settings.model, progress, check_context=settings.cache.resolved)
     m = settings.model

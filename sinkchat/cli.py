@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("sinkchat.apps.agent.command", "agent_command"),
     "soak": ("sinkchat.apps.soak.command", "soak_command"),
     "logs": ("sinkchat.apps.logs", "logs_command"),
+    "cache": ("sinkchat.apps.cache", "cache_command"),
 }
 
 

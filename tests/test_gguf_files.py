@@ -4,11 +4,15 @@ converted once (small files) and its packed model cached and read back identical
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from gguf import GGUFReader
 
 from sinkchat.config import ModelConfig
 from sinkchat.model import gguf_convert, gguf_packed, loader
@@ -81,12 +85,14 @@ def test_the_cli_prints_one_error_line(bundled_bytes, tmp_path, cache):
 def test_the_packed_cache_reads_back_the_same_model():
     """The bundled model, packed from the GGUF (or read from the cache): reading the cache again gives the same
     tensors, the same wiring and the same logits."""
-    loaded = loader.load(ModelConfig(threads=1))
+    cfg = ModelConfig(threads=1)
+    loaded = loader.load(cfg)
     folder = Path(loaded.path)
-    assert (folder / gguf_packed.MANIFEST).is_file() and gguf_convert.is_done(folder)
-    assert not list(folder.glob("*.safetensors")) or [p.name for p in folder.glob("*.safetensors")] == [gguf_packed.WEIGHTS]
     model = loaded.model
-    again = gguf_packed.load(model.config, folder, gguf_packed.json.loads((folder / gguf_packed.MANIFEST).read_text())["kernels"])
+    kernels = loader.q4_kernels(cfg.decoder, model.config)
+    assert (folder / gguf_packed.manifest_name(kernels)).is_file() and gguf_convert.is_done(folder)
+    assert all(p.name.startswith("packed-") for p in folder.glob("*.safetensors"))
+    again = gguf_packed.load(model.config, folder, kernels)
     assert again is not None
     a, b = model.state_dict(), again.state_dict()
     assert a.keys() == b.keys()
@@ -101,5 +107,100 @@ def test_the_packed_cache_reads_back_the_same_model():
 def test_a_damaged_packed_cache_is_packed_again(tmp_path):
     folder = tmp_path / "f"
     folder.mkdir()
-    (folder / gguf_packed.MANIFEST).write_text("{not json")
+    (folder / gguf_packed.manifest_name("native")).write_text("{not json")
     assert gguf_packed.load(None, folder, "native") is None
+
+
+def test_packs_for_other_kernels_live_side_by_side(tmp_path):
+    """The folder is shared by every environment of the user: one packing for the torch kernels (`--decoder
+    compiled`, or a box without a compiler) must not replace another's native pack (each would then pack again at
+    every start, 1 s for the bundled model, tens of seconds for a 3B one)."""
+    model = loader.load(ModelConfig(threads=1)).model
+    for kernels in ("native", "torch"):
+        gguf_packed.save(model, tmp_path, kernels)
+    want = model.state_dict()
+    for kernels in ("native", "torch"):
+        again = gguf_packed.load(model.config, tmp_path, kernels)
+        assert again is not None, kernels
+        got = again.state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left behind
+
+
+# ------------------------------------------------------------------------------------------------ cut short
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    import gguf_models as gm
+
+    model = gm.tiny_model("llama", vocab_size=256)  # under 1 MB: the message gives its sizes in bytes
+    return gm.write_gguf(model, tmp_path_factory.mktemp("tiny") / "tiny.gguf", "Q8_0", tokenizer=False)
+
+
+def _extents(path: Path) -> tuple[int, int]:
+    """(where the tensor data starts, where the last tensor ends), from gguf-py's reader of the whole file."""
+    r = GGUFReader(str(path))  # imported by name here, before `no_gguf_reader` replaces the module's
+    return min(t.data_offset for t in r.tensors), max(t.data_offset + t.n_bytes for t in r.tensors)
+
+
+@pytest.fixture
+def no_gguf_reader(monkeypatch):
+    """gguf-py's reader parses the whole vocabulary first (2.6 s on the bundled file, 12-16 s on Gemma 3's 262k
+    tokens) and then fails on the missing tensors with a numpy message: a file cut short must not reach it."""
+    import gguf
+
+    def boom(*a, **k):
+        raise AssertionError("gguf.GGUFReader was asked to parse a file the header scan should have refused")
+
+    monkeypatch.setattr(gguf, "GGUFReader", boom)
+
+
+@pytest.mark.parametrize("where", ["in the data", "one byte short", "in the tensor table", "in the metadata"])
+def test_a_gguf_cut_short_is_refused_from_its_header_in_words(where, tiny_gguf, tmp_path, cache, no_gguf_reader):
+    start, end = _extents(tiny_gguf)
+    assert end == tiny_gguf.stat().st_size < 10**6
+    cut = {"in the data": (start + end) // 2, "one byte short": end - 1, "in the tensor table": start - 100,
+           "in the metadata": 200}[where]
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(tiny_gguf.read_bytes()[:cut])
+    t = time.perf_counter()
+    with pytest.raises(GGUFError) as e:
+        loader.load(ModelConfig(model=str(bad)))
+    msg = str(e.value)
+    assert time.perf_counter() - t < 1.0 and "\n" not in msg and msg.endswith("truncated download?"), msg
+    if cut >= start:  # the file's own size and the extent gguf-py computes for the whole file, both in bytes
+        assert f"the file ends at {cut:,} bytes but its tensors need {end:,} bytes" in msg, msg
+    else:
+        assert f"cut inside its header (the file ends at {cut:,} bytes)" in msg, msg
+    assert not cache.exists() or not any(cache.rglob("*"))
+
+
+def test_a_truncated_download_is_refused_before_torch_loads(bundled_bytes, tmp_path):
+    """The user's report: the bundled file cut at 10 MB failed after 12-16 s with a numpy reshape message. It must
+    fail in words, in well under a second, before transformers or torch is imported."""
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(bundled_bytes[:10_000_000])
+    code = ("import sys, time\n"
+            "from sinkchat.config import ModelConfig\n"
+            "from sinkchat.model import loader\n"
+            "t = time.perf_counter()\n"
+            "try:\n"
+            f"    loader.load(ModelConfig(model={str(bad)!r}))\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, e)\n"
+            "print(round(time.perf_counter() - t, 3), 'torch' in sys.modules, 'transformers' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    error, stats = r.stdout.strip().splitlines()
+    assert error == ("GGUFError model.gguf: the file ends at 10 MB but its tensors need "
+                     f"{len(bundled_bytes) / 1e6:.0f} MB: truncated download?"), r.stdout + r.stderr
+    seconds, torch_loaded, transformers_loaded = stats.split()
+    assert float(seconds) < 1.0 and torch_loaded == transformers_loaded == "False", stats
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, this is a text file\n" * 100, b"GGUF", b"GGUF\x03\x00\x00\x00\x05"])
+def test_a_file_that_is_no_gguf_or_only_its_start_is_one_line(content, tmp_path, cache, no_gguf_reader):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(GGUFError) as e:
+        loader.load(ModelConfig(model=str(bad)))
+    msg = str(e.value)
+    assert "\n" not in msg and ("is not a GGUF file" in msg or "cut inside its header" in msg), msg

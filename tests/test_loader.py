@@ -23,9 +23,10 @@ def test_bundled_loads_from_cached_conversion(bundled):
     folder = Path(bundled.path)
     assert gguf_convert.is_done(folder)
     big = {p.name for p in folder.iterdir() if p.stat().st_size > 5_000_000}
-    assert big <= {gguf_packed.WEIGHTS}, big
-    if (folder / gguf_packed.WEIGHTS).exists():  # packed: about the GGUF's size, not 4 bytes a weight
-        assert (folder / gguf_packed.WEIGHTS).stat().st_size < 1.5 * Path(bundled.source).stat().st_size
+    packs = {gguf_packed.weights_name(k) for k in ("native", "torch")}
+    assert big <= packs, big
+    for name in big:  # packed: about the GGUF's size, not 4 bytes a weight
+        assert (folder / name).stat().st_size < 1.5 * Path(bundled.source).stat().st_size
     cfg = bundled.model.config
     assert cfg.num_hidden_layers == 30 and cfg.num_key_value_heads == 3
 

@@ -3,69 +3,126 @@ chat template (transformers' files), and the table of tensors. No weight is writ
 from the GGUF itself, and caches them only in the packed layout).
 
 Why a folder at all: transformers rebuilds the tokenizer from GGUF metadata on every load (~20 s for the bundled
-model) and gguf-py parses the whole header (2.6 s); with the folder a later start reads a few small files. The
-folder is keyed by the file's size, mtime and first MiB (its header), not a hash of all of it: hashing a 4.7 GB
-file would cost seconds at every start. It is written to a temp dir and renamed, under a lock, so a crash or a
-second sinkchat starting at the same time never leaves a half-written folder that looks done.
+model) and gguf-py parses the whole header (2.6 s); with the folder a later start reads a few small files.
+
+The folder is keyed by the file's content (`gguf_file.content_key`: its size, header and fixed samples of its
+tensor data; with the header scan 0.02-0.05 s on the bundled file), not its path: one user's environments (a venv, a wheel install, pipx) each have their own copy
+of the bundled GGUF, and when the key held the path's name and mtime every one of them converted and packed it
+again (4 identical 101 MB folders were found). The marker records every path the content was seen at and, by its
+mtime, the last use, for `sinkchat cache`. The folder's name carries VERSION, so a sinkchat of another version in
+another environment builds its own folder beside this one instead of rebuilding this one under it. It is written
+to a temp dir and renamed, under a lock, so a crash or a second sinkchat converting at the same time never leaves
+a half-written folder that looks done.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sinkchat.config import cache_dir
 from sinkchat.model import gguf_file
 from sinkchat.model.gguf_file import GGUFError, GGUFInfo, TensorInfo
 
-VERSION = 3  # bump when what the folder holds changes: older folders are rebuilt
+log = logging.getLogger(__name__)
+
+VERSION = 4  # bump when what the folder holds changes: a new folder is made, the old one is left to `cache clean`
+PREFIX = f"gguf-v{VERSION}-"  # a folder of this version: PREFIX + content key; anything else is an older layout
 MARKER = "sinkchat-gguf.json"
 TABLE = "gguf-tensors.json"
 ROPE = "rope-freqs.json"
+MAX_SOURCES = 16  # paths kept in the marker (newest last); a checkout copied around would otherwise grow it
 
 
-def key(path: Path) -> str:
-    """Identity of a GGUF for the cache: size, mtime and a hash of its first MiB."""
-    st = path.stat()
-    h = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:".encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return h.hexdigest()[:20]
+def models_dir() -> Path:
+    return cache_dir() / "models"
 
 
-def folder(path: Path) -> Path:
-    return cache_dir() / "models" / f"{path.stem}-{key(path)}"
+def folder(head: gguf_file.Header) -> Path:
+    return models_dir() / f"{PREFIX}{gguf_file.content_key(head)}"
+
+
+def read_marker(out: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
 
 
 def is_done(out: Path) -> bool:
-    try:
-        return json.loads((out / MARKER).read_text()).get("version") == VERSION
-    except (OSError, ValueError):
-        return False
+    marker = read_marker(out)
+    return marker is not None and marker.get("version") == VERSION
+
+
+@contextlib.contextmanager
+def locked(out: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold the folder's lock (a file beside it); yields False instead of waiting when `wait` is off and another
+    process holds it (a conversion in progress)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def prepare(path: Path, progress: Callable[[str], None]) -> Path:
-    """The converted folder of `path`, made once (GGUFError, with nothing written, for a file sinkchat cannot run)."""
-    gguf_file.check_magic(path)
-    out = folder(path)
+    """The converted folder of `path`, made once (GGUFError, with nothing written, for a file sinkchat cannot run:
+    a damaged or truncated file in well under a second, from the header scan)."""
+    head = gguf_file.scan(path)
+    out = folder(head)
     if is_done(out):
+        _record_use(out, path)
         return out
-    info = gguf_file.inspect(path)  # every refusal happens here, before the cache dir is touched
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_done(out):
+    info = gguf_file.inspect(path, head)  # every refusal happens here, before the cache dir is touched
+    with locked(out):
+        done = is_done(out)  # another process converted it while this one waited
+        if not done:
             progress(f"reading {path.name}'s tokenizer and config (once; cached in {out.parent})")
             _convert_into(info, out)
+    if done:
+        _record_use(out, path)
     return out
+
+
+def _record_use(out: Path, path: Path) -> None:
+    """Mark the folder used now (its marker's mtime) and remember `path` among its sources, dropping those gone from
+    disk (for `cache list`: an entry none of whose sources still holds this content is an orphan). Best effort: a
+    read-only cache still runs."""
+    try:
+        os.utime(out / MARKER)
+        marker = read_marker(out) or {}
+        if str(path) in marker.get("sources", []):
+            return
+        with locked(out):
+            marker = read_marker(out) or {}
+            sources = [s for s in marker.get("sources", []) if s != str(path) and os.path.exists(s)] + [str(path)]
+            _write_json(out / MARKER, {**marker, "sources": sources[-MAX_SOURCES:]})
+    except OSError as e:
+        log.info("could not record the use of %s: %s", out, e)
+
+
+def _write_json(target: Path, data: dict[str, Any]) -> None:
+    """Replace `target` whole (a reader sees the old file or the new one, never a part)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def tensor_table(out: Path) -> dict[str, TensorInfo]:
@@ -164,7 +221,7 @@ def architecture(out: Path) -> str:
 def _convert_into(info: GGUFInfo, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{out.name}-", dir=out.parent))  # `cache clean` finds its lock
     try:
         # transformers' GGUF reader draws its own tqdm bar on stderr; we report progress ourselves
         with warnings.catch_warnings(), open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
@@ -187,10 +244,17 @@ def _convert_into(info: GGUFInfo, out: Path) -> None:
         cfg.save_pretrained(tmp)
         (tmp / TABLE).write_text(json.dumps({"architecture": info.architecture, "size": info.size,
                                              "tensors": [t.to_json() for t in info.tensors.values()]}))
-        (tmp / MARKER).write_text(json.dumps({"source": str(info.path), "version": VERSION, "types": info.types()}))
-        if out.exists():  # an older version's folder, or a half-written one from a crash (no marker)
+        (tmp / MARKER).write_text(json.dumps({
+            "version": VERSION, "source": str(info.path), "sources": [str(info.path)], "size": info.size,
+            "name": info.name, "types": info.types(), "tokenizer": info.tokenizer_key}))
+        if out.exists() and not is_done(out):  # a folder left half-written by an older sinkchat (no marker)
             shutil.rmtree(out)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # a done folder is there: another process made it (the same content) without our lock
+            if not is_done(out):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

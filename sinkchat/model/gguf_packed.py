@@ -2,10 +2,13 @@
 later start reads it back instead of unpacking and packing every tensor again (the bundled model: ~1 s of packing
 on each start; a 3B Q4_K_M file: tens of seconds). Never fp32: the file is about the size of the GGUF.
 
-Layout: `packed.safetensors` (every tensor of the model once: a tied table is saved under one name) and
-`packed.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and how
-the table is wired). Read back with plain reads (`q4load.read_tensors`), not an mmap, so the peak is the model once.
-Written to a temp file and renamed, after the model loaded: a crash leaves no half-written cache.
+Layout: `packed-v1-native.safetensors` (every tensor of the model once: a tied table is saved under one name) and
+`packed-v1-native.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and
+how the table is wired), named by VERSION and the kernels packed for: the folder is shared by every environment of
+the user (`gguf_convert`), and two of them packing for other kernels or another version each keep their own pair
+instead of packing over each other at every start. Read back with plain reads (`q4load.read_tensors`), not an mmap,
+so the peak is the model once. Both files are written to temp files and renamed, the weights first, after the model
+loaded: a crash, or another process packing the same model at the same moment, leaves no half-written cache.
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ log = logging.getLogger(__name__)
 VERSION = 1
 CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (int4.Int4Linear, Int8GLinear, int4.Int8Table,
                                                                 intk.Int4KLinear, intk.Int8KLinear)}
-WEIGHTS, MANIFEST = "packed.safetensors", "packed.json"
+
+
+def weights_name(kernels: str) -> str:
+    return f"packed-v{VERSION}-{kernels}.safetensors"
+
+
+def manifest_name(kernels: str) -> str:
+    return f"packed-v{VERSION}-{kernels}.json"
 
 
 def _attrs(mod: nn.Module) -> dict[str, Any]:
@@ -71,30 +81,35 @@ def save(model: nn.Module, out: Path, kernels: str) -> None:
     wiring = {"table": names.get(id(table)), "embedding": type(emb).__name__,
               "head": names.get(id(head.table if isinstance(head, int4.Int8Head) else head)),
               "head_kind": type(head).__name__, "padding_idx": getattr(emb, "padding_idx", None)}
-    fd, tmp = tempfile.mkstemp(prefix=".packed-", dir=out)
-    os.close(fd)
+    manifest = json.dumps({"version": VERSION, "kernels": kernels, "modules": modules, "wiring": wiring})
+    tmps = []
     try:
-        save_file(tensors, tmp)
-        os.replace(tmp, out / WEIGHTS)
-        (out / MANIFEST).write_text(json.dumps({"version": VERSION, "kernels": kernels, "modules": modules,
-                                                "wiring": wiring}))
+        for _ in range(2):
+            fd, name = tempfile.mkstemp(prefix=".packed-", dir=out)
+            os.close(fd)
+            tmps.append(Path(name))
+        save_file(tensors, tmps[0])
+        tmps[1].write_text(manifest)
+        os.replace(tmps[0], out / weights_name(kernels))
+        os.replace(tmps[1], out / manifest_name(kernels))
     except OSError as e:  # a full disk: the model still runs; the next start packs again
         log.warning("could not cache the packed model in %s: %s", out, e)
-        Path(tmp).unlink(missing_ok=True)
-        (out / MANIFEST).unlink(missing_ok=True)
+    finally:
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
 
 
 def load(config: Any, out: Path, kernels: str) -> nn.Module | None:
     """The model from the packed cache in `out`, or None when there is none for these kernels."""
     try:
-        man = json.loads((out / MANIFEST).read_text())
+        man = json.loads((out / manifest_name(kernels)).read_text())
     except (OSError, ValueError):
         return None
-    if man.get("version") != VERSION or man.get("kernels") != kernels or not (out / WEIGHTS).is_file():
+    if man.get("version") != VERSION or man.get("kernels") != kernels or not (out / weights_name(kernels)).is_file():
         return None
     model = skeleton(config)
     shells = {name: _shell(spec) for name, spec in man["modules"].items()}
-    values = dict(read_tensors(out / WEIGHTS))
+    values = dict(read_tensors(out / weights_name(kernels)))
     for name, mod in shells.items():
         for key in [k for k in values if k.rpartition(".")[0] == name]:
             attr = key.rpartition(".")[2]

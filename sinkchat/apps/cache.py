@@ -1,0 +1,201 @@
+"""`sinkchat cache`: list and clean the model cache (`models/` and `tokenizers/` under the user cache dir).
+
+A converted GGUF's folder is keyed by the file's content and shared by every environment of the user
+(`sinkchat.model.gguf_convert`), so nothing here needs to know which environment made an entry. What can pile up:
+folders of the older path-keyed layout (one per environment and copy of a file: 4 x 101 MB of the bundled model
+were found), folders of another VERSION, a conversion's temp dir left by a killed process, entries whose every
+source file is gone or changed (orphans), and tokenizer folders no current entry was built from. The compiled
+kernels and inductor's files in the same cache dir are not models and are left alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+
+from sinkchat.config import cache_dir
+from sinkchat.model import gguf_convert, gguf_file
+
+# statuses; `clean` removes the REMOVABLE ones (and, with --older-than, "ok" entries unused that long)
+OK, ORPHAN, OLD, PARTIAL, UNUSED, BUSY = "ok", "orphan", "old layout", "partial", "unused", "converting"
+REMOVABLE = (ORPHAN, OLD, PARTIAL, UNUSED)
+FRESH_S = 3600  # a tokenizer folder younger than this may belong to a conversion still running: never "unused"
+
+
+@dataclass
+class Entry:
+    path: Path
+    status: str
+    size: int  # bytes
+    last_use: float  # newest mtime in the folder: the marker is touched at every use
+    name: str = ""  # the model's general.name, where recorded
+    sources: list[str] = field(default_factory=list)  # every path it was used from (the newest last)
+    live: list[str] = field(default_factory=list)  # those that still hold the content it was made from
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.parent.name}/{self.path.name}"
+
+
+def _size_and_mtime(path: Path) -> tuple[int, float]:
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    stats = [p.stat() for p in files if p.exists()]
+    return sum(s.st_size for s in stats), max((s.st_mtime for s in stats), default=path.stat().st_mtime)
+
+
+def _holds(source: str, key: str) -> bool:
+    """Whether the file at `source` still has the content the entry was made from (a scan and a key: ~0.03 s)."""
+    try:
+        return gguf_file.content_key(gguf_file.scan(Path(source))) == key
+    except (OSError, gguf_file.GGUFError):
+        return False
+
+
+def _held(entry: Path) -> bool:
+    """Whether a process holds the entry's lock now (probed without creating a lock file)."""
+    try:
+        with open(entry.parent / f".{entry.name}.lock") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no lock file: nobody is converting it
+        return False
+    return False
+
+
+def _model_entry(path: Path) -> Entry:
+    size, mtime = _size_and_mtime(path)
+    marker = gguf_convert.read_marker(path) or {}
+    sources = marker.get("sources") or ([marker["source"]] if marker.get("source") else [])
+    entry = Entry(path, OLD, size, mtime, marker.get("name", ""), sources)
+    if path.name.startswith(".convert-"):  # `.convert-<entry>-<random>`: busy while that entry's lock is held
+        owner = path.parent / path.name.removeprefix(".convert-").rsplit("-", 1)[0]
+        unknown = not owner.name.startswith(gguf_convert.PREFIX)  # an older sinkchat's `.convert-<random>`
+        entry.status = BUSY if _held(owner) or (unknown and time.time() - mtime < FRESH_S) else PARTIAL
+    elif path.name.startswith(gguf_convert.PREFIX):
+        key = path.name.removeprefix(gguf_convert.PREFIX)
+        if not gguf_convert.is_done(path):
+            entry.status = PARTIAL
+        else:
+            entry.live = [s for s in sources if _holds(s, key)]
+            entry.status = OK if entry.live else ORPHAN
+    return entry
+
+
+def entries() -> list[Entry]:
+    """Every folder of the model cache, classified; models first, then tokenizers."""
+    models, out = gguf_convert.models_dir(), []
+    if models.is_dir():
+        out += [_model_entry(p) for p in sorted(models.iterdir()) if p.is_dir()]
+    used = set()
+    for e in out:
+        if e.status == OK:  # an orphan's tokenizer goes with it
+            used.add((gguf_convert.read_marker(e.path) or {}).get("tokenizer"))
+    tokenizers = cache_dir() / "tokenizers"
+    if tokenizers.is_dir():
+        for p in sorted(q for q in tokenizers.iterdir() if q.is_dir()):
+            size, mtime = _size_and_mtime(p)
+            fresh = time.time() - mtime < FRESH_S
+            out.append(Entry(p, OK if p.name in used or fresh else UNUSED, size, mtime))
+    return out
+
+
+def to_remove(found: list[Entry], everything: bool, older_than_days: float | None) -> list[Entry]:
+    """What `clean` removes: the removable statuses, plus ok entries unused for `older_than_days`; or, with
+    `everything`, all but a conversion in progress."""
+    cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
+    return [e for e in found if e.status != BUSY and (
+        everything or e.status in REMOVABLE or (cutoff is not None and e.last_use < cutoff))]
+
+
+def remove(entry: Entry) -> None:
+    """Rename the folder away first (a process that finds it a moment later converts again, rather than reading a
+    half-deleted folder), then delete it and its lock file."""
+    with gguf_convert.locked(entry.path, wait=False) as free:
+        if not free:
+            raise click.ClickException(f"{entry.label} is being converted right now; try again later")
+        trash = entry.path.with_name(f".trash-{entry.path.name}-{time.time_ns()}")
+        entry.path.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        (entry.path.parent / f".{entry.path.name}.lock").unlink(missing_ok=True)
+
+
+def stale_locks() -> list[Path]:
+    """Lock files of folders that no longer exist and that nobody holds (0 bytes each; tidied by `clean`)."""
+    models = gguf_convert.models_dir()
+    if not models.is_dir():
+        return []
+    owners = {p: models / p.name[1:].removesuffix(".lock") for p in models.glob(".*.lock")}
+    return [lock for lock, owner in owners.items() if not owner.exists() and not _held(owner)]
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n < 10**8 else f"{n / 1e6:,.0f} MB"
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts))
+
+
+def format_entries(found: list[Entry]) -> str:
+    w = min(60, max(len(e.label) for e in found))
+    lines = [f"{'ENTRY':{w}}  {'SIZE':>9}  {'LAST USE':16}  {'STATUS':10}  SOURCE"]
+    for e in found:
+        src = ([*e.sources, *e.live] or ["-" if e.path.parent.name == "models" else "(tokenizer)"])[-1]
+        more = f" (+{len(e.sources) - 1} more)" if len(e.sources) > 1 else ""
+        name = e.label if len(e.label) <= w else e.label[:w - 3] + "..."
+        lines.append(f"{name:{w}}  {_mb(e.size):>9}  {_when(e.last_use):16}  {e.status:10}  {src}{more}")
+    return "\n".join(lines)
+
+
+@click.group("cache", invoke_without_command=True)
+@click.pass_context
+def cache_command(ctx: click.Context) -> None:
+    """The model cache (converted GGUFs, keyed by content and shared by all your environments). `cache list`
+    (the default) shows each entry; `cache clean` removes old-layout, half-written, orphaned and unused ones."""
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(list_command)
+
+
+@cache_command.command("list")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def list_command(as_json: bool) -> None:
+    """Each entry: size, last use, status (ok; orphan: no file with its content is where it was seen; old layout:
+    from an older sinkchat; partial: a conversion that did not finish; unused: a tokenizer no entry needs)."""
+    found = entries()
+    if as_json:
+        click.echo(json.dumps([{**asdict(e), "path": str(e.path)} for e in found], indent=1))
+        return
+    if not found:
+        click.echo(f"the model cache is empty ({cache_dir()})")
+        return
+    freed = sum(e.size for e in to_remove(found, False, None))
+    click.echo(format_entries(found))
+    click.echo(f"\n{len(found)} entries, {_mb(sum(e.size for e in found))} in {cache_dir()}; "
+               + (f"`sinkchat cache clean` would free {_mb(freed)}" if freed else "nothing to clean"))
+
+
+@cache_command.command("clean")
+@click.option("--dry-run", "-n", is_flag=True, help="only say what would be removed")
+@click.option("--all", "everything", is_flag=True, help="remove every entry (each model converts again when next used)")
+@click.option("--older-than", "older_than", type=click.FloatRange(0, None), default=None, metavar="DAYS",
+              help="also remove entries not used for DAYS days")
+def clean_command(dry_run: bool, everything: bool, older_than: float | None) -> None:
+    """Remove old-layout, half-written and orphaned entries and unused tokenizers (a conversion running now is
+    left alone)."""
+    gone = to_remove(entries(), everything, older_than)
+    for e in gone:
+        if not dry_run:
+            remove(e)
+        click.echo(f"{'would remove' if dry_run else 'removed'} {e.label} ({_mb(e.size)}, {e.status})")
+    if not dry_run:
+        for lock in stale_locks():
+            lock.unlink(missing_ok=True)
+    total = _mb(sum(e.size for e in gone))
+    click.echo(f"{'would free' if dry_run else 'freed'} {total}" if gone else "nothing to remove")
