@@ -169,7 +169,9 @@ def test_unsupported_claim_is_regenerated_with_its_words_banned_then_flagged():
     assert b["lines_in_full"] == len(DPKG) and b["digest"]["lines"] == len(DPKG)
     # nothing of the model's is left: the summary is written by code from the digest, and says so
     assert b["prose"] == "digest" and "failed" not in b["summary"] and b["summary"].endswith(".")
-    assert b["summary"].startswith("8 lines from 2025-06-24 14:36:25 to 2025-06-24 14:36:29. Most frequent: ")
+    assert b["summary"].startswith("8 lines from 2025-06-24 14:36:25 to 2025-06-24 14:36:29, of 4 kinds; most "
+                                   'frequent: 3 x "status half-installed/unpacked/installed libglvnd-core-dev:amd64 '
+                                   '1.6.0-1"; ')
     assert "No line has a severity word." in b["summary"] and not claims_of(b["summary"], "severity")
     from sinkchat.apps.summarize.output import render_block
     text = render_block(b, "text")
@@ -212,7 +214,7 @@ def test_eval_scoring_on_a_small_slice():
 
 
 def test_the_question_never_backs_a_severity_claim():
-    support = Support(DPKG, None, context="Mention an error, warning or failure only if a line shows one. Lines 1-8.")
+    support = Support(DPKG, None, numbers="lines 1 to 8, 1-8: 8 lines")
     assert unsupported("An error occurred in lines 1-8 and the server crashed.", support) == ["error", "crashed"]
 
 
@@ -225,14 +227,14 @@ def _run(s, lines):
 
 
 def test_sentences_still_unsupported_after_the_retry_are_dropped_and_counted():
-    s, eng, out, seen = _fit_summarizer(["Packages were unpacked. The install of libfoo failed.",
-                                         "Packages were unpacked. nginx.service timed out at 14:36:25."])
+    s, eng, out, seen = _fit_summarizer(["libglvnd-core-dev was unpacked. The install of libfoo failed.",
+                                         "libglvnd-core-dev was unpacked. nginx.service timed out at 14:36:25."])
     status = io.StringIO()
     s.status.stream, s.status.quiet = status, False
     _run(s, DPKG)
     (b,) = [json.loads(l) for l in out.getvalue().splitlines()]
     assert b["regenerated"] and b["prose"] == "model"
-    assert b["summary"] == "Packages were unpacked."  # the invented incident is never shown as fact
+    assert b["summary"] == "libglvnd-core-dev was unpacked."  # the invented incident is never shown as fact
     assert b["dropped"] == ["nginx.service timed out at 14:36:25."]
     assert b["unsupported"] == ["timed out", "nginx.service"]
     assert "dropped 1 sentence(s) of the summary (unsupported: timed out, nginx.service)" in status.getvalue()
@@ -245,12 +247,12 @@ def test_an_incident_the_digest_shows_but_the_prose_leaves_out_is_appended_by_co
     lines = DPKG[:4] + ["2025-06-24 14:36:30 dpkg: error processing package nginx-core (--configure):",
                         "2025-06-24 14:36:31 kernel: Out of memory: Killed process 4242 (postgres)"] + DPKG[4:]
     # the model says nothing of either incident, and "no errors" where there is one is a false sentence too
-    s, eng, out, _ = _fit_summarizer(["Packages were unpacked and installed. There were no errors."])
+    s, eng, out, _ = _fit_summarizer(["libglvnd-core-dev was unpacked and installed. There were no errors."])
     _run(s, lines)
     (b,) = [json.loads(l) for l in out.getvalue().splitlines()]
     assert b["prose"] == "model+digest" and b["dropped"] == ["There were no errors."] and b["unsupported"] == [
         "no errors"]
-    assert b["summary"].startswith("Packages were unpacked and installed. ")
+    assert b["summary"].startswith("libglvnd-core-dev was unpacked and installed. ")
     assert b["added"] == [
         '1 line shows error, first at line 5 (2025-06-24 14:36:30): "dpkg: error processing package nginx-core '
         '(--configure):".',
@@ -279,10 +281,10 @@ def test_guard_pieces():
                                                                  ("And then", False)]
     g = guard("Lines:\n1. Cron ran\n2. DHCPACK of 10.0.0.1 from 10.0.0.1\n3.", False, Support(["cron ran", "DHCPACK of "
                                                                                              "10.0.0.1 from 10.0.0.1"]), None)
-    assert (g.text, g.dropped) == ("1. Cron ran. 2. DHCPACK of 10.0.0.1 from 10.0.0.1.", ["Lines:", "3."])
+    assert (g.text, g.dropped) == ("Cron ran. DHCPACK of 10.0.0.1 from 10.0.0.1.", ["Lines:", "3."])
     support = Support(DPKG)
-    g = guard("Packages were installed. Then libfoo", True, support, None)  # cut by the token limit
-    assert (g.text, g.dropped) == ("Packages were installed.", ["Then libfoo"])
+    g = guard("libgpg-error-dev was installed. Then libfoo", True, support, None)  # cut by the token limit
+    assert (g.text, g.dropped) == ("libgpg-error-dev was installed.", ["Then libfoo"])
     d = Digest()
     for i, line in enumerate(DPKG, 1):
         d.add(i, line)
@@ -291,12 +293,13 @@ def test_guard_pieces():
     (inc,) = incidents(rec)  # an HTTP 5xx counts as an error, with its count and first line
     assert (inc.keys, inc.lines, inc.first_line, inc.first_ts) == (["error"], 5, 5, "01/Mar/2025:10:00:00 +0000")
     text = " ".join(digest_summary(rec))
-    assert text.startswith("13 lines from 2025-06-24 14:36:25 to 01/Mar/2025:10:00:00 +0000. Most frequent: 5 x")
+    assert text.startswith("13 lines from 2025-06-24 14:36:25 to 01/Mar/2025:10:00:00 +0000, of 5 kinds; most "
+                           'frequent: 5 x "10.1.2.3 - - \'POST /api/orders HTTP/1.1\' 503 162 \'-\' \'curl/8.0\'"')
     assert "5 lines show error, first at line 5 (01/Mar/2025:10:00:00 +0000)" in text and text.endswith('".')
 
 
 def test_the_question_turn_is_logged_with_its_tokens_and_feed_time():
-    s, eng, out, _ = _fit_summarizer(["Packages were unpacked."])
+    s, eng, out, _ = _fit_summarizer(["libglvnd-core-dev was unpacked."])
     turns = []
 
     class Log:
@@ -307,7 +310,7 @@ def test_the_question_turn_is_logged_with_its_tokens_and_feed_time():
     _run(s, DPKG)
     (q, _), (a, _) = turns
     assert q[0] == "user" and q[2] > 0 and q[3] > 0.0  # tokens fed for the question, seconds spent feeding them
-    assert a[0] == "assistant" and a[1] == "Packages were unpacked."
+    assert a[0] == "assistant" and a[1] == "libglvnd-core-dev was unpacked."
 
 
 def test_the_labelled_slice_through_the_summarizer_with_a_model_that_invents_and_omits():

@@ -77,6 +77,7 @@ class Answer:
     prose: str = "none"  # "none" (not asked), "model"; guard.py: "model+digest" or "digest"
     dropped: list[str] = field(default_factory=list)  # the model's sentences taken out (unsupported or unfinished)
     added: list[str] = field(default_factory=list)  # the sentences written by code from the digest
+    why: list[str] = field(default_factory=list)  # reasons other than unsupported words ("echoed the question")
     question_tokens: int = 0  # tokens fed for the question (its chat template included)
     question_seconds: float = 0.0  # seconds spent feeding them
 
@@ -146,9 +147,9 @@ def ask(engine: Any, events: Callable[[Any], str], question: str, support: Suppo
         text, ans.cut = trim_sentence(text)
     ans.text, ans.unsupported, ans.prose = text, unsupported(text, support), "model"
     if digest is not None:
-        g = guard(text, ans.cut, support, digest)
+        g = guard(text, ans.cut, support, digest, question)
         ans.text, ans.prose, ans.dropped, ans.added = g.text, g.prose, g.dropped, g.added
-        ans.unsupported = g.unsupported
+        ans.unsupported, ans.why = g.unsupported, g.why
     return ans
 
 

@@ -14,16 +14,22 @@ from typing import Callable
 from sinkchat.apps.summarize.digest import Digest
 from sinkchat.apps.summarize.reader import End, Line
 
-BINARY_MIN_BAD = 3  # a line is binary with at least this many undecodable characters ...
-BINARY_SHARE = 0.25  # ... making up more than this share of it
+BINARY_SHARE = 0.25  # a line with undecodable characters making up more than this share of it is binary
+_WORDISH_RE = re.compile(r"[A-Za-z]{3}")
 
 
-def is_binary(text: str) -> bool:
+def is_binary(text: str, after_binary: bool = False) -> bool:
     """Binary or mostly undecodable: the reader turned invalid UTF-8 and control bytes into U+FFFD, so a line that
     is largely U+FFFD is not text. Such lines are skipped (counted as binary) and never reach the model, which would
-    otherwise summarize noise into fiction; a text line with a few bad bytes is still text."""
+    otherwise summarize noise into fiction, nor the output; a text line with a few bad bytes (a Latin-1 name in a
+    long UTF-8 log) is still text. `after_binary`: the line before was binary. Random bytes break into lines at
+    their 0x0A bytes, and a few come out short enough to look clean ("4j"); in such a run a line with any
+    undecodable character, or without three letters in a row, is binary too (measured: 200 kB of /dev/urandom
+    gives ~800 lines, none taken as text by this rule; by the share alone ~20 short ones were)."""
     bad = text.count("\ufffd")
-    return bad >= BINARY_MIN_BAD and bad > BINARY_SHARE * len(text)
+    if bad and bad > BINARY_SHARE * len(text):
+        return True
+    return after_binary and (bad > 0 or not _WORDISH_RE.search(text))
 
 
 # ------------------------------------------------------------------------------------------------- accounting
@@ -78,8 +84,11 @@ class Batcher:
     chunk_summarized: int = 0  # input lines in `chunk` (its repeat markers stand for lines counted as deduped)
     chunk_truncated: int = 0
     last_no: int = 0  # the highest input line number accounted so far, over the whole run
-    digest: Digest = field(default_factory=Digest)  # every accepted line, deduped repeats included
+    digest: Digest = field(default_factory=Digest)  # every line fed (deduped repeats included), nothing else
     run_last_no: int = 0  # the line number of the last repeat in the open run
+    chunk_digest: list[tuple[int, str, int]] = field(default_factory=list)  # (line no, text, count) of `chunk`
+    in_flight: list[tuple[int, str, int]] = field(default_factory=list)  # the taken chunk's, until it is fed
+    after_binary: bool = False  # the last line read was binary
 
     def add(self, item: Line | End) -> None:
         """Account one item; the lines dropped before it count as skipped."""
@@ -89,7 +98,9 @@ class Batcher:
         if isinstance(item, End):
             return
         self.last_no = item.no
-        if is_binary(item.text):
+        binary = is_binary(item.text, self.after_binary)
+        self.after_binary = binary
+        if binary:
             self.period.add("skipped", item.no)
             self.period.binary += 1
             self.digest.binary += 1
@@ -110,7 +121,7 @@ class Batcher:
         self.period.add("summarized", item.no)
         self.period.truncated += item.truncated
         self._append(item.text)
-        self.digest.add(item.no, item.text)
+        self.chunk_digest.append((item.no, item.text, 1))
         self.chunk_summarized += 1
         self.chunk_truncated += item.truncated
 
@@ -127,19 +138,32 @@ class Batcher:
             self.last_no = no
 
     def unfeed(self, summarized: int, truncated: int) -> None:
-        """Lines counted as summarized whose chunk never reached the model (a stop undid its feed): skipped."""
+        """Lines counted as summarized whose chunk never reached the model (a stop undid its feed): skipped, and
+        left out of the digest, which covers exactly the lines fed."""
         self.period.summarized -= summarized
         self.period.skipped += summarized
         self.period.truncated -= truncated
+        self.in_flight = []
+
+    def commit_chunk(self) -> None:
+        """The taken chunk is in the model's cache: its lines join the digest."""
+        for no, text, count in self.in_flight:
+            self.digest.add(no, text, count=count)
+        self.in_flight = []
 
     def drop_chunk(self) -> int:
-        """The run was stopped: the pending chunk (and an open run of repeats) will never be fed, so its lines count
-        as skipped instead of summarized. Returns how many lines that moved."""
+        """The run was stopped: the pending chunk will never be fed, so its lines count as skipped instead of
+        summarized, and an open run of repeats of a line in it as well. Returns how many summarized lines moved."""
         n = self.chunk_summarized
-        if self.repeats and self.last_text is not None:  # the open run stays in the digest (exact counts)
-            self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
+        if self.repeats and self.last_text is not None:
+            if self.chunk:  # the run's first line is in the dropped chunk (the chunk's last line)
+                self.period.deduped -= self.repeats
+                self.period.skipped += self.repeats
+            else:  # it was fed: the repeats stay counted and go into the digest (exact counts)
+                self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
         self.unfeed(n, self.chunk_truncated)
         self.chunk, self.chunk_tok, self.chunk_summarized, self.chunk_truncated = [], 0, 0, 0
+        self.chunk_digest = []
         self.repeats, self.last_text = 0, None
         return n
 
@@ -148,7 +172,7 @@ class Batcher:
         if self.repeats:
             self._append(f"(the line above repeated {self.repeats} more times)")
             if self.last_text is not None:
-                self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
+                self.chunk_digest.append((self.run_last_no, self.last_text, self.repeats))
         self.repeats = 0
         self.last_text = None
 
@@ -166,6 +190,7 @@ class Batcher:
             return None
         text = "\n".join(self.chunk)
         self.chunk, self.chunk_tok, self.chunk_summarized, self.chunk_truncated = [], 0, 0, 0
+        self.in_flight, self.chunk_digest = self.chunk_digest, []
         return text
 
     def take_period(self) -> Period:

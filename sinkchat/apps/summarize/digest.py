@@ -29,6 +29,8 @@ _TS_PATTERNS = [
     re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"),  # ISO / dpkg
     re.compile(r"^[A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2}"),  # syslog
     re.compile(r"\[(\d{2}/[A-Z][a-z]{2}/\d{4}:\d{2}:\d{2}:\d{2} [+-]\d{4})\]"),  # common/combined log format
+    re.compile(r"^\d{4}/\d{2}/\d{2} \d{2}:\d{2}:\d{2}"),  # nginx error log, Go's log package
+    re.compile(r"^\[\s*\d+\.\d+\]"),  # kernel ring buffer (dmesg): seconds since boot
     re.compile(r"\d{4}-\d{2}-\d{2}\s+\d{2}:\d{2}:\d{2}"),  # anywhere (apt history "Start-Date: ...")
 ]
 

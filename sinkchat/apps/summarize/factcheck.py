@@ -7,20 +7,40 @@ nginx.service, /var/log/x, web-01), numbers and timestamps. Each must occur in t
 lines, the question with its digest, the full digest record). Severity words are compared by canonical key (an
 "error" claim needs an error-ish line), negated ones ("no errors") are not claims. An unsupported claim gets its
 words banned through a logits processor for one regeneration; what is still unsupported is flagged in the record.
+
+Beyond those claims (guard.py applies these per sentence): every content word of a sentence, after function words
+and a small fixed vocabulary of summary words (vocab.py), must occur, by its Porter2 stem, in the lines or their
+digest ("crashing", "sudo", "troubleshooting", "new machine" in a summary of a clean dpkg log do not); a sentence
+that ties a timestamp to names or versions must find them on a line with that timestamp (`stitched`). The question
+(the prompt with its line range and digest text) never backs anything: the line range and counts are given as
+`numbers`, the digest as its record.
 """
 
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Any, Callable
 
+import snowballstemmer
+
 from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, severities
+from sinkchat.apps.summarize.vocab import FUNCTION_WORDS, SUMMARY_WORDS
 
 NEGATIONS = {"no", "not", "without", "zero", "0", "none", "never", "nor", "free", "neither"}
 NAME_RE = re.compile(r"(?<![\w/.-])(/?[A-Za-z0-9][\w+]*(?:[-_./:][\w+]+)+)")
 NUMBER_RE = re.compile(r"(?<![\w.:/-])(\d+(?:[-.:/]\d+)*)(?![\w-])")
 SENTENCE_END_RE = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 _WORD_RE = re.compile(r"[A-Za-z0-9']+")
+_ALPHA_RE = re.compile(r"[a-z]+")
+TIME_RE = re.compile(r"(?<![\d:])\d{1,2}:\d{2}:\d{2}(?![\d:])")
+_STEMMER = snowballstemmer.stemmer("english")
+
+
+@lru_cache(maxsize=65536)
+def stem(word: str) -> str:
+    """The Porter2 stem of a lower-case word ("installed", "installation" -> "instal")."""
+    return _STEMMER.stemWord(word)
 
 
 def _negated(text: str, start: int) -> bool:
@@ -45,17 +65,23 @@ def claims(summary: str) -> list[tuple[str, str]]:
 
 
 class Support:
-    """What a summary may claim: the period's text (lines, question, digest) and its severity keys."""
+    """What a summary may claim: the period's lines, their digest record and the period's own figures (line range,
+    counts); the severity keys among them and the stems of their words."""
 
-    def __init__(self, texts: list[str], digest: dict[str, Any] | None = None, context: str = "") -> None:
-        """`texts`: the log lines; `context`: the question, which may back names and numbers (its line range) but
-        never a severity word (the prompt itself says "error, warning or failure")."""
+    def __init__(self, texts: list[str], digest: dict[str, Any] | None = None, numbers: str = "") -> None:
+        """`texts`: the log text fed this period; `numbers`: the period's figures as text ("lines 120 to 146, 27
+        lines"). The question itself is never support: the prompt says "error, warning or failure", and a reply
+        that echoes it must not back its own words."""
         joined = "\n".join(texts)
-        self.text = joined.lower() + "\n" + context.lower()
+        self.lines = [ln.lower() for ln in joined.splitlines()]
+        self.text = joined.lower() + "\n" + numbers.lower()
         self.severity = set(severities(joined))
         if digest:
             self.severity |= set(digest.get("severity") or {})
             self.text += "\n" + _digest_text(digest).lower()
+        self.text += "\n" + " ".join(self.severity)  # "disk full" backs "the disk is full"
+        self.words = set(_ALPHA_RE.findall(self.text))
+        self.stems = {stem(w) for w in self.words}
 
     def supports(self, kind: str, claim: str) -> bool:
         if kind == "severity":
@@ -63,6 +89,45 @@ class Support:
         if kind == "number":
             return re.search(r"(?<![\d])" + re.escape(claim) + r"(?![\d])", self.text) is not None
         return claim.lower() in self.text
+
+    def backs_word(self, word: str) -> bool:
+        """A content word occurs in the lines or digest, as written or by its stem."""
+        return word in self.words or stem(word) in self.stems
+
+
+def content_words(sentence: str) -> list[str]:
+    """The sentence's words that carry content: letters only (identifiers split at digits and punctuation, as the
+    support is), three letters or more, neither a function word nor a summary word."""
+    return [w for w in _ALPHA_RE.findall(sentence.lower())
+            if len(w) > 2 and w not in FUNCTION_WORDS and w not in SUMMARY_WORDS]
+
+
+def unbacked_words(sentence: str, support: Support) -> list[str]:
+    """Content words of `sentence` that the lines and digest do not hold, in order, without repeats."""
+    out: list[str] = []
+    for w in content_words(sentence):
+        if not support.backs_word(w) and w not in out:
+            out.append(w)
+    return out
+
+
+def stitched(sentence: str, support: Support) -> list[str]:
+    """A sentence that names one time of day ties what it says to the lines of that time: each of its names and
+    versions must stand on one line with that time, else the facts are stitched from different lines ("14:42:12
+    status half-installed gcc:amd64 1.31-1.2" where gcc's line says 14:42:11 and 4:12.2.0-3). Returns the claims
+    no such line holds (empty for sentences with no time, or with a span of two times)."""
+    times = {m.group(0) for m in TIME_RE.finditer(sentence)}
+    if len(times) != 1:
+        return []
+    t = times.pop()
+    ids = [c for k, c in claims(sentence) if (k == "name" or (k == "number" and re.search(r"\d[-.:/+]\d", c)))
+           and t not in c and not re.fullmatch(r"[\d:-]+", c)]
+    if not ids:
+        return []
+    at_t = [ln for ln in support.lines if t in ln]
+    if any(all(c.lower() in ln for c in ids) for ln in at_t):
+        return []
+    return [f"{c} at {t}" for c in ids if not any(c.lower() in ln for ln in at_t)] or [f"{' '.join(ids)} at {t}"]
 
 
 def _digest_text(d: dict[str, Any]) -> str:

@@ -4,15 +4,19 @@ Why: one regeneration with the unsupported words banned rarely fixes a 135M mode
 that small also misses real ones. An operations tool must never print an invented incident as fact, and a real one
 must not depend on the model noticing it. So, after `ask` (answer.py):
 
-1. every sentence of the reply that still carries an unsupported claim (factcheck.py), or says "no error" where the
-   lines show one, is dropped from the prose (its claims stay in the record's `unsupported`, the sentences in
-   `dropped`); a last sentence cut by the token limit is dropped too, and one the model ended without a full stop
-   is closed with one, so a summary always ends with a complete sentence;
+1. every sentence of the reply that still carries an unsupported claim (factcheck.py), a content word the lines
+   and digest do not hold, facts stitched from lines of different times, or says "no error" where the lines show
+   one, is dropped from the prose (its claims and words stay in the record's `unsupported`, the sentences in
+   `dropped`); so is a sentence that echoes the question (the prompt and its digest text are never a summary), one
+   that says nothing (no content word, no name: "- 15 more lines."), one already said in this reply, and one with
+   unreadable characters; a last sentence cut by the token limit is dropped too, and one the model ended without a
+   full stop is closed with one, so a summary always ends with a complete sentence;
 2. every severity the digest counted (error, fail, oom, denied, disk full, HTTP 5xx as error, ...) that the kept
    prose does not name gets a sentence written by code: its count of lines, first line number and timestamp and
    the template of that first line (`added`);
 3. when no model sentence is left, the summary is written by code from the digest alone: line count and time span,
-   the most frequent templates with counts, then the severity sentences (or "No line has a severity word.").
+   the most frequent kinds of lines with their counts and values, then the severity sentences (or "No line has a
+   severity word.").
 
 The record says which: `prose` is "model", "model+digest" (code sentences appended) or "digest" (code only).
 """
@@ -24,11 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY
-from sinkchat.apps.summarize.factcheck import SENTENCE_END_RE, Support, _negated, unsupported
+from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negated, claims,
+                                               content_words, stitched, unbacked_words, unsupported)
 
 TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity sentences appended; the rest are counted in one more sentence
 TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
+ECHO_GRAM = 3  # word n-grams shared with the question that mark a sentence as copied from it ...
+ECHO_SHARE = 0.5  # ... when they cover at least this share of its words
+_UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 @dataclass
@@ -37,7 +45,8 @@ class Guarded:
 
     text: str
     prose: str  # "model", "model+digest" or "digest"
-    unsupported: list[str] = field(default_factory=list)  # claims of the dropped sentences, in order
+    unsupported: list[str] = field(default_factory=list)  # claims and words of the dropped sentences, in order
+    why: list[str] = field(default_factory=list)  # other reasons sentences were dropped ("echoed the question")
     dropped: list[str] = field(default_factory=list)  # the model's sentences taken out
     added: list[str] = field(default_factory=list)  # the sentences written by code
 
@@ -108,8 +117,25 @@ def incidents(digest: dict[str, Any]) -> list[Incident]:
 
 
 def _quote(template: str) -> str:
-    t = " ".join(template.replace('"', "'").split())
+    """A template or value as quoted text: one line, no unreadable characters, at most TEMPLATE_CHARS."""
+    t = " ".join(_UNREADABLE_RE.sub("", template).replace('"', "'").split())
     return t if len(t) <= TEMPLATE_CHARS else t[: TEMPLATE_CHARS - 1].rstrip() + "…"
+
+
+def _filled(t: dict[str, Any]) -> str:
+    """A template with each `<*>` slot shown as its values: one value as itself, a few joined by "/", more as the
+    first ones and how many ("status half-installed/unpacked/installed libfoo:amd64 1.2")."""
+    params = iter(t.get("params") or [])
+
+    def slot(_: re.Match[str]) -> str:
+        p = next(params, None)
+        if not p or not p.get("values"):
+            return "…"
+        vals, n = p["values"], p.get("distinct", len(p["values"]))
+        shown = "/".join(vals[:3])
+        return shown if n <= 3 else f"{shown}/… ({n} values)"
+
+    return _quote(re.sub(r"<\*>", slot, t["template"]))
 
 
 def incident_sentence(inc: Incident) -> str:
@@ -130,25 +156,78 @@ def incident_sentences(incs: list[Incident]) -> list[str]:
 
 
 def digest_summary(digest: dict[str, Any]) -> list[str]:
-    """A summary written by code from the digest alone: span, top templates with counts, severities."""
+    """A summary written by code from the digest alone: span, the most frequent kinds of lines with their counts
+    and values, then the severities ("26 lines from 14:36:31 to 14:36:33, of 9 kinds; most frequent: 8 x "status
+    half-installed/unpacked/installed python3.11:amd64 3.11.2-6"; ... No line has a severity word.")."""
     n = digest.get("lines", 0)
+    temps = digest.get("templates") or []
     head = f"{n} line{'s' if n != 1 else ''}"
     if digest.get("first_ts"):
         head += f" from {digest['first_ts']} to {digest['last_ts']}"
+    if len(temps) > 1:
+        head += f", of {len(temps)} kinds"
+    top = sorted(temps, key=lambda t: (-t["count"], t["first_line"]))[:TOP_TEMPLATES]
+    if len(top) == 1:
+        head += f": {top[0]['count']} x \"{_filled(top[0])}\""
+    elif top:
+        head += "; most frequent: " + "; ".join(f"{t['count']} x \"{_filled(t)}\"" for t in top)
     out = [head + "."]
-    temps = sorted(digest.get("templates") or [], key=lambda t: (-t["count"], t["first_line"]))[:TOP_TEMPLATES]
-    if temps:
-        out.append("Most frequent: " + "; ".join(f"{t['count']} x \"{_quote(t['template'])}\"" for t in temps) + ".")
     incs = incidents(digest)
     out += incident_sentences(incs) if incs else ["No line has a severity word."]
     return out
 
 
-def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None) -> Guarded:
-    """Drop the unsupported and unfinished sentences of a checked reply, then state what the digest shows that the
-    prose does not (see the module doc). `cut`: the reply hit the token limit (its last piece is unfinished)."""
+_TOKEN_RE = re.compile(r"[\w'](?:[\w'.:/+-]*[\w'])?")
+
+
+def _tokens(text: str) -> list[str]:
+    """Words and whole identifiers ("libglvnd-core-dev", "1.6.0-1"), lower case: a sentence naming a package the
+    digest lists shares one token with it, not three."""
+    return [t.lower() for t in _TOKEN_RE.findall(text)]
+
+
+class Echo:
+    """Whether a sentence is copied from the question: its word 3-grams found in the question cover half its words
+    or more ("Kinds of lines in log lines 230 to 255:", "- 8 lines "install * <none> *"", the instructions)."""
+
+    def __init__(self, question: str) -> None:
+        words = _tokens(question)
+        self.grams = {tuple(words[i: i + ECHO_GRAM]) for i in range(len(words) - ECHO_GRAM + 1)}
+
+    def __call__(self, sentence: str) -> bool:
+        words = _tokens(sentence)
+        if len(words) < ECHO_GRAM or not self.grams:
+            return False
+        covered = [False] * len(words)
+        for i in range(len(words) - ECHO_GRAM + 1):
+            if tuple(words[i: i + ECHO_GRAM]) in self.grams:
+                covered[i: i + ECHO_GRAM] = [True] * ECHO_GRAM
+        return sum(covered) >= ECHO_SHARE * len(words)
+
+
+def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], str | None]:
+    """Why a model sentence may not be shown: (unsupported claims and words, another reason or None)."""
+    if _UNREADABLE_RE.search(sentence):
+        return [], "unreadable characters"
+    if echo(sentence):
+        return [], "echoed the question"
+    bad = unsupported(sentence, support) + contradicted(sentence, support)
+    bad += [w for w in unbacked_words(sentence, support) if not any(w in b.lower() for b in bad)]  # not "nginx"
+    bad += [c for c in stitched(sentence, support) if c.rsplit(" at ", 1)[0] not in bad]  # of "nginx.service"
+    if bad:
+        return bad, None
+    if not content_words(sentence) and not any(k == "name" for k, _ in claims(sentence)):
+        return [], "said nothing"
+    return [], None
+
+
+def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None, question: str = "") -> Guarded:
+    """Drop the sentences of a checked reply that may not be shown, then state what the digest shows that the
+    prose does not (see the module doc). `cut`: the reply hit the token limit (its last piece is unfinished);
+    `question`: what the model was asked (a sentence copied from it is dropped)."""
     kept: list[str] = []
     g = Guarded("", "model")
+    echo = Echo(question)
     pieces = sentences(text)
     for i, (sentence, ended) in enumerate(pieces):
         if not ended:
@@ -159,12 +238,22 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None)
                 continue
             sentence += "."  # a list item, or the model stopped (EOS) without a full stop: close the sentence
         claim = _LIST_MARK_RE.sub("", sentence)  # "2." of a numbered list is not a number claim
-        bad = unsupported(claim, support) + contradicted(claim, support)
-        if bad:
+        bad, why = problems(claim, support, echo)
+        if why is None and not bad and claim.lower() in (k.lower() for k in kept):
+            why = "repeated"
+        if bad or why:
             g.dropped.append(sentence)
             g.unsupported += [b for b in bad if b not in g.unsupported]
+            if why and why not in g.why:
+                g.why.append(why)
         else:
-            kept.append(sentence)
+            kept.append(claim)
+    return _complete(g, kept, digest)
+
+
+def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None) -> Guarded:
+    """The kept prose, with the digest's incidents it leaves out stated by code; the digest's own summary when no
+    model sentence is left."""
     if digest is not None and not kept:
         g.added = digest_summary(digest)
         g.prose = "digest"

@@ -54,9 +54,10 @@ def summary_text(b: dict[str, Any]) -> str:
     notes = []
     if dropped:
         n = len(dropped)
-        notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary"
-                     + (": unsupported by the log: " + ", ".join(b["unsupported"]) if b.get("unsupported") else
-                        ": unfinished"))
+        why = (["unsupported by the log: " + ", ".join(b["unsupported"])] if b.get("unsupported") else []) \
+            + list(b.get("why") or [])
+        notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary: "
+                     + ("; ".join(why) if why else "unfinished"))
     elif b.get("unsupported"):
         notes.append("unsupported by the log: " + ", ".join(b["unsupported"]))
     if b.get("prose") == "digest":

@@ -214,6 +214,8 @@ class Summarizer:
             if self.engine.message_taken_back:
                 self.batcher.unfeed(lines, truncated)
             raise
+        finally:
+            self.batcher.commit_chunk()  # what is in the cache joins the digest (nothing, once unfed)
         self.fed_chunks.append((start, self.engine.ledger.seen, lines))
         self.period_tokens += self.engine.ledger.seen - start
         self.period_text.append(text)
@@ -253,12 +255,13 @@ class Summarizer:
         self.batcher.end_run()
         self.feed_chunk()
         p = self.batcher.period
-        digest = self.batcher.digest.take()
+        digest = self.batcher.digest.record()  # taken only once the block is out: a stop while asking keeps it
         ans = Answer()
         if p.summarized or (self.stopping and digest["lines"]):
             question = self.question(p, digest)
             t0 = time.perf_counter()
-            support = Support(self.period_text, digest, context=question)
+            support = Support(self.period_text, digest, numbers=f"lines {p.first_line} to {p.last_line}, "
+                              f"{p.first_line}-{p.last_line}: {p.lines} lines, {p.summarized} {p.filtered} {p.deduped} {p.skipped} {p.binary}")
             ans = ask(self.engine, self._events, question, support, self.max_tokens, retry=self.retry,
                       digest=digest)
             self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
@@ -266,13 +269,15 @@ class Summarizer:
                            time.perf_counter() - t0 - ans.question_seconds, cache_len=self.engine.cache.length)
             settle_conversation(self.engine, keep=2)
             if ans.dropped:
-                why = f" (unsupported: {', '.join(ans.unsupported)})" if ans.unsupported else " (unfinished)"
+                reasons = ([f"unsupported: {', '.join(ans.unsupported)}"] if ans.unsupported else []) + ans.why
+                why = f" ({'; '.join(reasons) or 'unfinished'})"
                 self.status.notice(f"lines {p.first_line}-{p.last_line}: dropped {len(ans.dropped)} sentence(s) of "
                                    f"the summary{why}" + ("; written from the digest" if ans.prose == "digest" else ""))
         in_full = lines_in_cache(self.engine.ledger, self.fed_chunks)
         extra = {"lines_in_full": in_full, "lines_digest_only": max(0, digest["lines"] - p.deduped - in_full),
                  "unsupported": ans.unsupported, "regenerated": ans.regenerated, "summary_cut": ans.cut,
-                 "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "digest": digest}
+                 "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "why": ans.why, "digest": digest}
+        self.batcher.digest.take()
         self.fed_chunks, self.period_text, self.period_tokens = [], [], 0
         if p.binary:
             self.status.notice(f"lines {p.first_line}-{p.last_line}: skipped {p.binary} binary lines")
