@@ -271,6 +271,12 @@ def test_agent_soak_on_the_bundled_model(tmp_path):
     roles = [r[0] for r in con.execute("SELECT t.role FROM turns t JOIN sessions s ON s.id = t.session_id "
                                        "WHERE s.mode = 'soak' ORDER BY t.seq")]
     assert roles[:2] == ["user", "assistant"] and roles.count("user") >= end["jobs"]
+    # the report's figures are the log's: the same token total, and a peak no lower than what one task fed at once
+    assert con.execute("SELECT tokens FROM sessions WHERE mode = 'soak'").fetchone()[0] == end["tokens"]
+    fed = con.execute("SELECT MAX(t.tokens) FROM turns t JOIN sessions s ON s.id = t.session_id "
+                      "WHERE s.mode = 'soak' AND t.role = 'user'").fetchone()[0]
+    peak = int(verdicts["cache bounded"].value.split()[1])
+    assert peak >= min(fed, 256), (peak, fed)
 
 
 def test_display_plain_line_and_live_panel(capsys):

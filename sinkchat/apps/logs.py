@@ -22,41 +22,93 @@ def _when(ts: float | None) -> str:
 
 
 def format_sessions(sessions: list[SessionInfo]) -> str:
-    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>7}  STATUS"
+    """One row per session. TOKENS is what the model processed in every mode (see `logs --help`); a session
+    logged before that was counted shows the tokens of its turns, marked `+` (a lower bound)."""
+    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>8}  STATUS"
     lines = [head]
     for s in sessions:
         status = s.status or ("ended" if s.ended else "open/crashed")
+        tokens = f"{s.tokens}" if s.tokens_counted else f"{s.tokens}+"
         lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_cut(_model_name(s.model), 28):28}  {s.turns:>5}  "
-                     f"{s.tokens:>7}  {status}")
+                     f"{tokens:>8}  {status}")
     return "\n".join(lines)
 
 
 def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
     """The session as the user lived it: turns in order, each followed by what happened before the next one (tool
-    calls, slash commands, the agent's error feedback, in the order they were written)."""
+    calls, slash commands, the agent's error feedback, evictions, in the order they happened), then the totals."""
     s = data["session"]
     title = f"session {s['id']} · {s['mode']} · {s['model'] or '-'} · started {_when(s['started'])}"
     out: list[str] = [f"# {title}" if markdown else title]
     if s.get("system"):
         out.append(f"**system**: {s['system']}" if markdown else f"[system] {s['system']}")
-    after: dict[int, list[tuple[float, str]]] = {}
+    after: dict[int, list[tuple[float, Any]]] = {}
     for tc in data["tool_calls"]:
         after.setdefault(tc["turn_seq"], []).append((tc["created"], _tool_line(tc, markdown)))
     for ev in data.get("events", []):
         after.setdefault(ev["turn_seq"], []).append((ev["created"], _event_line(ev, markdown)))
-    out += [line for _, line in sorted(after.get(0, []), key=lambda x: x[0])]
+    for ev in data["evictions"]:
+        after.setdefault(ev.get("turn_seq", 0), []).append((ev["created"], ev))
+    out += _between(after.get(0, []), markdown)
     for t in data["turns"]:
         stat = _turn_stat(t)
         if markdown:
             out.append(f"\n## {t['role']} ({stat})\n\n{t['text']}")
         else:
             out.append(f"\n[{t['role']}] ({stat})\n{t['text']}")
-        out += [line for _, line in sorted(after.get(t["seq"], []), key=lambda x: x[0])]
-    if data["evictions"]:
-        n = sum(e["count"] for e in data["evictions"])
-        out.append(f"\n_{len(data['evictions'])} evictions, {n} tokens_" if markdown else
-                   f"\n({len(data['evictions'])} evictions, {n} tokens evicted)")
-    return "\n".join(out)
+        out += _between(after.get(t["seq"], []), markdown)
+    return "\n".join(out + _totals(data, markdown))
+
+
+MAX_EVICTION_LINES = 3  # evictions in a row shown one per line; the rest of the run as one summary line
+
+
+def _between(items: list[tuple[float, Any]], markdown: bool) -> list[str]:
+    """What happened after a turn, in time order: tool calls and events as their lines, evictions one per line up to
+    MAX_EVICTION_LINES in a row and the rest of that run summed (a stream soak evicts thousands of times)."""
+    out: list[str] = []
+    run: list[dict[str, Any]] = []
+
+    def close_run() -> None:
+        out.extend(_eviction_line(e, markdown) for e in run[:MAX_EVICTION_LINES])
+        rest = run[MAX_EVICTION_LINES:]
+        if rest:
+            n = sum(e["count"] for e in rest)
+            text = f"... and {len(rest)} more evictions: {n} tokens [{rest[0]['first']},{rest[-1]['last']})"
+            out.append(f"\n> *evicted* {text}" if markdown else f"  <evicted {text}>")
+        run.clear()
+
+    for _, item in sorted(items, key=lambda x: x[0]):
+        if isinstance(item, dict):
+            run.append(item)
+            continue
+        close_run()
+        out.append(item)
+    close_run()
+    return out
+
+
+def _eviction_line(ev: dict[str, Any], markdown: bool) -> str:
+    text = f"{ev['count']} tokens [{ev['first']},{ev['last']})" + (f": {ev['preview']}" if ev.get("preview") else "")
+    return f"\n> *evicted* {text}" if markdown else f"  <evicted {text}>"
+
+
+def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
+    """The session's evictions and tokens in one closing line. The turns' own figures leave out what was fed
+    between them (an agent's tool results, summarize's log lines), so the line says how the total splits."""
+    s, evs = data["session"], data["evictions"]
+    parts = []
+    if evs:
+        parts.append(f"{len(evs)} evictions, {sum(e['count'] for e in evs)} tokens evicted")
+    in_turns = sum(t["tokens"] for t in data["turns"])
+    if s.get("tokens_counted") and s["tokens"] >= in_turns:
+        parts.append(f"{s['tokens']} tokens processed: {in_turns} in the turns, {s['tokens'] - in_turns} between them")
+    elif s.get("tokens_counted"):
+        parts.append(f"{s['tokens']} tokens processed")
+    if not parts:
+        return []
+    text = "; ".join(parts)
+    return [f"\n_{text}_" if markdown else f"\n({text})"]
 
 
 def _turn_stat(t: dict[str, Any]) -> str:
@@ -106,6 +158,10 @@ def _model_name(model: str | None) -> str:
 @click.pass_context
 def logs_command(ctx: click.Context, mode: str | None, limit: int, as_json: bool) -> None:
     """List logged sessions (newest first); `logs show ID` prints one, `logs rm ID` deletes one.
+
+    TOKENS: the tokens the model processed in the session, fed and generated: prompts and replies, and what is
+    fed between them (an agent's tool results, summarize's log lines); the soak report's total for a soak run. A
+    trailing + marks a session logged before that was counted: the tokens of its turns, a lower bound.
 
     STATUS: ended; running (the process that writes it still runs); crashed (never closed, and its process is
     gone); other host (written on another machine); open/crashed (logged by an older sinkchat: cannot tell)."""

@@ -1,10 +1,14 @@
-"""Session logging for every client: open the SQLite log for a run.
+"""Session logging for every client: open the SQLite log for a run, and count the tokens the model processed.
 
 Chat logs its own turns (apps/chat/session.py), the agent through `apps/agent/log.py`, `summarize` per summary;
 all open their log here, so `sinkchat logs` lists every kind of session. What is stored is what the user gave and
 the model produced: an agent's tasks, each model reply, tool calls with their results and evictions; for `summarize`, each summary question
 (with its line range) and the summary itself plus the per-summary figures, but not the raw log lines, which stay in
 the user's own log file (a `tail -f` running for weeks would otherwise copy the whole log into the database).
+
+The session's token total (the TOKENS column of `sinkchat logs`) is not the sum of its turns: an agent's tool
+results, summarize's log lines and a compacted conversation's closing are fed between turns, in no turn. It comes
+from a `ForwardTally` on the engine, the one counter the soak report reads too, so the two always agree.
 """
 
 from __future__ import annotations
@@ -13,16 +17,71 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 
+class ForwardTally:
+    """Every token the model processed (fed or generated, an end-of-turn token too): the tokens of each model call
+    that completed (`Engine._forward`, through which every prefill chunk and every generated token passes), and the
+    longest the cache got right after one (the true peak: eviction makes room before a call, never during it).
+
+    Why here: counting events misses tokens (a generated EOS has no TokenEvent; tokens fed between turns are in no
+    turn), and sampling `cache.length` now and then misses the peak of a task the agent then rewinds. A hook in
+    `core/engine.py` would be the natural home; until it has one, the tally wraps the engine's `_forward` once (an
+    interrupted call raises and counts nothing, as its tokens were taken back)."""
+
+    ATTR = "_forward_tally"
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.tokens = 0
+        self._peak = int(engine.cache.length)
+        inner = engine._forward
+
+        def counted(ids: Any, *args: Any, **kw: Any) -> Any:
+            out = inner(ids, *args, **kw)
+            self.tokens += len(ids)
+            self._peak = max(self._peak, int(self.engine.cache.length))
+            return out
+
+        engine._forward = counted
+
+    @classmethod
+    def of(cls, engine: Any) -> ForwardTally | None:
+        """The engine's tally, installed on first use; None for an engine double without a model call to count."""
+        tally = getattr(engine, "__dict__", {}).get(cls.ATTR)
+        if tally is None:
+            if not callable(getattr(engine, "_forward", None)) or not hasattr(getattr(engine, "cache", None), "length"):
+                return None
+            tally = cls(engine)
+            setattr(engine, cls.ATTR, tally)
+        return tally
+
+    def take_peak(self) -> int:
+        """The longest the cache was since the last call (or since the tally was installed); starts over from now."""
+        now = int(self.engine.cache.length)
+        peak, self._peak = max(self._peak, now), now
+        return peak
+
+
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
              resume_id: int | None = None, extra: dict[str, Any] | None = None) -> Any:
-    """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored."""
+    """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored; the log
+    counts the tokens the engine processes from now on (resumed: on top of what the session had counted)."""
     from sinkchat.store.sessionlog import NullLog, SessionLog
 
     if no_log:
         return NullLog()
+    counter = _counter(ForwardTally.of(engine))
     if resume_id is not None:
-        return SessionLog.resume(resume_id, warn=warn)
+        return SessionLog.resume(resume_id, warn=warn, tokens=counter)
     loaded = getattr(engine, "loaded", None)
     settings = {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling),
                 "quant": getattr(loaded, "quant", None), **(extra or {})}
-    return SessionLog.open(mode, getattr(loaded, "source", None), settings, system=system, warn=warn)
+    return SessionLog.open(mode, getattr(loaded, "source", None), settings, system=system, warn=warn,
+                           tokens=counter)
+
+
+def _counter(tally: ForwardTally | None) -> Callable[[], int] | None:
+    """The tokens processed from now on, as the session log reads them at each write (None: nothing to count)."""
+    if tally is None:
+        return None
+    start = tally.tokens
+    return lambda: tally.tokens - start

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from sinkchat.errors import UserError
 from sinkchat.textutil import utf8_safe
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 BUSY_TIMEOUT_MS = 30_000
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
 
@@ -65,6 +65,13 @@ MIGRATIONS: list[str] = [
         session_id INTEGER NOT NULL REFERENCES sessions(id) ON DELETE CASCADE, turn_seq INTEGER NOT NULL,
         kind TEXT NOT NULL, text TEXT NOT NULL, detail TEXT, tokens INTEGER NOT NULL DEFAULT 0, created REAL NOT NULL);
     CREATE INDEX events_session ON events(session_id, turn_seq);
+    """,
+    # 3 -> 4: the tokens the model processed in the session (fed and generated, between turns too: tool results,
+    # summarize's log lines), kept up to date with every write, NULL for a session logged before it was counted;
+    # the turn each eviction came after, as for events (NULL in older rows: placed by their time)
+    """
+    ALTER TABLE sessions ADD COLUMN tokens INTEGER;
+    ALTER TABLE evictions ADD COLUMN turn_seq INTEGER;
     """,
 ]
 

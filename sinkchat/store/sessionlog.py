@@ -4,6 +4,10 @@ The log stores only what the user typed, what the model (or a tool) produced, an
 transaction (durable on return); evictions and metrics are buffered and written in the next turn's transaction
 (they are frequent and cheap to lose). If the database cannot be written (disk full, read-only dir) the session
 warns once and carries on without a log rather than crash.
+
+The session's token total (`sessions.tokens`: what the model processed, fed and generated, between turns too) comes
+from a counter the opener passes (`apps/runlog.ForwardTally`); every write stores its current value, so a running
+or crashed session shows what it had processed by its last write.
 """
 
 from __future__ import annotations
@@ -64,18 +68,24 @@ class SessionLog(NullLog):
     """One session's writer. Thread-safe; any database error degrades it to a NullLog after one warning."""
 
     def __init__(self, conn: sqlite3.Connection, session_id: int, path: Path, turn_count: int,
-                 warn: Callable[[str], None] | None = None) -> None:
+                 warn: Callable[[str], None] | None = None, tokens: Callable[[], int] | None = None,
+                 tokens_before: int = 0) -> None:
         self._conn: sqlite3.Connection | None = conn
         self.id, self.path, self.turn_count = session_id, path, turn_count
         self._warn = warn or log.warning
         self._lock = threading.Lock()
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._redact = redactor()
+        self._tokens, self._tokens_before = tokens, tokens_before  # counter since opened; the total before that
+        self._tokens_stored: int | None = None
 
     @classmethod
     def open(cls, mode: str, model: str | None, settings: dict[str, Any] | None = None, *, system: str | None = None,
-             path: Path | str | None = None, warn: Callable[[str], None] | None = None) -> NullLog:
-        """Start a new session; returns a NullLog (after one warning via `warn`) if the database is unusable."""
+             path: Path | str | None = None, warn: Callable[[str], None] | None = None,
+             tokens: Callable[[], int] | None = None) -> NullLog:
+        """Start a new session; returns a NullLog (after one warning via `warn`) if the database is unusable.
+        `tokens`: the tokens the model has processed since the session opened (None: not counted, and `logs`
+        shows the tokens of the turns instead)."""
         p = Path(path) if path is not None else None
         try:
             p = p or db_path()
@@ -83,31 +93,36 @@ class SessionLog(NullLog):
             red, me = redactor(), procs.current()
             with transaction(conn):
                 cur = conn.execute(
-                    "INSERT INTO sessions (started, mode, model, settings, system, pid, pid_started, host) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO sessions (started, mode, model, settings, system, pid, pid_started, host, tokens) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (time.time(), mode, model, red(json.dumps(clean_settings(settings or {}))),
-                     red(system) if system is not None else None, me.pid, me.started, me.host))
-            return cls(conn, int(cur.lastrowid), p, 0, warn)
+                     red(system) if system is not None else None, me.pid, me.started, me.host,
+                     0 if tokens is not None else None))
+            return cls(conn, int(cur.lastrowid), p, 0, warn, tokens)
         except (sqlite3.Error, OSError, LogError) as e:
             return _fallback(f"session log disabled: cannot write {p}: {e}", warn)
 
     @classmethod
-    def resume(cls, session_id: int, *, path: Path | str | None = None,
-               warn: Callable[[str], None] | None = None) -> NullLog:
-        """Append to an existing session (after --resume); marks it open again, held by this process."""
+    def resume(cls, session_id: int, *, path: Path | str | None = None, warn: Callable[[str], None] | None = None,
+               tokens: Callable[[], int] | None = None) -> NullLog:
+        """Append to an existing session (after --resume); marks it open again, held by this process. The tokens
+        counted from now on add to the session's total (for an older session, to the tokens of its turns)."""
         p = Path(path) if path is not None else None
         try:
             p = p or db_path()
             conn = connect(p)
-            row = conn.execute("SELECT MAX(seq) FROM turns WHERE session_id = ?", (session_id,)).fetchone()
-            if conn.execute("SELECT 1 FROM sessions WHERE id = ?", (session_id,)).fetchone() is None:
+            row = conn.execute("SELECT MAX(seq), COALESCE(SUM(tokens), 0) FROM turns WHERE session_id = ?",
+                               (session_id,)).fetchone()
+            held = conn.execute("SELECT tokens FROM sessions WHERE id = ?", (session_id,)).fetchone()
+            if held is None:
                 conn.close()
                 raise LogError(f"no session {session_id} in {p}")
             me = procs.current()
             with transaction(conn):
                 conn.execute("UPDATE sessions SET ended = NULL, pid = ?, pid_started = ?, host = ? WHERE id = ?",
                              (me.pid, me.started, me.host, session_id))
-            return cls(conn, session_id, p, int(row[0] or 0), warn)
+            before = int(held[0] if held[0] is not None else row[1])
+            return cls(conn, session_id, p, int(row[0] or 0), warn, tokens, before)
         except (sqlite3.Error, OSError) as e:
             return _fallback(f"session log disabled: cannot write {p}: {e}", warn)
 
@@ -123,10 +138,20 @@ class SessionLog(NullLog):
                 with transaction(self._conn):
                     self._flush_pending(self._conn)
                     fn(self._conn)
+                    self._store_tokens(self._conn)
                 return True
             except (sqlite3.Error, OSError) as e:
                 self._disable(f"session log stopped (continuing without it): {e}")
                 return False
+
+    def _store_tokens(self, conn: sqlite3.Connection) -> None:
+        """The session's token total as of now, in the transaction of whatever is written (when it changed)."""
+        if self._tokens is None:
+            return
+        n = self._tokens_before + int(self._tokens())
+        if n != self._tokens_stored:
+            conn.execute("UPDATE sessions SET tokens = ? WHERE id = ?", (n, self.id))
+            self._tokens_stored = n
 
     def _flush_pending(self, conn: sqlite3.Connection) -> None:
         for sql, args in self._pending:
@@ -189,12 +214,13 @@ class SessionLog(NullLog):
             self.flush()
 
     def eviction(self, ev: Any) -> None:
-        """An EvictionEvent (buffered until the next turn)."""
-        self._buffer("INSERT INTO evictions (session_id, created, count, first, last, preview, policy, cache_len) "
-                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        """An EvictionEvent (buffered until the next turn), placed after the last turn logged, as an event is:
+        `logs show` lists it there, in order among the turns."""
+        self._buffer("INSERT INTO evictions (session_id, created, count, first, last, preview, policy, cache_len, "
+                     "turn_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (self.id, time.time(), int(ev.count), int(ev.first), int(ev.last),
                       self._redact(str(getattr(ev, "preview", ""))), getattr(ev, "policy", None),
-                      getattr(ev, "cache_len", None)))
+                      getattr(ev, "cache_len", None), self.turn_count))
 
     def metrics(self, data: dict[str, Any]) -> None:
         """A metrics sample (any JSON-able dict; buffered until the next turn)."""

@@ -30,9 +30,11 @@ class SessionInfo:
     settings: dict[str, Any]
     system: str | None
     turns: int = 0
-    tokens: int = 0
+    tokens: int = 0  # tokens the model processed (fed and generated); `turn_tokens` where they were not counted
     pid: int | None = None
     status: str = ""  # 'ended', or for an open session whether its process still runs (see `session_status`)
+    turn_tokens: int = 0  # the tokens of the turns: fed for a prompt, generated for a reply
+    tokens_counted: bool = False  # False: logged before sinkchat counted them (or by an engine double)
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,13 @@ def session_status(ended: float | None, pid: int | None, pid_started: float | No
 
 
 def _info(r: sqlite3.Row) -> SessionInfo:
+    """One meaning for `tokens` in every mode: what the model processed. The turns alone say less wherever tokens
+    are fed between them (an agent's tool results, summarize's log lines: 8,421 in the turns of a summarize run that
+    processed 27,244); only a session logged before the total was counted falls back to them."""
+    counted = r["tokens"] is not None
     return SessionInfo(r["id"], r["started"], r["ended"], r["mode"], r["model"], json.loads(r["settings"] or "{}"),
-                       r["system"], r["n_turns"], r["n_tokens"], r["pid"],
-                       session_status(r["ended"], r["pid"], r["pid_started"], r["host"]))
+                       r["system"], r["n_turns"], int(r["tokens"]) if counted else r["n_tokens"], r["pid"],
+                       session_status(r["ended"], r["pid"], r["pid_started"], r["host"]), r["n_tokens"], counted)
 
 
 def list_sessions(mode: str | None = None, limit: int = 50, path: Path | str | None = None) -> list[SessionInfo]:
@@ -130,8 +136,23 @@ def export(session_id: int, path: Path | str | None = None) -> dict[str, Any]:
         tools, evs, mets, notes = rows("tool_calls"), rows("evictions"), rows("metrics"), rows("events")
     for m in mets:
         m["data"] = json.loads(m["data"])
-    return {"session": asdict(info), "turns": [asdict(t) for t in turns(session_id, path)], "tool_calls": tools,
+    ts = turns(session_id, path)
+    _place(evs, [(t.created, t.seq) for t in ts])
+    return {"session": asdict(info), "turns": [asdict(t) for t in ts], "tool_calls": tools,
             "evictions": evs, "metrics": mets, "events": notes}
+
+
+def _place(evictions: list[dict[str, Any]], turn_times: list[tuple[float, int]]) -> None:
+    """An eviction logged before it carried its `turn_seq` (schema < 4) gets one from its time: the last turn logged
+    before it happened (0: none). Its `created` is when it happened, though it was written with the next turn, and
+    a turn's `created` is when it was logged (complete), so `logs show` lists old sessions in order too."""
+    k, seq = 0, 0
+    for ev in sorted(evictions, key=lambda e: e["created"]):
+        while k < len(turn_times) and turn_times[k][0] <= ev["created"]:
+            seq = turn_times[k][1]
+            k += 1
+        if ev.get("turn_seq") is None:
+            ev["turn_seq"] = seq
 
 
 def delete_session(session_id: int, path: Path | str | None = None) -> None:

@@ -113,9 +113,11 @@ def _rss_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
 
 
 def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Verdict:
-    """Over the whole run, warm-up included: at every sample the cache holds no more tokens than its capacity and
-    exactly as many as the ledger, its bytes never change, and its buffers are never reallocated (their addresses
-    stay the same). RSS growth (the slope above) is what catches memory leaked anywhere else."""
+    """Over the whole run, warm-up included: the cache never held more tokens than its capacity (`cache_peak`: the
+    longest it was after any model call of the interval, not just at the sample: an agent task rewound before the
+    next sample would hide its peak), at every sample exactly as many as the ledger, its bytes never change, and
+    its buffers are never reallocated (their addresses stay the same). RSS growth (the slope above) is what catches
+    memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its samples' lengths."""
     name, limit = "cache bounded", "len <= capacity, == ledger; bytes and buffers unchanged"
     cap_h = num(header.get("capacity"))
     rows = [s for s in samples if num(s.get("cache_len")) is not None]
@@ -125,8 +127,9 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     for s in rows:
         cap = num(s.get("capacity")) or cap_h
         n = int(s["cache_len"])
-        if cap is not None and n > cap:
-            bad.append(f"{n} tokens > capacity {int(cap)} at {s.get('elapsed')} s")
+        top = max(n, int(num(s.get("cache_peak")) or 0))
+        if cap is not None and top > cap:
+            bad.append(f"{top} tokens > capacity {int(cap)} by {s.get('elapsed')} s")
         led = num(s.get("ledger_len"))
         if led is not None and int(led) != n:
             bad.append(f"cache {n} != ledger {int(led)} at {s.get('elapsed')} s")
@@ -137,7 +140,7 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     if len(ptrs) > 1:
         bad.append(f"buffers reallocated ({len(ptrs)} different addresses)")
     cap = cap_h or num(rows[-1].get("capacity"))
-    peak = max(int(s["cache_len"]) for s in rows)
+    peak = max(max(int(s["cache_len"]), int(num(s.get("cache_peak")) or 0)) for s in rows)
     val = (f"peak {peak} of {int(cap)} tokens" if cap else f"peak {peak} tokens") + \
         (f", {cb[-1] / MIB:.2f} MiB" if cb else "")
     if bad:

@@ -5,7 +5,8 @@ A scenario is an object whose `step(engine)` yields engine events (plus `Fault`s
 the step do its job) for one unit of work: a chat turn, an agent task, a summary, a block of streamed text. An
 `NllTap` on the engine scores every token fed through the live cache; the runner folds the events and those scores
 into per-interval figures (the NLL sum and count of the interval is that sample's perplexity bin; a scenario that
-calls tools adds the running and per-interval counts of its valid and failed calls), writes one record per
+calls tools adds the running and per-interval counts of its valid and failed calls; the token total and the cache's
+peak come from the engine's `ForwardTally`, which sees every model call), writes one record per
 `--sample-every` seconds to DIR/metrics.jsonl (flushed and fsynced, so a killed run can still be judged with
 `sinkchat soak report DIR`) and to the session log, and survives whatever a step raises: the engine rolls a broken
 forward back, so the cache stays consistent and the next step just runs.
@@ -22,12 +23,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sinkchat.apps.runlog import ForwardTally
 from sinkchat.apps.soak.display import Display
 from sinkchat.apps.soak.records import Recorder
 from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome, ToolCall
 from sinkchat.apps.soak.tap import NllTap
 from sinkchat.core.events import GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
+from sinkchat.core.metrics import Metrics, cuda_bytes, percentile, rss_bytes
 from sinkchat.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -40,29 +42,21 @@ class Terminated(KeyboardInterrupt):
 
 
 @dataclass
-class Interval:
-    """Figures folded from the events between two samples."""
+class Interval(Metrics):
+    """Figures folded from the events between two samples: the clients' own `Metrics` (decode and prefill tokens
+    and seconds, every decoded token's latency: uncapped here, an interval is short) plus what only a sample needs:
+    every prefill chunk's per-token latency (the stream scenario decodes nothing), the mean gauge, the NLL bin."""
 
-    decode_tokens: int = 0
-    decode_seconds: float = 0.0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    latencies: list[float] = field(default_factory=list)  # seconds per decoded token
+    latencies: deque = field(default_factory=deque)  # seconds per decoded token, all of the interval's
     prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
     gauges: list[float] = field(default_factory=list)
     local_gauges: list[float] = field(default_factory=list)  # hybrid models: the local layers' window-start share
     nll: list[float] = field(default_factory=list)  # NLL of every token fed through the cache (the NllTap's)
 
     def fold(self, ev: Any) -> None:
-        if isinstance(ev, TokenEvent):
-            self.decode_tokens += 1
-            self.decode_seconds += ev.seconds
-            self.latencies.append(ev.seconds)
-        elif isinstance(ev, PrefillEvent):
-            self.prefill_tokens += ev.tokens
-            self.prefill_seconds += ev.seconds
-            if ev.tokens:
-                self.prefill_latencies.append(ev.seconds / ev.tokens)
+        super().fold(ev)
+        if isinstance(ev, PrefillEvent) and ev.tokens:
+            self.prefill_latencies.append(ev.seconds / ev.tokens)
         elif isinstance(ev, GaugeEvent):
             self.gauges.append(ev.share)
             if ev.local is not None:
@@ -97,6 +91,10 @@ class Soak:
         self.sample_every, self.duration, self.max_tokens, self.max_steps = sample_every, duration, tokens, steps
         self.on_sample = on_sample or (lambda r: None)
         self.tap = NllTap(engine)
+        self.tally = ForwardTally.of(engine)  # every model call: the token total and the cache's true peak
+        self.tokens0 = self.tally.tokens if self.tally else 0
+        if self.tally:
+            self.tally.take_peak()  # the peak from the run's start
         self.t0 = time.monotonic()
         self.next_sample = self.t0 + sample_every
         self.evicted0 = engine.ledger.evicted
@@ -105,7 +103,7 @@ class Soak:
         self.attempts = self.faulted_steps = 0  # steps started; steps with at least one fault or error
         self.jobs = self.jobs_ok = 0  # steps judged by their Outcome; those that did their job
         self.step_faulted = False
-        self.processed = 0  # tokens fed or generated, counted from the events (see `tokens`)
+        self.processed = 0  # tokens fed or generated, from the events: only for an engine double without a tally
         self.calls_tools = bool(getattr(scenario, "calls_tools", False))
         self.calls = {"ok": 0, "failed": 0, "invalid": 0}  # ToolCalls: ran ok / did not / rejected before running
         self.calls_at_sample = dict(self.calls)
@@ -115,9 +113,11 @@ class Soak:
 
     @property
     def tokens(self) -> int:
-        """Tokens processed: prefilled plus generated, from the events. Not the ledger's `seen`, which goes back
-        down when the agent rewinds the cache to its checkpoint before each task."""
-        return self.processed
+        """Tokens the model processed since the run started, fed and generated (an EOS too): the same count as the
+        session log's TOKENS for this run (`sinkchat logs`), which the tokens of the logged turns are not (tool
+        results are fed between turns). Not the ledger's `seen`, which goes back down when the agent rewinds the
+        cache to its checkpoint before each task."""
+        return self.tally.tokens - self.tokens0 if self.tally else self.processed
 
     def limit_reached(self) -> str | None:
         if self.duration is not None and time.monotonic() - self.t0 >= self.duration:
@@ -206,6 +206,7 @@ class Soak:
         rec = {
             "kind": "sample", "t": round(time.time(), 3), "elapsed": round(now - self.t0, 3), "steps": self.steps,
             "tokens": self.tokens, "evicted": eng.ledger.evicted - self.evicted0, "cache_len": eng.cache.length,
+            "cache_peak": self.tally.take_peak() if self.tally else eng.cache.length,
             "ledger_len": len(eng.ledger), "capacity": eng.cache_cfg.capacity, "cache_bytes": eng.cache.nbytes,
             "cache_ptrs": _cache_ptrs(eng.cache), "rss": rss_bytes(), "cuda": cuda[0] if cuda else None,
             "cuda_peak": cuda[1] if cuda else None,

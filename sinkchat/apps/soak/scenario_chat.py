@@ -7,9 +7,8 @@ from typing import Any, Iterator
 
 import click
 
-from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, generate_reply, log_reply, logged, recover
+from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ask, generate_reply, log_reply, recover
 from sinkchat.bootstrap import read_prompt
-from sinkchat.core.events import PrefillEvent
 from sinkchat.store.sessionlog import NullLog
 
 
@@ -38,12 +37,7 @@ class ChatScenario:
 
     def step(self, engine: Any) -> Iterator[Any]:
         msg = self.next_message()
-        fed = [0, 0.0]
-        for ev in logged(engine.add_message("user", msg), self.slog):
-            if isinstance(ev, PrefillEvent):
-                fed[0], fed[1] = fed[0] + ev.tokens, fed[1] + ev.seconds
-            yield ev
-        self.slog.turn("user", msg, fed[0], fed[1])
+        yield from ask(engine, msg, self.slog)
         done = yield from generate_reply(engine, self.max_tokens, self.slog)
         text = done.text if done else ""
         log_reply(self.slog, engine, text, done)

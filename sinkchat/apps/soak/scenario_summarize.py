@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator
 
-from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, generate_reply, log_reply, logged, recover
+from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ask, generate_reply, log_reply, logged, recover
 from sinkchat.bootstrap import read_prompt
 from sinkchat.store.sessionlog import NullLog
 
@@ -66,10 +66,9 @@ class SummarizeScenario:
         question = fill(self.prompt, first_line=first, last_line=self.line_no, lines=self.lines_per_summary,
                         summarized=self.lines_per_summary, filtered=0, deduped=0, skipped=0, binary=0,
                         digest=digest, note="")
-        yield from logged(engine.add_message("user", question), self.slog)
+        yield from ask(engine, question, self.slog)  # logged with its figures (was "0 tokens fed in 0 ms")
         done = yield from generate_reply(engine, self.max_tokens, self.slog)
         text = (done.text if done else "").strip()
-        self.slog.turn("user", question)
         log_reply(self.slog, engine, text, done)
         settle_conversation(engine, keep=2)
         if not text:

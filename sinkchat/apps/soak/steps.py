@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator
 
-from sinkchat.core.events import DoneEvent, TokenEvent
+from sinkchat.core.events import DoneEvent, PrefillEvent, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,17 @@ def logged(events: Iterator[Any], slog: Any) -> Iterator[Any]:
         if isinstance(ev, EvictionEvent):
             slog.eviction(ev)
         yield ev
+
+
+def ask(engine: Any, text: str, slog: Any) -> Iterator[Any]:
+    """Feed `text` as a user message (with the reply's header), its events logged, then log it as the user turn
+    with the tokens and seconds feeding it took, before any reply: `logs show` tells the story in order."""
+    fed, seconds = 0, 0.0
+    for ev in logged(engine.add_message("user", text), slog):
+        if isinstance(ev, PrefillEvent):
+            fed, seconds = fed + ev.tokens, seconds + ev.seconds
+        yield ev
+    slog.turn("user", text, fed, seconds)
 
 
 def guarded_generate(engine: Any, max_tokens: int) -> Iterator[Any]:
