@@ -284,3 +284,40 @@ def test_numbers_are_matched_on_digit_boundaries():
     assert unsupported("It took 5 ms.", s) == ["5"]
     assert unsupported("Version 1.2 sent 21 bytes.", s) == ["1.2", "21"]
     assert unsupported("It took 15 ms and sent 215 bytes.", s) == []
+
+
+def test_the_closing_feeds_events_reach_the_summarizer_so_its_evictions_are_logged(monkeypatch):
+    """The closing text of each turn ("<|im_end|>\\n" and the like) is fed too and can evict; its events were
+    dropped, so the session log counted fewer evicted tokens than the cache evicted (24,106 of 24,233)."""
+    from sinkchat.apps.summarize import answer, summarizer
+    from sinkchat.core.events import EvictionEvent
+
+    ev = EvictionEvent(count=3, first=10, last=13, preview="x", policy="sink", cache_len=297)
+
+    class Conv:
+        fed = ""
+
+        def closing(self):
+            return "</s>"
+
+        def trim(self, keep):
+            pass
+
+    class Eng:
+        conv = Conv()
+
+        def feed(self, text):
+            yield ev
+
+    got = []
+    answer.settle_conversation(Eng(), keep=1, sink=got.append)
+    assert got == [ev]
+    s, eng, out = _summarizer(["The cron job ran."] * 4, every=4)
+    calls = []
+    monkeypatch.setattr(summarizer, "settle_conversation", lambda e, keep, sink=None: calls.append(sink))
+    evicted = []
+    s.slog.eviction = evicted.append
+    _run(s, DPKG[:4])
+    assert calls and all(c is not None for c in calls)
+    calls[0](ev)
+    assert evicted == [ev]

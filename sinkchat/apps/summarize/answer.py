@@ -153,18 +153,20 @@ def ask(engine: Any, events: Callable[[Any], str], question: str, support: Suppo
     return ans
 
 
-def settle_conversation(engine: Any, keep: int) -> None:
+def settle_conversation(engine: Any, keep: int, sink: Callable[[Any], Any] | None = None) -> None:
     """Close the last turn in the cache and trim the conversation to its last `keep` messages, so its memory and
     the cost of templating the next turn stay flat however long the log runs. The cache is not touched beyond the
-    closing text (it already holds, or has evicted, everything before)."""
+    closing text (it already holds, or has evicted, everything before). `sink(ev)` gets the closing feed's events
+    (an eviction there is logged like any other)."""
     conv = engine.conv
     try:
         closing = conv.closing()
         if closing is None:
             return  # a template that rewrites history: leave it to the conversation's own fallback
         if closing:
-            for _ in engine.feed(closing):
-                pass
+            for ev in engine.feed(closing):
+                if sink is not None:
+                    sink(ev)
             conv.fed += closing
         conv.trim(keep)
     except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone

@@ -155,20 +155,26 @@ class Summarizer:
         if self.stop_requested:
             raise Interrupted
 
+    def _fold(self, ev: Any) -> None:
+        """One engine event into the metrics, and an eviction into the session log."""
+        from sinkchat.core.events import EvictionEvent
+
+        self.metrics.fold(ev)
+        if isinstance(ev, EvictionEvent):
+            self.slog.eviction(ev)
+
     def _events(self, events: Any) -> str:
         """Fold engine events into the metrics (keeps the status live); returns the generated text, if any.
 
         A stop request closes `events` after the event in hand, i.e. after a completed prefill chunk or generated
         token: the engine's rollback runs now (not whenever the generator is collected), then Interrupted."""
-        from sinkchat.core.events import DoneEvent, EvictionEvent
+        from sinkchat.core.events import DoneEvent
 
         text = ""
         for ev in events:
-            self.metrics.fold(ev)
+            self._fold(ev)
             if isinstance(ev, DoneEvent):
                 text = ev.text
-            elif isinstance(ev, EvictionEvent):
-                self.slog.eviction(ev)
             self.status.tick()
             if self.stop_requested:
                 events.close()
@@ -219,7 +225,7 @@ class Summarizer:
         self.fed_chunks.append((start, self.engine.ledger.seen, lines))
         self.period_tokens += self.engine.ledger.seen - start
         self.period_text.append(text)
-        settle_conversation(self.engine, keep=1)
+        settle_conversation(self.engine, keep=1, sink=self._fold)
 
     def over_budget(self) -> bool:
         """The pending chunk would push this period past what the window holds beside the question and answer:
@@ -267,7 +273,7 @@ class Summarizer:
             self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
             self.slog.turn("assistant", ans.text, len(self.engine.last_reply_ids),
                            time.perf_counter() - t0 - ans.question_seconds, cache_len=self.engine.cache.length)
-            settle_conversation(self.engine, keep=2)
+            settle_conversation(self.engine, keep=2, sink=self._fold)
             if ans.dropped:
                 reasons = ([f"unsupported: {', '.join(ans.unsupported)}"] if ans.unsupported else []) + ans.why
                 why = f" ({'; '.join(reasons) or 'unfinished'})"
