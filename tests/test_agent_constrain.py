@@ -70,7 +70,7 @@ VALID = [
     '{"tool": "clock", "args": {}}',
     '{"tool": "calculator", "args": {"expression": "(3 + 4) * 2"}}',
     '{"tool": "read_file", "args": {"path": "data/sales.csv", "offset": 10}}',
-    '{"tool": "write_file", "args": {"path": "a b.txt", "content": "line \\"one\\"\\nline two", "append": true}}',
+    '{"tool": "write_file", "args": {"path": "a b.txt", "content": "line \\"one\\"\\nline two"}}',
     '{"tool": "search_text", "args": {"pattern": "ERROR", "path": ".", "regex": false}}',
     '{"tool": "notes", "args": {"action": "append", "text": "ünïcödé ✓"}}',
     '{"tool": "column_sum", "args": {"path": "sales.csv", "column": "amount"}}',

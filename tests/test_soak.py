@@ -411,8 +411,9 @@ def test_agent_calculation_is_judged_by_its_answer(tmp_path):
     from sinkchat.apps.soak.scenario_agent import AgentTask
     from sinkchat.apps.soak.steps import Outcome
 
+    calc = json.dumps({"tool": "calculator", "args": {"expression": "6*7"}})  # an answer must come from a tool
     for answer, ok in (("42", True), ("41", False)):
-        eng, scen = _agent_scen([json.dumps({"final": f"It is {answer}."})], tmp_path)
+        eng, scen = _agent_scen([calc, json.dumps({"final": f"It is {answer}."})] + [calc] * 4, tmp_path)
         scen.next_task = lambda: AgentTask("mul", "What is 6 times 7?", number=42)
         assert [e.ok for e in scen.step(eng) if isinstance(e, Outcome)] == [ok]
 

@@ -18,22 +18,24 @@ from typing import Any, Callable, Iterator
 from sinkchat.apps.agent.checkpoint import TaskCheckpoint
 from sinkchat.apps.agent.constrain import ToolCallConstraint, build_constraint
 from sinkchat.apps.agent.protocol import (
-    FEW_SHOT, AgentErrorEvent, AgentEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
-    ToolsTokenizer, complete_call, examples_for, is_example_call, parse_reply, render_system, result_message, task_message, template_has_tools,
+    FEW_SHOT, AgentErrorEvent, AgentEvent, Denied, FinalRejectedEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent,
+    ToolCallEvent, ToolResultEvent, ToolsTokenizer, complete_call, examples_for, is_example_call, parse_reply,
+    render_system, result_message, task_message, template_has_tools,
 )
+from sinkchat.apps.agent.verify import MAX_REJECTED_FINALS, TaskCheck
 from sinkchat.bootstrap import read_prompt
 from sinkchat.core.events import DoneEvent, Event, TokenEvent
 from sinkchat.apps.agent.tools.schema import ToolError
 from sinkchat.apps.agent.tools.toolbox import ToolResult, Toolbox, build_default_tools, cap_text
 from sinkchat.apps.agent.tools.workspace import Workspace
 
-__all__ = ["Agent", "AgentCounts", "AgentEvent", "build_default_tools", "Workspace", "Toolbox"]
+__all__ = ["Agent", "AgentCounts", "AgentEvent", "Denied", "build_default_tools", "Workspace", "Toolbox"]
 
 log = logging.getLogger(__name__)
 
 NATIVE_SYSTEM = ("You are an agent that completes tasks by calling the tools you are given, one call at a time. "
                  "Files live in a workspace folder; use relative paths. When the task is done, answer in plain text.")
-Approve = Callable[[str, dict[str, Any]], bool]
+Approve = Callable[[str, dict[str, Any]], "bool | Denied"]
 
 
 @dataclass
@@ -49,16 +51,17 @@ class AgentCounts:
 
 
 class Agent:
-    """The loop. `tools`: a Toolbox (see build_default_tools); `workspace`: a Workspace or the path of an existing
-    folder (shown to the model; a missing one is a WorkspaceError); `approve(name, args) -> bool` is asked before each
-    side-effecting call (None = allow all); protocol: 'auto' | 'native' | 'json'; `max_tokens` per reply (None =
-    the engine's sampling.max_tokens); `keep_messages`: past this many, engine.conv's bookkeeping is compacted
-    (0 = never). Takes over the engine's system prompt if nothing was fed yet, and then (JSON protocol, few_shot)
-    feeds one demonstrated exchange before the first task. `constrain`: mask every token that would leave the
-    tool-call grammar (see constrain.py; off where the engine or tokenizer cannot take it). `fresh_tasks`: each task
-    starts from the cache as it was before the first task (system prompt + example), so a task never sees, and
-    copies, the previous one's reply; skipped once the cache has evicted since then. `require_call`: with the
-    constraint, a task's first reply must be a tool call, not an answer."""
+    """The loop. `tools`: a Toolbox (see build_default_tools); `workspace`: a Workspace or the path of an existing folder
+    (shown to the model; a missing one is a WorkspaceError); `approve(name, args) -> bool | Denied` is asked before each
+    side-effecting call (None = allow all; a Denied says who refused and why, fed to the model as is, and one that is
+    `always` takes the tool out of the grammar); protocol: 'auto' | 'native' | 'json'; `max_tokens` per reply (None =
+    the engine's sampling.max_tokens); `keep_messages`: past this many, engine.conv's bookkeeping is compacted (0 =
+    never). Takes over the engine's system prompt if nothing was fed yet, and then (JSON protocol, few_shot) feeds one
+    demonstrated exchange before the first task. `constrain`: mask every token that would leave the tool-call grammar
+    (see constrain.py; off where the engine or tokenizer cannot take it). `fresh_tasks`: each task starts from the cache
+    as it was before the first task (system prompt + example), so a task never sees, and copies, the previous one's
+    reply; skipped once the cache has evicted since then. `require_call`: with the constraint, a task's first reply must
+    be a tool call, not an answer."""
 
     def __init__(self, engine: Any, tools: Toolbox, workspace: Workspace | str | Path | None = None,
                  approve: Approve | None = None, max_result_chars: int | None = None, *, max_tokens: int | None = None,
@@ -93,12 +96,16 @@ class Agent:
         self.require_call = require_call
         self.plain_sampling = True  # constrained replies: no repetition penalty (see _sampling)
         self.checkpoint = TaskCheckpoint()  # where every task starts (fresh_tasks)
+        self.denied: set[str] = set()  # tools an approver refuses every time (taken out of the grammar)
         self._examples_held = 0  # example turns at the head of engine.conv.messages
 
     def run(self, task: str, max_steps: int | None = 10) -> Iterator[AgentEvent | Event]:
         """Work on `task` until the model gives a final answer or `max_steps` steps (None/0 = no limit).
         Every step's tool result (or error) is fed back before the next step; the last one is fed without an
-        assistant header, so the next task continues the same conversation cleanly."""
+        assistant header, so the next task continues the same conversation cleanly. A final answer that is not
+        grounded in the task's tool results, or leaves a file the task asks for missing or wrong, is sent back with
+        what is wrong (up to MAX_REJECTED_FINALS times, not on the last step); the TaskDoneEvent says whether the
+        task ended verified (agent/verify.py)."""
         self.counts.tasks += 1
         content = task_message(task, self.tools.names, self.native, reminder=self.constraint is None)
         if not self.own_system:
@@ -112,30 +119,56 @@ class Agent:
             for role, text in examples_for(task) if per_task else FEW_SHOT:
                 yield from self.engine.add_message(role, text, add_generation_prompt=False)
             self._examples_held = len(FEW_SHOT)  # not counted against keep_messages until compacted away
+        check = TaskCheck(task, self.workspace)
+        self._offer(check)
         yield from self.engine.add_message("user", content)
-        step, reason, answer = 0, "max_steps", ""
+        step, reason, answer, problems = 0, "max_steps", "", ["no final answer"]
         while not max_steps or step < max_steps:
             step += 1
             self.counts.steps += 1
+            last = bool(max_steps) and step >= max_steps  # type: ignore[operator]
             yield StepEvent(step, task)
-            text, why, ntok = yield from self._generate(first=step == 1)
+            text, why, ntok = yield from self._generate(first=step == 1 or bool(check.unmet()))
             yield ModelTextEvent(step, text, why, ntok)
             parsed = parse_reply(text)
             if parsed.kind == "none" and self.native:
                 parsed = Parsed("final", answer=text.strip())
             if parsed.kind == "final":
                 self.counts.finals += 1
-                reason, answer = "final", parsed.answer
-                break
-            result = yield from self._act(step, parsed)
-            role, content = result_message(result.name, result.text, result.ok, self.native,
-                                           reminder=self.constraint is None)
-            yield ToolResultEvent(step, result.name, result.ok, result.text, result.chars, result.truncated,
-                                  result.seconds)
-            last = bool(max_steps) and step >= max_steps  # type: ignore[operator]
+                problems = check.problems(parsed.answer)
+                if not problems or last or check.rejected >= MAX_REJECTED_FINALS:
+                    reason, answer = "final", parsed.answer
+                    break
+                check.rejected += 1
+                yield FinalRejectedEvent(step, parsed.answer, tuple(problems))
+                role, content = self._rejection(problems)
+                problems = ["no final answer"]
+            else:
+                result = yield from self._act(step, parsed, check)
+                check.observe(self.tools.tools.get(result.name), result.args, result.ok, result.text)
+                role, content = result_message(result.name, result.text, result.ok, self.native,
+                                               reminder=self.constraint is None)
+                yield ToolResultEvent(step, result.name, result.ok, result.text, result.chars, result.truncated,
+                                      result.seconds)
+            self._offer(check)
             yield from self._compact()
             yield from self.engine.add_message(role, content, add_generation_prompt=not last)
-        yield TaskDoneEvent(task, step, reason, answer)
+        if reason != "final":
+            problems += check.unmet()
+        problems += check.blocked
+        yield TaskDoneEvent(task, step, reason, answer, not problems, "; ".join(problems))
+
+    def _offer(self, check: TaskCheck) -> None:
+        """Tell the grammar what this task allows now: its target files, the numbers its results held."""
+        if self.constraint is not None:
+            self.constraint.set_task(check.context())
+
+    def _rejection(self, problems: list[str]) -> tuple[str, str]:
+        """(role, content) telling the model why its final answer was sent back."""
+        msg = "not done yet: " + "; ".join(problems)
+        if self.native:
+            return "user", msg
+        return "user", f"Tool error (final): {msg}"
 
     def _compact(self) -> Iterator[Event]:
         """Keep `engine.conv` bounded in a run of hours: it re-renders every message for each new one (quadratic)
@@ -163,7 +196,9 @@ class Agent:
 
     def _generate(self, first: bool = False) -> Iterator[Event]:
         """Stream one reply; stop as soon as it holds a complete call (a small model rambles on and invents the
-        result). Constrained, the reply's token limit goes to the constraint, which closes the call within it (and
+        result). `first`: a call is required (a task's first reply, and every reply while a file the task asks for
+        is missing or wrong: the bundled model otherwise answered `{"final": ...}` over and over, nothing written).
+        Constrained, the reply's token limit goes to the constraint, which closes the call within it (and
         may raise it to fit the grammar's longest call: see ToolCallConstraint.begin). The reply is recorded in the conversation even when the caller closes us mid-way."""
         eng = self.engine
         if self.constraint is not None:
@@ -201,7 +236,7 @@ class Agent:
         cfg = getattr(self.engine, "sampling", None)
         return replace(cfg, repetition_penalty=1.0) if cfg is not None and self.plain_sampling else cfg
 
-    def _act(self, step: int, parsed: Parsed) -> Iterator[AgentEvent]:
+    def _act(self, step: int, parsed: Parsed, check: TaskCheck | None = None) -> Iterator[AgentEvent]:
         """Validate, approve and run one parsed reply; anything unusable becomes a failed result."""
         if parsed.kind != "call":
             self.counts.unusable += 1
@@ -219,16 +254,33 @@ class Agent:
             self.counts.calls_failed += 1
             yield AgentErrorEvent(step, f"{tool.name} copied the example")
             return self._failed(tool.name, "that call is the example's, not your task; do the task you were given")
-        if self.approve is not None and tool.has_side_effects(kwargs) and not self.approve(tool.name, kwargs):
+        refusal = check.refuse_overwrite(tool, kwargs) if check is not None else None
+        if refusal:
             self.counts.calls_failed += 1
-            yield AgentErrorEvent(step, f"{tool.name} denied")
-            return self._failed(tool.name, f"the user denied this {tool.name} call; try something else")
+            yield AgentErrorEvent(step, f"{tool.name}: {refusal}")
+            return self._failed(tool.name, refusal)
+        verdict = self.approve(tool.name, kwargs) if self.approve and tool.has_side_effects(kwargs) else True
+        if not verdict:
+            self.counts.calls_failed += 1
+            denied = verdict if isinstance(verdict, Denied) else Denied(f"the user denied this {tool.name} call")
+            yield AgentErrorEvent(step, f"{tool.name} denied: {denied.reason}")
+            if denied.always:
+                self._deny(tool.name)
+                return self._failed(tool.name, f"{denied.reason}. {tool.name} is refused every time in this run: "
+                                               "do not call it again")
+            return self._failed(tool.name, f"{denied.reason}; try something else")
         result = self.tools.run(tool, kwargs)
         if result.ok:
             self.counts.calls_ok += 1
         else:
             self.counts.calls_failed += 1
         return result
+
+    def _deny(self, name: str) -> None:
+        """`name` is refused every time: the grammar stops offering it."""
+        self.denied.add(name)
+        if self.constraint is not None:
+            self.constraint.set_tools([t for t in self.tools.tools.values() if t.name not in self.denied])
 
     def _failed(self, name: str, msg: str) -> ToolResult:
         text, truncated = cap_text(msg, self.tools.max_result_chars)

@@ -1,5 +1,5 @@
 """`sinkchat agent`: the command line around `Agent` (approval, task sources, the workspace, extra tools, the
-interactive loop)."""
+interactive loop, `--undo`, the exit status)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ from sinkchat.apps.agent.agent import Agent, Approve
 from sinkchat.apps.agent.constrain import ToolCallConstraint
 from sinkchat.apps.agent.display import Display, _abridge
 from sinkchat.apps.agent.log import AgentLog
+from sinkchat.apps.agent.protocol import Denied, TaskDoneEvent
+from sinkchat.apps.agent.tools.journal import JournalError
+from sinkchat.apps.agent.verify import EXIT_UNVERIFIED
 from sinkchat.apps.agent.tools.toolbox import build_default_tools, load_tools_module
 from sinkchat.apps.agent.tools.workspace import Workspace, WorkspaceError
 from sinkchat.apps.runlog import open_log
@@ -27,19 +30,48 @@ from sinkchat.config import ConfigError, data_dir
 log = logging.getLogger(__name__)
 
 
-def make_approver(mode: str, interactive: bool) -> Approve | None:
+def shell_off(explicit: bool, interactive: bool) -> str:
+    """Why `never-shell` refuses the shell, naming who decided it (issue 28: the model was told "the user denied
+    this shell call" ten times, though no user was asked)."""
+    if not explicit and not interactive:
+        return "shell calls are off without a terminal: --approve auto allows them"
+    return "shell calls are off (--approve never-shell): --approve auto allows them"
+
+
+def make_approver(mode: str, interactive: bool, explicit: bool = True) -> Approve | None:
+    """The approval policy: None (auto: allow all), or `approve(name, args) -> True | Denied`. `explicit`: the
+    mode was given with --approve (else it is the default for this terminal), which the refusals say."""
     if mode == "auto":
         return None
     if mode == "never-shell":
-        return lambda name, args: name != "shell"
+        why = shell_off(explicit, interactive)
+        return lambda name, args: Denied(why, always=True) if name == "shell" else True
 
-    def ask(name: str, args: dict[str, Any]) -> bool:
+    def ask(name: str, args: dict[str, Any]) -> bool | Denied:
         if not interactive:
             log.warning("--approve ask without a terminal: denied %s (use --approve auto)", name)
-            return False
-        return click.confirm(f"allow {name} {_abridge(repr(args), 300)}?", default=False, err=True)
+            return Denied("--approve ask has no terminal to ask on, so side-effecting calls are off: --approve auto "
+                          "allows them", always=True)
+        if click.confirm(f"allow {name} {_abridge(repr(args), 300)}?", default=False, err=True):
+            return True
+        return Denied(f"the user denied this {name} call")
 
     return ask
+
+
+def _shell_refused(mode: str, explicit: bool, interactive: bool) -> bool:
+    """Whether every shell call would be refused; then the tool is not offered at all, and the user is told why."""
+    if mode != "never-shell":
+        return False
+    click.echo(f"note: {shell_off(explicit, interactive)}; the shell tool is not offered", err=True)
+    return True
+
+
+def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: list[Callable[..., Any]]) -> Any:
+    try:
+        return build_default_tools(ws, allow_shell, max_result_chars, extra)
+    except ValueError as e:
+        raise ConfigError(f"bad tool: {e}") from None
 
 
 def task_source(task: str | None, tasks_file: str | None, forever: bool) -> Iterable[str]:
@@ -123,28 +155,38 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
               help="let the model write anything (default: every reply is forced to be a valid tool call or answer)")
 @click.option("--keep-context", is_flag=True,
               help="each task sees the earlier tasks' turns (default: each starts from the system prompt and examples)")
+@click.option("--undo", type=click.IntRange(1, None), is_flag=False, flag_value=1, default=None, metavar="[N]",
+              help="put back the last N file changes (default 1) the agent made in --workspace, newest first, and "
+                   "exit (1 when there is nothing to undo or a file changed since)")
 @common_options
 def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
                   tasks_file: str | None, approve: str | None, allow_shell: bool, tools_module: tuple[str, ...],
-                  max_result_chars: int, no_log: bool, no_constrain: bool, keep_context: bool, **kw: Any) -> None:
-    """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line)."""
+                  max_result_chars: int, no_log: bool, no_constrain: bool, keep_context: bool, undo: int | None,
+                  **kw: Any) -> None:
+    """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line).
+
+    A task is verified when its final answer's numbers and names come from its tool results and every file it asks
+    to be written holds what it asks. Exit status: 0 every task verified; 3 a task ended unverified (one line says
+    why); 1 an error; 2 bad usage. write_file never replaces a file the task does not name; every change is
+    journaled, and --undo puts it back."""
     from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
 
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
     interactive = sys.stdin.isatty()
+    if undo is not None:
+        return undo_changes(workspace, undo)
     with user_errors():
         settings = build_settings(opts)
         if task is None and tasks_file is None and not interactive:
             tasks_file = "-"
         extra = load_extra_tools(tools_module)
         ws = open_workspace(workspace, create_workspace)
-        try:
-            tools = build_default_tools(ws, allow_shell, max_result_chars, extra)
-        except ValueError as e:
-            raise ConfigError(f"bad tool: {e}") from None
+        mode = approve or ("ask" if interactive else "never-shell")
+        tools = _toolbox(ws, allow_shell and not _shell_refused(mode, approve is not None, interactive),
+                         max_result_chars, extra)
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
-        agent = Agent(engine, tools, ws, make_approver(approve or ("ask" if interactive else "never-shell"), interactive),
+        agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
                       constrain=not no_constrain, fresh_tasks=not keep_context)
         metrics = Metrics()
         mbytes = model_bytes(engine.model)
@@ -153,22 +195,52 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         display = Display(engine, metrics, sys.stdout.isatty(), mbytes, AgentLog(slog, engine))
         click.echo(f"workspace: {ws.root}  tools: {', '.join(tools.names)}", err=True)
         rss0 = rss_bytes()
+        unverified = 0
         try:
             if task is None and tasks_file is None:
                 _interactive(agent, display, max_steps)
             else:
-                for t in task_source(task, tasks_file, forever):
-                    for ev in agent.run(t, max_steps or None):
-                        display(ev)
+                unverified = _run_tasks(agent, display, task_source(task, tasks_file, forever), max_steps)
         except KeyboardInterrupt:
             display.line("interrupted", "red")
         finally:
             slog.close()
         c = agent.counts
-        click.echo(f"agent: {c.tasks} task(s), {c.steps} step(s), tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
+        click.echo(f"agent: {c.tasks} task(s), {unverified} unverified, {c.steps} step(s), "
+                   f"tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
                    f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
                    f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
                    + _constraint_note(agent.constraint), err=True)
+    if unverified:
+        sys.exit(EXIT_UNVERIFIED)
+
+
+def _run_tasks(agent: Agent, display: Display, tasks: Iterable[str], max_steps: int) -> int:
+    """Run each task, showing its events; the number of tasks that ended unverified."""
+    unverified = 0
+    for t in tasks:
+        for ev in agent.run(t, max_steps or None):
+            display(ev)
+            unverified += isinstance(ev, TaskDoneEvent) and not ev.verified
+    return unverified
+
+
+def undo_changes(workspace: str | None, n: int) -> None:
+    """`--undo N`: restore the last N journaled changes in the workspace, one line each (tools/journal.py)."""
+    if workspace is None:
+        raise WorkspaceUsageError("--undo needs --workspace DIR: the folder whose changes to undo")
+    ws = open_workspace(workspace, create=False)
+    done = 0
+    try:
+        for line in ws.journal.undo(n):
+            click.echo(f"undo: {line}")
+            done += 1
+    except JournalError as e:
+        raise click.ClickException(f"undo stopped after {done} change(s): {e}") from None
+    if not done:
+        raise click.ClickException(f"nothing to undo in {ws.root}")
+    if done < n:
+        click.echo(f"undo: only {done} change(s) were journaled; all undone", err=True)
 
 
 def _constraint_note(con: ToolCallConstraint | None) -> str:

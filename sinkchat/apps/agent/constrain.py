@@ -4,7 +4,9 @@ Why: unconstrained, the bundled 135M model wrote 0 usable calls in 4 steps of a 
 54-step soak (`{"tools": [...]}`, prose, invented keys). With the mask every reply is, token by token, either
 `{"tool": "<known tool>", "args": {<arguments matching that tool's JSON schema>}}` or `{"final": "<text>"}` (JSON
 protocol), or `<tool_call>{"name": ..., "arguments": ...}</tool_call>` / plain text (native protocol), and the end
-of the reply (EOS) is forced as soon as the object is complete.
+of the reply (EOS) is forced as soon as the object is complete. The grammar is the reply's JSON schema (grammar.py)
+written as Lark (larkgen.py), rebuilt when the workspace listing, the task's target files or the numbers its tool
+results held change (`set_task`; ~10-20 ms a matcher, built only when a reply needs it).
 
 Library: llguidance (Microsoft's Rust grammar engine behind guidance and llama.cpp's `%llguidance`; one wheel with no
 Python dependencies). Measured here on the bundled SmolLM2 tokenizer (49,152 tokens), a 29-token read_file call,
@@ -34,8 +36,8 @@ import numpy as np
 import torch
 
 from sinkchat.apps.agent.grammar import (  # noqa: F401 - re-exported: the grammar's knobs live there
-    FINAL_CHARS, MAX_PATHS, SEPARATORS, STRING_CHARS, WorkspaceView, json_protocol_schema, native_protocol_lark,
-    scan_workspace, shortest_calls,
+    FINAL_CHARS, MAX_PATHS, SEPARATORS, STRING_CHARS, TaskContext, WorkspaceView, json_protocol_lark,
+    json_protocol_schema, native_protocol_lark, scan_workspace, shortest_calls,
 )
 from sinkchat.apps.agent.tools.schema import Tool
 
@@ -101,6 +103,7 @@ class ToolCallConstraint:
         self._eos = torch.tensor(sorted(e for e in eos if 0 <= e < vocab), dtype=torch.long)
         self._closer, self._quote, self._nbytes = _token_info(self._lt, (id(tokenizer), vocab), vocab)
         self.view: WorkspaceView | None = scan_workspace(workspace)
+        self.task = TaskContext()  # what the current task lets the grammar offer (set_task)
         self.reserve = 0
         self._compile()
         self._bits = np.zeros((vocab + 31) // 32, dtype=np.int32)
@@ -113,23 +116,48 @@ class ToolCallConstraint:
         self.seconds = 0.0  # time spent computing and applying them (and re-reading the workspace listing)
         self._ninf: torch.Tensor | None = None
 
-    def _compile(self) -> None:
-        """Both grammars (call or final; call only) for the current tools and workspace view: ~10 ms each."""
+    def set_task(self, ctx: TaskContext) -> None:
+        """The task's files to write and grounded numbers changed: rebuild the grammar (~5-10 ms) if they did."""
+        if ctx != self.task:
+            t0 = time.perf_counter()
+            self.task = ctx
+            self._compile(lazy=True)
+            self.seconds += time.perf_counter() - t0
+
+    def set_tools(self, tools: list[Tool]) -> None:
+        """Offer only `tools` from now on (a tool whose every call would be denied is taken out)."""
+        if [t.name for t in tools] != [t.name for t in self.tools]:
+            self.tools = list(tools)
+            self._compile(lazy=True)
+
+    def _compile(self, lazy: bool = False) -> None:
+        """Both grammars (call or final; call only) for the current tools, workspace view and task: ~10-20 ms each
+        to build a matcher. `lazy`: build each only when a reply needs it (a recompile in a task)."""
         import llguidance
 
         if self.native:
-            grammars = [llguidance.LLMatcher.grammar_from_lark(
-                native_protocol_lark(self.tools, self.string_chars, self.view))] * 2
+            lark = native_protocol_lark(self.tools, self.string_chars, self.view, self.task)
+            self._grammars = [llguidance.LLMatcher.grammar_from_lark(lark)] * 2
         else:
-            schemas = [json_protocol_schema(self.tools, self.string_chars, f, self.view) for f in (True, False)]
-            grammars = [llguidance.LLMatcher.grammar_from_json_schema(s) for s in schemas]
+            schemas = [json_protocol_schema(self.tools, self.string_chars, f, self.view, self.task)
+                       for f in (True, False)]
+            self._grammars = [llguidance.LLMatcher.grammar_from_lark(json_protocol_lark(s)) for s in schemas]
             self.reserve = self._reserve(schemas[0])
-        # log_level 0: a refused token is reported once by __call__, not as llguidance's multi-line parser dump
-        self._matchers = [llguidance.LLMatcher(self._lt, g, log_level=0) for g in grammars]  # [call|final, call]
-        for m in self._matchers:
+        self._matchers: list[Any] = [None, None]  # [call|final, call]
+        if not lazy:
+            self.matcher = self._matcher(0)
+            self._matcher(1)
+
+    def _matcher(self, i: int) -> Any:
+        import llguidance
+
+        if self._matchers[i] is None:
+            # log_level 0: a refused token is reported once by __call__, not as llguidance's multi-line parser dump
+            m = llguidance.LLMatcher(self._lt, self._grammars[i], log_level=0)
             if m.is_error():
                 raise ConstraintUnavailable(f"tool grammar rejected: {m.get_error()}")
-        self.matcher = self._matchers[0]
+            self._matchers[i] = m
+        return self._matchers[i]
 
     def _reserve(self, schema: dict[str, Any]) -> int:
         """Tokens to keep for closing a call: the longest shortest call, plus one per quoted value (a value the
@@ -143,14 +171,14 @@ class ToolCallConstraint:
         first step: measured, the bundled model otherwise "answered" from the task text without reading anything,
         e.g. `{"final": "10"}` for a file of 11 lines). `budget`: the reply's token limit; raised to leave
         MIN_FREE_TOKENS before the reserve (read `self.budget` back and generate with it)."""
+        t0 = time.perf_counter()
         if self.workspace is not None:
-            t0 = time.perf_counter()
             view = scan_workspace(self.workspace)
             if view != self.view:  # a file was written since: the paths (or a header) changed
                 self.view = view
-                self._compile()
-            self.seconds += time.perf_counter() - t0
-        self.matcher = self._matchers[1 if require_call else 0]
+                self._compile(lazy=True)
+        self.matcher = self._matcher(1 if require_call else 0)
+        self.seconds += time.perf_counter() - t0
         self.matcher.reset()
         self._pending, self.active, self._n = False, True, 0
         self.budget = None if budget is None or self.native else max(budget, self.reserve + MIN_FREE_TOKENS)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import click
 
 from sinkchat.apps.agent.protocol import (
-    AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
+    AgentErrorEvent, FinalRejectedEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
 )
 from sinkchat.core.events import EvictionEvent, TokenEvent
 from sinkchat.core.metrics import eviction_line
@@ -69,9 +69,14 @@ class Display:
             self.status()
         elif isinstance(ev, EvictionEvent):
             self.line(eviction_line(ev), "magenta")
+        elif isinstance(ev, FinalRejectedEvent):
+            self.line(f"! answer {_abridge(ev.answer, 80)!r} sent back: {_abridge('; '.join(ev.problems), 300)}",
+                      "red")
         elif isinstance(ev, TaskDoneEvent):
             what = f"answer: {ev.answer}" if ev.reason == "final" else "no final answer"
             self.line(f"■ task ended after {ev.steps} step(s) ({ev.reason}); {what}", "bold")
+            if not ev.verified:
+                self.line(f"✗ task NOT verified: {_abridge(ev.problem, 400)}", "bold red")
             self.status()
 
 

@@ -7,7 +7,12 @@ offers only what its tool accepts, read from the tool's own declaration (`Arg` i
 name here:
 
 - `Arg(path="file")`: one of the workspace's existing regular files; `"dir"`: one of its folders (`.` included);
-  `"any"`: either; `"new"` (a file to write): free text without `/`, `~` or `.` at its start, short.
+  `"any"`: either; `"new"` (a file to write): a well-formed relative path (patterns.PATH) that is none of the
+  workspace's files or folders, short; issue 28: "Copy the first line of notes.txt into a new file first.txt"
+  became `write_file notes.txt`, overwriting the user's input. In a task that names the files to write
+  (`TaskContext.targets`, from agent/goals.py) the path is one of those, its `Arg(content_of=)` text what the
+  task asks for (the given text; a number or a copied line from the tool results), and an existing target is
+  written only with an `Arg(overwrites="path")` argument (write_file's `overwrite`, `append`) `true`.
   Symlinks count as what they point to, and only when that stays inside the workspace (a link out is not offered:
   the tool would refuse it).
 - `Arg(column_of="path")`: the call becomes an anyOf over the CSV files, each with `path` const and the column an enum
@@ -18,6 +23,10 @@ name here:
 - `Arg(max_chars=, min_chars=)`: a string's length; paths get PATH_CHARS, undeclared strings STRING_CHARS (measured
   in a 2-minute soak: `calculator` called with an empty expression).
 - `Arg(minimum=, maximum=)`: a number's range.
+
+The final answer (`{"final": ...}`) is grounded (`TaskContext.values`): every number in it is one of the numbers the
+task's tool results held (patterns.grounded_pattern); issue 28: a port lookup read `"port": 8443` and answered
+`18`, a sum task answered `860` without having computed anything.
 
 A workspace bigger than MAX_PATHS entries gets free (short) path strings and free column strings: the grammar would
 grow with it. Header reads are capped (HEADER_BYTES, MAX_COLUMNS, MAX_CSV_FILES) and cached by (path, mtime, size).
@@ -35,6 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sinkchat.apps.agent.larkgen import reply_lark
+from sinkchat.apps.agent.patterns import PATH, grounded_pattern
 from sinkchat.apps.agent.tools.schema import Param, Tool
 
 log = logging.getLogger(__name__)
@@ -48,7 +59,6 @@ MAX_CSV_FILES = 40  # files whose headers become column enums; past this, free c
 MAX_COLUMNS = 64  # columns offered per file (the first ones)
 HEADER_BYTES = 16 * 1024  # read of each CSV candidate: its header and enough rows to see which columns hold numbers
 SEPARATORS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-NEW_PATH_PATTERN = r'^[^\x00-\x1f"\\/.~][^\x00-\x1f"\\]{0,%d}$'  # relative, not `.`/`..`, no quote or backslash
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,26 @@ class WorkspaceView:
 
     def paths(self, kind: str) -> list[str]:
         return list(self.files if kind == "file" else self.dirs if kind == "dir" else self.dirs + self.files)
+
+
+@dataclass(frozen=True)
+class TargetFile:
+    """A file the task asks to be written (agent/goals.py) and what may be written to it."""
+
+    path: str
+    content: str | None = ""  # the text's JSON schema, as JSON ("": the tool's own; None: nothing to offer yet)
+    append: bool = False  # the task asks to add to its end: offered through an `appends` argument
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What the grammar takes from the task at hand: `targets`, the files it asks to be written (then a call of a
+    tool with a `path="new"` argument writes one of them, with the asked-for content, and replaces an existing one
+    only through its `overwrites` argument); `values`, the numbers its tool results held so far (a final answer's
+    numbers must be among them; None: not grounded, as before a task starts)."""
+
+    targets: tuple[TargetFile, ...] = ()
+    values: tuple[str, ...] | None = None
 
 
 _HEADERS: dict[tuple[str, int, int], tuple[tuple[str, ...], tuple[str, ...]] | None] = {}
@@ -160,8 +190,9 @@ def value_schema(p: Param, view: WorkspaceView | None, string_chars: int = STRIN
         paths = view.paths(a.path)
         return {"enum": paths} if paths else None
     cap = min(a.max_chars or (PATH_CHARS if a.path else COLUMN_CHARS if a.column_of else string_chars), string_chars)
-    if a.path == "new":
-        return {"type": "string", "pattern": NEW_PATH_PATTERN % max(0, cap - 1)}
+    if a.path == "new":  # x-exclude: larkgen keeps these out (a JSON schema cannot say "not one of")
+        return {"type": "string", "pattern": f"^{PATH}$", "maxLength": cap,
+                "x-exclude": list(view.files + view.dirs) if view is not None else []}
     if a.pattern:
         return {"type": "string", "pattern": a.pattern}
     s["maxLength"] = cap
@@ -170,12 +201,16 @@ def value_schema(p: Param, view: WorkspaceView | None, string_chars: int = STRIN
     return s
 
 
-def args_schemas(t: Tool, view: WorkspaceView | None = None, string_chars: int = STRING_CHARS) -> list[dict[str, Any]]:
+def args_schemas(t: Tool, view: WorkspaceView | None = None, string_chars: int = STRING_CHARS,
+                 ctx: TaskContext | None = None) -> list[dict[str, Any]]:
     """The schemas of one tool's arguments, strict (known keys only, required ones present): one, or one per CSV
-    file when an argument is a column of another; none when a required argument has no possible value."""
+    file when an argument is a column of another; none when a required argument has no possible value. A tool that
+    writes (a `path="new"` argument) in a task that names its files to write: one per target (`_targets`)."""
     props: dict[str, Any] = {}
     required = [p.name for p in t.params if p.required]
     for p in t.params:
+        if p.arg.overwrites:
+            continue  # only in the alternatives below
         s = value_schema(p, view, string_chars)
         if s is None:
             if p.required:
@@ -184,6 +219,9 @@ def args_schemas(t: Tool, view: WorkspaceView | None = None, string_chars: int =
             continue
         props[p.name] = s
     base = {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+    new_path = next((p.name for p in t.params if p.arg.path == "new" and p.name in props), None)
+    if new_path is not None and ctx is not None and ctx.targets:
+        return _targets(t, base, new_path, view, ctx.targets)
     col = next((p for p in t.params if p.arg.column_of and p.name in props), None)
     if col is None or view is None:
         return [base]
@@ -197,26 +235,67 @@ def args_schemas(t: Tool, view: WorkspaceView | None = None, string_chars: int =
     return out
 
 
+def _targets(t: Tool, base: dict[str, Any], path: str, view: WorkspaceView | None,
+             targets: tuple[TargetFile, ...]) -> list[dict[str, Any]]:
+    """A write in a task that names its files: the path is one of them and the content what the task asks for (the
+    constraint the check in goals.py applies afterwards); a file that exists is replaced only with an `overwrites`
+    argument true (an `appends` one for a task that adds to it). ("a new file F" that exists when the task
+    begins is no target at all: agent/verify.py blocks it.)"""
+    content = next((p.name for p in t.params if p.arg.content_of == path), None)
+    out = []
+    for tf in targets:
+        if tf.content is None or (view is not None and tf.path in view.dirs):
+            continue
+        props = {**base["properties"], path: {"const": tf.path}}
+        if content and tf.content:
+            props[content] = json.loads(tf.content)
+        exists = None if view is None else tf.path in view.files  # None: a listing too big to read
+        if not exists:
+            out.append({**base, "properties": props})
+        if exists is False:
+            continue
+        out += [{**base, "properties": {**props, p.name: {"const": True}}, "required": [*base["required"], p.name]}
+                for p in t.params if p.arg.overwrites == path and p.arg.appends == tf.append]
+    return out
+
+
+def final_schema(ctx: TaskContext | None = None) -> dict[str, Any]:
+    """The final answer's string: grounded in the task's tool results when `ctx.values` is set."""
+    s: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": FINAL_CHARS}
+    if ctx is not None and ctx.values is not None:
+        s["pattern"] = f"^(?:{grounded_pattern(ctx.values)})$"
+    return s
+
+
 def json_protocol_schema(tools: list[Tool], string_chars: int = STRING_CHARS, final: bool = True,
-                         view: WorkspaceView | None = None) -> dict[str, Any]:
-    """One reply of the JSON protocol (prompts/agent.txt): a call of a known tool, or (`final`) the final answer."""
+                         view: WorkspaceView | None = None, ctx: TaskContext | None = None) -> dict[str, Any]:
+    """One reply of the JSON protocol (prompts/agent.txt): a call of a known tool, or (`final`) the final answer.
+    As a JSON schema (what the closing reserve is sized from); `json_protocol_lark` is what the matcher runs."""
     calls = [{"type": "object", "properties": {"tool": {"const": t.name}, "args": a},
               "required": ["tool", "args"], "additionalProperties": False}
-             for t in tools for a in args_schemas(t, view, string_chars)]
-    answer = {"type": "object", "properties": {"final": {"type": "string", "minLength": 1, "maxLength": FINAL_CHARS}},
+             for t in tools for a in args_schemas(t, view, string_chars, ctx)]
+    answer = {"type": "object", "properties": {"final": final_schema(ctx)},
               "required": ["final"], "additionalProperties": False}
     return {"anyOf": [*calls, answer] if final else calls, "x-guidance": SEPARATORS}
 
 
-def native_protocol_lark(tools: list[Tool], string_chars: int = STRING_CHARS, view: WorkspaceView | None = None) -> str:
+def json_protocol_lark(schema: dict[str, Any]) -> str:
+    """The grammar of a `json_protocol_schema` reply (see larkgen.py for why Lark)."""
+    return reply_lark(schema["anyOf"])
+
+
+def native_protocol_lark(tools: list[Tool], string_chars: int = STRING_CHARS, view: WorkspaceView | None = None,
+                         ctx: TaskContext | None = None) -> str:
     """One reply of a template with tool support (Hermes/Qwen style): `<tool_call>{json}</tool_call>` or plain
-    text that does not start like a call."""
+    text that does not start like a call (grounded like a JSON-protocol final answer)."""
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": a},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for t in tools for a in args_schemas(t, view, string_chars)]
-    schema = json.dumps({"anyOf": calls, "x-guidance": SEPARATORS})
-    return (f'start: call | TEXT\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>"\n'
-            f'TEXT: /[^<{{\\s][^<]{{0,{FINAL_CHARS * 2}}}/\n')
+             for t in tools for a in args_schemas(t, view, string_chars, ctx)]
+    text = "/[^<{\\s][^<]{0,%d}/" % (FINAL_CHARS * 2)
+    if ctx is not None and ctx.values is not None:
+        grounded = grounded_pattern(ctx.values, other="[^<0-9]", first="[^<{\\s0-9]")
+        text = f"/{grounded}/ & {text}"
+    return reply_lark(calls, ("<tool_call>\n", "\n</tool_call>"), text)
 
 
 def shortest_calls(schema: dict[str, Any]) -> list[str]:

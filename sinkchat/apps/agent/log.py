@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from sinkchat.apps.agent.protocol import (
-    AgentErrorEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
+    AgentErrorEvent, FinalRejectedEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
 )
 from sinkchat.core.events import DoneEvent, EvictionEvent, PrefillEvent
 
@@ -45,12 +45,15 @@ class AgentLog:
             self.call = (ev.name, ev.args)
         elif isinstance(ev, AgentErrorEvent):  # what the model is told about a reply it cannot use
             self.slog.event("feedback", ev.message)
+        elif isinstance(ev, FinalRejectedEvent):
+            self.slog.event("feedback", "answer sent back: " + "; ".join(ev.problems))
         elif isinstance(ev, ToolResultEvent) and self.call is not None:  # a reply with no usable call logs no call
             name, args = self.call
             self.slog.tool_call(name, args, ev.text, ev.ok)
             self.call = None
         elif isinstance(ev, TaskDoneEvent):
-            self.slog.metrics({"task_done": ev.reason, "steps": ev.steps, "cache_len": self.engine.cache.length,
+            self.slog.metrics({"task_done": ev.reason, "verified": ev.verified, "problem": ev.problem[:500],
+                               "steps": ev.steps, "cache_len": self.engine.cache.length,
                                "seen": self.engine.ledger.seen, "evicted": self.engine.ledger.evicted})
             self.slog.flush()
             self._reset()

@@ -77,16 +77,44 @@ class AgentErrorEvent:
 
 
 @dataclass(frozen=True)
+class FinalRejectedEvent:
+    """A final answer was sent back (agent/verify.py): what is wrong with it was fed to the model, which goes on."""
+
+    step: int
+    answer: str
+    problems: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class TaskDoneEvent:
-    """reason: 'final' (the model answered), 'max_steps', or 'interrupted'."""
+    """reason: 'final' (the model answered), 'max_steps', or 'interrupted'. `verified`: the answer is grounded in
+    the task's tool results and every file the task asked for holds what it asked (agent/verify.py); `problem`:
+    what is not, when not."""
 
     task: str
     steps: int
     reason: str
     answer: str = ""
+    verified: bool = True
+    problem: str = ""
 
 
-AgentEvent = StepEvent | ModelTextEvent | ToolCallEvent | ToolResultEvent | AgentErrorEvent | TaskDoneEvent
+@dataclass(frozen=True)
+class Denied:
+    """An approver's refusal of a call, saying who refused and how to allow it (issue 28: "the user denied this
+    shell call" was told to the model ten times though no user was asked). `always`: every call of this tool would
+    be refused in this run (a policy, not a person), so the tool is taken out of the grammar. False in a test, like
+    the plain False an approver may also return."""
+
+    reason: str
+    always: bool = False
+
+    def __bool__(self) -> bool:
+        return False
+
+
+AgentEvent = (StepEvent | ModelTextEvent | ToolCallEvent | ToolResultEvent | AgentErrorEvent | FinalRejectedEvent
+              | TaskDoneEvent)
 
 
 # ------------------------------------------------------------------------------------------------------ parsing
@@ -276,6 +304,16 @@ EXAMPLES: list[list[tuple[str, str]]] = [
      ("assistant", '{"tool": "write_file", "args": {"path": "cost.txt", "content": "57"}}'),
      ("user", "Tool result (write_file): wrote 2 bytes to cost.txt"),
      ("assistant", '{"final": "57"}')],
+    [("user", "Task: Copy the first line of memo.txt into a new file top.txt."),
+     ("assistant", '{"tool": "read_file", "args": {"path": "memo.txt"}}'),
+     ("user", "Tool result (read_file): buy bread\ncall mum"),
+     ("assistant", '{"tool": "write_file", "args": {"path": "top.txt", "content": "buy bread"}}'),
+     ("user", "Tool result (write_file): wrote 9 bytes to top.txt"),
+     ("assistant", '{"final": "buy bread"}')],
+    [("user", "Task: Replace the contents of plan.txt with the text go home."),
+     ("assistant", '{"tool": "write_file", "args": {"path": "plan.txt", "content": "go home", "overwrite": true}}'),
+     ("user", "Tool result (write_file): replaced plan.txt with 7 bytes"),
+     ("assistant", '{"final": "done"}')],
     [("user", "Task: Put the text good morning in greet.txt."),
      ("assistant", '{"tool": "write_file", "args": {"path": "greet.txt", "content": "good morning"}}'),
      ("user", "Tool result (write_file): wrote 12 bytes to greet.txt"),

@@ -1,10 +1,12 @@
 """`notes`: a scratchpad file (NOTES.md) in the workspace. The cache forgets the oldest steps; what the model writes
-here survives eviction and can be read back at any time."""
+here survives eviction and can be read back at any time. Appending and clearing are journaled like every file
+change (tools/journal.py), so `sinkchat agent --undo` can bring cleared notes back."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import os
+from pathlib import Path
 from typing import Literal
 
 from sinkchat.apps.agent.tools.schema import ToolError, tool
@@ -29,21 +31,28 @@ def notes(action: Literal["read", "append", "clear"] = "read", text: str = "", *
         if len(text) > MAX_NOTE_CHARS:
             raise ToolError(f"a note is limited to {MAX_NOTE_CHARS} characters")
         stamp = _dt.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        line = f"- [{stamp}] {text.strip()}\n".encode("utf-8")
+        before = _read(workspace, real) if real.exists() else None
+        workspace.record_change(real, "write" if before is None else "append", (before or b"") + line)
         fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         try:
-            os.write(fd, f"- [{stamp}] {text.strip()}\n".encode("utf-8"))
+            os.write(fd, line)
         finally:
             os.close(fd)
         return f"note saved to {NOTES_FILE}"
     if action == "clear":
+        workspace.record_change(real, "overwrite" if real.exists() else "write", b"")
         fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.close(fd)
         return "notes cleared"
     if not real.exists():
         return "(no notes yet)"
+    return _read(workspace, real, 256 * 1024).decode("utf-8", errors="replace") or "(no notes yet)"
+
+
+def _read(workspace: Workspace, real: Path, limit: int = 64 * 1024 * 1024) -> bytes:
     fd = workspace.open_regular(real, os.O_RDONLY)
     try:
-        data = os.read(fd, 256 * 1024)
+        return os.read(fd, limit)
     finally:
         os.close(fd)
-    return data.decode("utf-8", errors="replace") or "(no notes yet)"

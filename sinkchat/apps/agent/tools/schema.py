@@ -43,7 +43,12 @@ class Arg:
     reply's token budget); `min_chars`: its least length (an empty search text or expression only fails). `minimum` /
     `maximum`: range of a number. `pattern`: a regular expression (anchored, ^...$) the whole string must match; it
     replaces the length bounds, so it bounds its own length, and every prefix of a match must extend to a match
-    within a few characters (the grammar's closing reserve counts on it)."""
+    within a few characters (the grammar's closing reserve counts on it). `overwrites`: this boolean argument, when
+    true, lets the named path argument (a `path="new"` one) name an existing file: the grammar offers it only for
+    existing files the task names as the file to write (issue 28: "Copy the first line of notes.txt into a new file
+    first.txt" ended as `write_file notes.txt`, the user's input overwritten), and the agent refuses it otherwise;
+    `appends`: it adds to the file's end rather than replacing it. `content_of`: the name of the path argument whose
+    file this text is written to (in a task that asks for given content, the grammar offers only that)."""
 
     path: str | None = None
     column_of: str | None = None
@@ -53,6 +58,9 @@ class Arg:
     minimum: float | None = None
     maximum: float | None = None
     pattern: str | None = None
+    overwrites: str | None = None
+    appends: bool = False
+    content_of: str | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in PATH_KINDS:
@@ -67,17 +75,18 @@ class ToolError(Exception):
 
 
 def tool(*, name: str | None = None, side_effects: bool | Callable[[dict[str, Any]], bool] = False,
-         timeout: float | None = None, isolate: bool = True,
-         args: dict[str, Arg] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+         timeout: float | None = None, isolate: bool = True, args: dict[str, Arg] | None = None,
+         data: bool | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Mark a function's tool properties (the function stays a plain function). `args`: what each argument
-    names (see `Arg`).
+    names (see `Arg`). `data`: whether its result is data a final answer may quote (default: calls without side
+    effects; a write's "wrote 3 bytes" is not, a shell's output is), see agent/grounding.py.
 
     `isolate=False` runs the tool in a thread of this process instead of a child process: for a tool that must
     change this process's memory. Such a call cannot be stopped at its timeout (see `runner.run_in_thread`)."""
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         fn.__tool__ = {"name": name, "side_effects": side_effects, "timeout": timeout,  # type: ignore[attr-defined]
-                       "isolate": isolate, "args": dict(args or {})}
+                       "isolate": isolate, "args": dict(args or {}), "data": data}
         return fn
 
     return deco
@@ -115,9 +124,13 @@ class Tool:
     timeout: float = DEFAULT_TIMEOUT
     injected: dict[str, Any] = field(default_factory=dict)
     isolate: bool = True  # run in a child process that a timeout kills (False: a thread, which it cannot)
+    data: bool | None = None  # its result is data an answer may quote (None: when the call has no side effects)
 
     def has_side_effects(self, args: dict[str, Any]) -> bool:
         return bool(self.side_effects(args) if callable(self.side_effects) else self.side_effects)
+
+    def returns_data(self, args: dict[str, Any]) -> bool:
+        return self.data if self.data is not None else not self.has_side_effects(args)
 
     def schema(self) -> dict[str, Any]:
         """OpenAI-style function schema (what chat templates with tool support take)."""
@@ -184,8 +197,15 @@ def tool_from_function(fn: Callable[..., Any], workspace: Workspace | None = Non
     for p in params:
         if p.arg.column_of and p.arg.column_of not in {q.name for q in params}:
             raise ValueError(f"tool {name}: {p.name} is a column of {p.arg.column_of!r}, which is no argument")
+        if p.arg.content_of and p.arg.content_of not in {q.name for q in params}:
+            raise ValueError(f"tool {name}: {p.name} is the content of {p.arg.content_of!r}, which is no argument")
+        target = next((q for q in params if q.name == p.arg.overwrites), None)
+        if p.arg.overwrites and (target is None or target.arg.path != "new" or p.type is not bool or p.required):
+            raise ValueError(f"tool {name}: {p.name} overwrites {p.arg.overwrites!r}: it must be an optional bool "
+                             "and name an Arg(path=\"new\") argument")
     return Tool(name, fn, desc or name, params, meta.get("side_effects", False),
-                float(meta.get("timeout") or DEFAULT_TIMEOUT), injected, bool(meta.get("isolate", True)))
+                float(meta.get("timeout") or DEFAULT_TIMEOUT), injected, bool(meta.get("isolate", True)),
+                meta.get("data"))
 
 
 def _py_type(hint: Any) -> Any:

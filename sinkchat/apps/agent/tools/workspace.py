@@ -11,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from sinkchat.apps.agent.tools.journal import Journal, JournalError
 from sinkchat.apps.agent.tools.schema import ToolError
 
 
@@ -21,9 +22,12 @@ class WorkspaceError(ValueError):
 class Workspace:
     """A directory the file tools are confined to. `resolve` is the one gate every path goes through.
 
-    `create`: make the folder (and its parents) if it is missing; otherwise a missing folder is a WorkspaceError."""
+    `create`: make the folder (and its parents) if it is missing; otherwise a missing folder is a WorkspaceError.
+    `journal_dir`: where the undo journal of its file changes lives (default: under the user data dir, keyed by the
+    folder's resolved path; see tools/journal.py)."""
 
-    def __init__(self, root: str | os.PathLike[str], create: bool = False) -> None:
+    def __init__(self, root: str | os.PathLike[str], create: bool = False,
+                 journal_dir: str | os.PathLike[str] | None = None) -> None:
         root_path = Path(root).expanduser()
         if root_path.exists() and not root_path.is_dir():
             raise WorkspaceError(f"workspace {root_path} is not a folder")
@@ -35,6 +39,23 @@ class Workspace:
         elif not root_path.is_dir():
             raise WorkspaceError(f"workspace {root_path} does not exist")
         self.root = Path(os.path.realpath(root_path))
+        self._journal_dir = None if journal_dir is None else Path(journal_dir)
+        self._journal: Journal | None = None
+
+    @property
+    def journal(self) -> Journal:
+        """The undo journal every file-changing tool records into before it changes a file."""
+        if self._journal is None:
+            self._journal = Journal(self.root, self._journal_dir)
+        return self._journal
+
+    def record_change(self, real: Path, op: str, after: bytes | None) -> None:
+        """Journal a change about to be made to `real`; a journal that cannot be written is a ToolError (and the
+        tool then changes nothing: no change without its undo)."""
+        try:
+            self.journal.record(real, op, after)
+        except JournalError as e:
+            raise ToolError(f"refused: {e}") from None
 
     def __repr__(self) -> str:
         return f"Workspace({str(self.root)!r})"

@@ -1,6 +1,11 @@
-"""`write_file`: create or overwrite (or append to) a workspace file. The target is resolved like every other path;
-an existing target must be a regular file, a final symlink is never followed (O_NOFOLLOW), and content is capped so
-a runaway model cannot fill the disk."""
+"""`write_file`: create a workspace file, or (asked for explicitly) replace or append to one. The target is resolved
+like every other path; an existing target must be a regular file, a final symlink is never followed (O_NOFOLLOW),
+and content is capped so a runaway model cannot fill the disk.
+
+It never destroys a file by default: an existing target is refused unless `overwrite` or `append` is true, and the
+agent only lets those through (and the grammar only offers them) for an existing file the task names as the one to
+write (issue 28: "Copy the first line of notes.txt into a new file first.txt" became `write_file notes.txt`, the
+user's input overwritten). Every write is journaled first, with the previous content (`sinkchat agent --undo`)."""
 
 from __future__ import annotations
 
@@ -12,32 +17,57 @@ from sinkchat.apps.agent.tools.workspace import Workspace
 MAX_WRITE_CHARS = 1_000_000
 
 
-@tool(side_effects=True, args={"path": Arg(path="new")})
-def write_file(path: str, content: str, append: bool = False, *, workspace: Workspace) -> str:
-    """Write text to a file in the workspace (creates folders as needed).
+@tool(side_effects=True, args={"path": Arg(path="new"), "content": Arg(content_of="path"),
+                               "append": Arg(overwrites="path", appends=True), "overwrite": Arg(overwrites="path")})
+def write_file(path: str, content: str, append: bool = False, overwrite: bool = False, *,
+               workspace: Workspace) -> str:
+    """Write text to a new file in the workspace (creates folders as needed).
 
     Args:
         path: file path relative to the workspace
         content: the text to write
-        append: add to the end of the file instead of replacing it
+        append: add to the end of an existing file the task names
+        overwrite: replace an existing file the task names
     """
     if len(content) > MAX_WRITE_CHARS:
         raise ToolError(f"content longer than {MAX_WRITE_CHARS} characters")
+    if path != path.strip():
+        raise ToolError(f"refused: {path!r} starts or ends with a space")  # resolve() would strip it: another file
     real = workspace.resolve(path, kind="file", must_exist=False)
     if real == workspace.root:
         raise ToolError("a file name is needed")
+    rel = workspace.rel(real)
+    exists = os.path.lexists(real)
+    if exists and not (append or overwrite):
+        raise ToolError(f"refused: {rel} exists, and write_file only replaces a file the task names (with "
+                        "overwrite: true); write a new file instead")
+    data = content.encode("utf-8")
     parent = real.parent
     if not parent.exists():
         os.makedirs(parent, exist_ok=True)
     workspace.resolve(workspace.rel(parent), kind="dir")  # re-check after creating folders
+    before = _read(workspace, real) if exists and append else b""
+    op = "write" if not exists else "append" if append else "overwrite"
+    workspace.record_change(real, op, before + data)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
     fd = workspace.open_regular(real, flags)
     try:
-        data = content.encode("utf-8")
         view = memoryview(data)
         while view:
-            n = os.write(fd, view)
-            view = view[n:]
+            view = view[os.write(fd, view):]
     finally:
         os.close(fd)
-    return f"{'appended' if append else 'wrote'} {len(data)} bytes to {workspace.rel(real)}"
+    if op == "overwrite":
+        return f"replaced {rel} with {len(data)} bytes"
+    return f"{'wrote' if op == 'write' else 'appended'} {len(data)} bytes to {rel}"
+
+
+def _read(workspace: Workspace, real: os.PathLike[str]) -> bytes:
+    fd = workspace.open_regular(real, os.O_RDONLY)  # type: ignore[arg-type]
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

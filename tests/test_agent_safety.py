@@ -1,0 +1,252 @@
+"""Issue 28, the agent never destroys a file: a path to write offers only paths that do not exist, replacing a file
+needs `overwrite: true`, offered (and allowed) only for an existing file the task names as the one to write; every
+write, overwrite and append is journaled with the previous content (crash-safe), and `sinkchat agent --undo [N]`
+puts it back. And denials say who denied what."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from sinkchat.apps.agent.agent import Agent, build_default_tools
+from sinkchat.apps.agent.protocol import AgentErrorEvent, Parsed, TaskDoneEvent, ToolResultEvent
+from sinkchat.apps.agent.tools.journal import Journal, JournalError
+from sinkchat.apps.agent.tools.workspace import Workspace
+
+from fakes import ScriptedEngine
+from test_agent_verify import accepts, call, final, scripted_real
+
+NOTES = "meeting at noon\nbring the slides\n"
+COPY_TASK = "Copy the first line of notes.txt into a new file first.txt."
+
+
+@pytest.fixture
+def ws(tmp_path):
+    root = tmp_path / "ws"
+    (root / "docs").mkdir(parents=True)
+    (root / "docs" / "readme.md").write_text("Owner: Dana\n")
+    (root / "notes.txt").write_text(NOTES)
+    return root
+
+
+def test_write_file_never_replaces_a_file_unless_told_to(ws):
+    box = build_default_tools(ws)
+    r = box.call("write_file", {"path": "notes.txt", "content": "gone"})
+    assert not r.ok and "notes.txt exists" in r.text and (ws / "notes.txt").read_text() == NOTES
+    r = box.call("write_file", {"path": "notes.txt ", "content": "gone"})  # resolve() would strip the space
+    assert not r.ok and (ws / "notes.txt").read_text() == NOTES
+    r = box.call("write_file", {"path": "notes.txt", "content": "new text", "overwrite": True})
+    assert r.ok and r.text == "replaced notes.txt with 8 bytes" and (ws / "notes.txt").read_text() == "new text"
+    r = box.call("write_file", {"path": "notes.txt", "content": "+", "append": True})
+    assert r.ok and (ws / "notes.txt").read_text() == "new text+"
+
+
+def test_the_copy_task_cannot_overwrite_its_source(ws):
+    """Issue 28: "Copy the first line of notes.txt into a new file first.txt" produced
+    `write_file {'path': 'notes.txt', ...}` and the user's input was overwritten."""
+    eng = ScriptedEngine([call("write_file", path="notes.txt", content="Copy first line of notes.txt to first file"),
+                          call("write_file", path="notes.txt", content="meeting at noon", overwrite=True),
+                          call("read_file", path="notes.txt"),
+                          call("write_file", path="first.txt", content="meeting at noon"), final("done")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    events = list(agent.run(COPY_TASK, 6))
+    results = [e for e in events if isinstance(e, ToolResultEvent)]
+    assert [r.ok for r in results] == [False, False, True, True]
+    assert "notes.txt exists" in results[0].text
+    assert "only for a file this task names as the one to write" in results[1].text
+    assert (ws / "notes.txt").read_text() == NOTES and (ws / "first.txt").read_text() == "meeting at noon"
+    done = events[-1]
+    assert isinstance(done, TaskDoneEvent) and done.verified
+
+
+def test_a_wrong_copy_is_caught_against_the_source_file(ws):
+    """The copy is checked against notes.txt itself: a read from offset 1 ("eeting at noon", measured on the
+    bundled model) does not pass for its first line."""
+    eng = ScriptedEngine([call("read_file", path="notes.txt", offset=1),
+                          call("write_file", path="first.txt", content="eeting at noon")] + [final("done")] * 3)
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    done = list(agent.run(COPY_TASK, 4))[-1]
+    assert not done.verified and done.problem == "first.txt holds 'eeting at noon', which is not the first line of notes.txt"
+
+
+def test_a_new_path_is_never_an_existing_one(bundled, ws):
+    pytest.importorskip("llguidance")
+    from sinkchat.apps.agent.verify import TaskCheck
+
+    tok = bundled.tokenizer
+    agent = Agent(scripted_real(bundled, []), build_default_tools(ws), ws)
+    con = agent.constraint
+
+    def w(path, **kw):
+        return call("write_file", path=path, content="meeting at noon", **kw)
+
+    for path in ("notes.txt", "docs/readme.md", "docs", "docs/../notes.txt", "./notes.txt", "notes.txt/", " notes.txt"):
+        assert not accepts(con, tok, w(path)), path
+        assert not accepts(con, tok, w(path, overwrite=True)), path
+    for path in ("first.txt", "notes.txt2", "notes.tx", "docs/new.md", "a b.txt"):
+        assert accepts(con, tok, w(path)), path
+    check = TaskCheck(COPY_TASK, agent.workspace)  # the copy task: notes.txt is a source, never a target
+    con.set_task(check.context())
+    assert not accepts(con, tok, w("first.txt"))  # nothing read yet: nothing to copy
+    check.observe(agent.tools.tools["read_file"], {"path": "notes.txt"}, True, NOTES)
+    con.set_task(check.context())
+    assert accepts(con, tok, w("first.txt"))
+    for bad in (w("notes.txt"), w("notes.txt", overwrite=True), w("other.txt"),
+                call("write_file", path="first.txt", content="bring the slides")):
+        assert not accepts(con, tok, bad), bad
+    check = TaskCheck("Replace the contents of notes.txt with the text all done", agent.workspace)
+    con.set_task(check.context())
+    assert accepts(con, tok, call("write_file", path="notes.txt", content="all done", overwrite=True))
+    assert not accepts(con, tok, call("write_file", path="notes.txt", content="all done"))
+    assert not accepts(con, tok, call("write_file", path="notes.txt", content="all done", append=True))
+
+
+def entries(ws):
+    return [(e.op, e.path, e.previous) for e in Workspace(ws).journal.entries()]
+
+
+def test_every_change_is_journaled_and_undo_puts_it_back_newest_first(ws, sinkchat_home):
+    box = build_default_tools(ws)
+    for name, args in [("write_file", {"path": "a.txt", "content": "one"}),
+                       ("write_file", {"path": "notes.txt", "content": "two", "overwrite": True}),
+                       ("write_file", {"path": "notes.txt", "content": "+3", "append": True}),
+                       ("notes", {"action": "append", "text": "remember"})]:
+        assert box.call(name, args).ok
+    noted = (ws / "NOTES.md").read_bytes()
+    assert box.call("notes", {"action": "clear"}).ok
+    assert entries(ws) == [("write", "a.txt", None), ("overwrite", "notes.txt", NOTES.encode()),
+                           ("append", "notes.txt", b"two"), ("write", "NOTES.md", None), ("overwrite", "NOTES.md", noted)]
+    journal = Workspace(ws).journal
+    assert journal.dir.parent == sinkchat_home / "agent-journal"  # the user data dir, not the workspace
+    assert (journal.dir / "workspace.txt").read_text() == f"{ws.resolve()}\n"
+    assert not any(p.name.startswith(".") for p in ws.rglob("*"))  # nothing hidden left in the workspace
+    lines = list(journal.undo(2))
+    assert lines[0].startswith("restored NOTES.md") and lines[1].startswith("removed NOTES.md")
+    assert not (ws / "NOTES.md").exists()
+    assert len(list(journal.undo(10))) == 3
+    assert (ws / "notes.txt").read_text() == NOTES and not (ws / "a.txt").exists() and entries(ws) == []
+
+
+def test_a_half_written_journal_entry_never_corrupts_undo(ws, monkeypatch):
+    box = build_default_tools(ws)
+    assert box.call("write_file", {"path": "notes.txt", "content": "x", "overwrite": True}).ok
+    journal = Workspace(ws).journal
+    (journal.dir / "00000007.json").write_text('{"v": 1, "seq": 7, "op": "overwr')  # a torn entry
+    (journal.dir / ".tmp-99-deadbeef").write_text("{")  # a temporary file a crash left
+    assert [e.op for e in journal.entries()] == ["overwrite"]
+    # a crash while recording: the tool must change nothing
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    r = box.call("write_file", {"path": "notes.txt", "content": "y", "overwrite": True})
+    assert not r.ok and "undo journal" in r.text and (ws / "notes.txt").read_text() == "x"
+    monkeypatch.undo()
+    assert [line.split(" (")[0] for line in journal.undo(5)] == ["restored notes.txt"]
+    assert (ws / "notes.txt").read_text() == NOTES
+
+
+def test_undo_never_destroys_a_later_edit_and_can_be_run_again(ws, monkeypatch):
+    box = build_default_tools(ws)
+    assert box.call("write_file", {"path": "notes.txt", "content": "agent", "overwrite": True}).ok
+    (ws / "notes.txt").write_text("the user's edit")
+    journal = Workspace(ws).journal
+    with pytest.raises(JournalError, match="notes.txt changed after the agent's overwrite"):
+        list(journal.undo())
+    assert (ws / "notes.txt").read_text() == "the user's edit" and len(journal.entries()) == 1
+    (ws / "notes.txt").write_text("agent")
+    from pathlib import Path
+
+    real_unlink = Path.unlink
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: (_ for _ in ()).throw(OSError(5, "I/O error"))
+                        if self.suffix == ".json" else real_unlink(self, missing_ok))
+    with pytest.raises(JournalError):  # restored, then the crash: the entry is still there
+        list(journal.undo())
+    monkeypatch.undo()
+    assert (ws / "notes.txt").read_text() == NOTES and len(journal.entries()) == 1
+    (line,) = journal.undo()  # run again: nothing to write, the entry goes
+    assert line.startswith("notes.txt was already as before the agent's overwrite at ")
+    assert journal.entries() == [] and (ws / "notes.txt").read_text() == NOTES
+
+
+def cli(args, monkeypatch):
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.command as agent_mod
+
+    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: pytest.fail("--undo must not load the model"))
+    return CliRunner().invoke(agent_mod.agent_command, args)
+
+
+def test_cli_undo_restores_the_last_n_changes_and_says_what(ws, monkeypatch):
+    box = build_default_tools(ws)
+    assert box.call("write_file", {"path": "notes.txt", "content": "v2", "overwrite": True}).ok
+    assert box.call("write_file", {"path": "first.txt", "content": "x"}).ok
+    assert box.call("write_file", {"path": "notes.txt", "content": "v3", "overwrite": True}).ok
+    res = cli(["--undo", "--workspace", str(ws)], monkeypatch)
+    assert res.exit_code == 0 and res.output.startswith("undo: restored notes.txt (2 bytes) as it was before"), res.output
+    assert (ws / "notes.txt").read_text() == "v2"
+    res = cli(["--undo", "5", "--workspace", str(ws)], monkeypatch)
+    assert res.exit_code == 0, res.output
+    assert [ln.split(" (")[0] for ln in res.output.splitlines()] == [
+        "undo: removed first.txt", "undo: restored notes.txt", "undo: only 2 change(s) were journaled; all undone"]
+    assert (ws / "notes.txt").read_text() == NOTES and not (ws / "first.txt").exists()
+    res = cli(["--undo", "--workspace", str(ws)], monkeypatch)
+    assert res.exit_code == 1 and "nothing to undo" in res.output
+    res = cli(["--undo"], monkeypatch)
+    assert res.exit_code == 2 and "--undo needs --workspace" in res.output
+
+
+def test_a_policy_denial_says_who_denied_and_the_tool_is_no_longer_offered(bundled, tmp_path):
+    """Issue 28: `--allow-shell` without a terminal answered every shell call "the user denied this shell call; try
+    something else" though no user was asked, and the model retried 10 times."""
+    from sinkchat.apps.agent.command import make_approver
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    approve = make_approver("never-shell", interactive=False, explicit=False)
+    eng = ScriptedEngine([call("shell", command="ls")] * 2 + [final("done")])
+    agent = Agent(eng, build_default_tools(root, allow_shell=True), root, few_shot=False, approve=approve)
+    events = list(agent.run("Use the shell tool to run: ls", 5))
+    why = "shell calls are off without a terminal: --approve auto allows them"
+    assert [e.message for e in events if isinstance(e, AgentErrorEvent)] == [f"shell denied: {why}"] * 2
+    fed = [c.splitlines()[0] for r, c, _ in eng.fed[1:3]]  # then the protocol reminder (unconstrained)
+    assert fed == [f"Tool error (shell): {why}. shell is refused every time in this run: do not call it again"] * 2
+    assert not any("user denied" in c for _, c, _ in eng.fed)
+    pytest.importorskip("llguidance")
+    agent = Agent(scripted_real(bundled, []), build_default_tools(root, allow_shell=True), root, approve=approve)
+    assert accepts(agent.constraint, bundled.tokenizer, call("shell", command="ls"))
+    list(agent._act(1, Parsed("call", name="shell", args={"command": "ls"})))
+    assert "shell" not in [t.name for t in agent.constraint.tools]
+    assert not accepts(agent.constraint, bundled.tokenizer, call("shell", command="ls"))
+
+
+def test_a_user_denial_still_says_the_user_denied(tmp_path, monkeypatch):
+    import click
+
+    from sinkchat.apps.agent.command import make_approver
+
+    monkeypatch.setattr(click, "confirm", lambda *a, **k: False)
+    root = tmp_path / "ws"
+    root.mkdir()
+    eng = ScriptedEngine([call("write_file", path="a.txt", content="x"), final("ok")])
+    agent = Agent(eng, build_default_tools(root), root, few_shot=False, approve=make_approver("ask", True))
+    list(agent.run("Write x to a.txt", 3))
+    assert eng.fed[1][1].splitlines()[0] == "Tool error (write_file): the user denied this write_file call; try something else"
+
+
+def test_cli_allow_shell_without_a_terminal_says_so_and_does_not_offer_it(bundled, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.command as agent_mod
+
+    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: scripted_real(bundled, [call("clock"), final("noon")]))
+    res = CliRunner().invoke(agent_mod.agent_command, ["What time is it?", "--allow-shell", "--workspace", str(tmp_path),
+                                                       "--no-log"])
+    lines = res.output.splitlines()
+    assert "note: shell calls are off without a terminal: --approve auto allows them; the shell tool is not offered" in lines
+    tools_line = next(ln for ln in lines if ln.startswith("workspace: ")).split("tools: ")[1]
+    assert "shell" not in tools_line and "clock" in tools_line
+    res = CliRunner().invoke(agent_mod.agent_command, ["What time is it?", "--allow-shell", "--approve", "auto",
+                                                       "--workspace", str(tmp_path), "--no-log"])
+    assert "shell calls are off" not in res.output and "shell" in next(
+        ln for ln in res.output.splitlines() if ln.startswith("workspace: ")).split("tools: ")[1]

@@ -1,0 +1,224 @@
+"""Issue 28, the agent's answers: a final answer's numbers and names come from the task's tool results (the grammar
+offers no other number; the check sends anything else back), a task that names a file to write is not done until
+that file holds what it asks, and `sinkchat agent` exits 3 with one line when a task ended unverified."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sinkchat.apps.agent.agent import Agent, build_default_tools
+from sinkchat.apps.agent.goals import write_goals
+from sinkchat.apps.agent.protocol import FinalRejectedEvent, TaskDoneEvent
+from sinkchat.apps.agent.tools.workspace import Workspace
+from sinkchat.core.engine import Engine
+from sinkchat.core.events import DoneEvent, TokenEvent
+
+from fakes import ScriptedEngine, tiny_model
+
+SALES = "region,amount,units\nnorth,120,3\nsouth,75,2\neast,310,9\nwest,45,1\nnorth,90,4\nsouth,200,5\n"  # 840
+CONFIG = '{"host": "example.com", "port": 8443, "debug": false}\n'
+TOTAL_TASK = "Compute the total of the amount column in sales.csv and write that number to total.txt."
+
+
+def call(name, **args):
+    return json.dumps({"tool": name, "args": args})
+
+
+def final(text):
+    return json.dumps({"final": text})
+
+
+@pytest.fixture
+def ws(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "sales.csv").write_text(SALES)
+    (root / "config.json").write_text(CONFIG)
+    (root / "notes.txt").write_text("meeting at noon\nbring the slides\n")
+    return root
+
+
+def run(agent, task, steps):
+    events = list(agent.run(task, steps))
+    done = [e for e in events if isinstance(e, TaskDoneEvent)]
+    assert len(done) == 1
+    return events, done[0]
+
+
+class ScriptedReal(Engine):
+    """A real Engine (tiny model, bundled tokenizer) whose replies come from `script`, fed through its cache; it
+    takes logits processors, so the agent builds its real grammar constraint."""
+
+    script: list[str] = []
+
+    def generate(self, max_tokens=None, stop=(), sampling=None, logits_processors=None):
+        text = self.script.pop(0) if self.script else final("out of script")
+        ids = self.encode(text)
+        yield from self.feed_ids(ids)
+        self.last_reply_ids = ids
+        yield TokenEvent(ids[-1], text, 0.0, self.cache.length)
+        yield DoneEvent("eos", len(ids), 0.0, text, tuple(ids))
+
+
+def scripted_real(bundled, script):
+    from sinkchat.config import CacheConfig, SamplingConfig
+
+    eng = ScriptedReal(tiny_model(vocab_size=len(bundled.tokenizer), max_pos=4096), bundled.tokenizer,
+                       CacheConfig(capacity=4096, pin="none"), SamplingConfig(temperature=0, max_tokens=64, seed=0))
+    eng.script = list(script)
+    return eng
+
+
+@pytest.mark.parametrize("task,want", [
+    (TOTAL_TASK, [("total.txt", "number", "")]),
+    ("Write the text hello world to a file named hello.txt.", [("hello.txt", "exact", "hello world")]),
+    ("Create a file done.txt containing exactly: ok", [("done.txt", "exact", "ok")]),
+    ("Write a one-line summary file summary.txt that says: sales are up", [("summary.txt", "exact", "sales are up")]),
+    ("Write the word 'apple' into the file file1.txt, then read the file back.", [("file1.txt", "exact", "apple")]),
+    ("Read the launch code from docs/readme.md and write it to code.txt.", [("code.txt", "derived", "")]),
+    ("Copy the first line of notes.txt into a new file first.txt.", [("first.txt", "copy", "")]),
+    ("Replace the contents of notes.txt with the text all done", [("notes.txt", "exact", "all done")]),
+    ("Write the number of lines in notes.txt to count.txt", [("count.txt", "number", "")]),  # notes.txt is read
+    ("What port is set in config.json?", []),
+    ("How many lines does notes.txt have?", []),
+])
+def test_the_files_a_task_asks_for_are_read_from_its_text(task, want):
+    goals = write_goals(task, exists=lambda p: p in ("notes.txt", "config.json", "docs/readme.md"))
+    assert [(g.path, g.kind, g.content) for g in goals] == want
+
+
+def test_copy_goal_knows_its_source_and_line():
+    (g,) = write_goals("Copy the first line of notes.txt into a new file first.txt.")
+    assert (g.source, g.which, g.new) == ("notes.txt", "first", True)
+
+
+def test_an_answer_the_tools_did_not_give_is_sent_back(ws):
+    """Issue 28: a port lookup read `"port": 8443` and answered `18`. The answer is sent back with what is wrong;
+    the grounded one ends the task, verified."""
+    eng = ScriptedEngine([call("read_file", path="config.json"), final("18"), final("the port is 8443")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    events, done = run(agent, "What port is set in config.json?", 5)
+    (rejected,) = [e for e in events if isinstance(e, FinalRejectedEvent)]
+    assert rejected.answer == "18" and "18" in rejected.problems[0]
+    fed = eng.fed[-1][1]
+    assert fed.startswith("Tool error (final): not done yet: your answer says 18, which no tool result")
+    assert (done.reason, done.answer, done.verified, done.steps) == ("final", "the port is 8443", True, 3)
+
+
+def test_an_invented_name_is_sent_back(ws):
+    eng = ScriptedEngine([call("read_file", path="config.json"), final("The host is evil.org"),
+                          final("The host is example.com")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    events, done = run(agent, "Which host is set in config.json?", 5)
+    assert [e.answer for e in events if isinstance(e, FinalRejectedEvent)] == ["The host is evil.org"]
+    assert done.verified and done.answer == "The host is example.com"
+
+
+def test_a_write_task_is_not_done_until_the_file_holds_the_number(ws):
+    """Issue 28: "... write that number to total.txt" ended `answer: 860`, exit 0, no file."""
+    eng = ScriptedEngine([call("column_sum", path="sales.csv", column="amount"), final("840"),
+                          call("write_file", path="total.txt", content="840"), final("840")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    events, done = run(agent, TOTAL_TASK, 6)
+    (rejected,) = [e for e in events if isinstance(e, FinalRejectedEvent)]
+    assert rejected.problems == ("total.txt does not exist yet; write it with write_file",)
+    assert (ws / "total.txt").read_text() == "840"
+    assert (done.reason, done.verified, done.steps, done.problem) == ("final", True, 4, "")
+
+
+def test_a_wrong_number_in_the_file_ends_the_task_unverified(ws):
+    eng = ScriptedEngine([call("column_sum", path="sales.csv", column="amount"),
+                          call("write_file", path="total.txt", content="860")] + [final("840")] * 4)
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    events, done = run(agent, TOTAL_TASK, 4)
+    assert sum(isinstance(e, FinalRejectedEvent) for e in events) == 1  # not on the last step
+    assert done.reason == "final" and not done.verified
+    assert done.problem == "total.txt holds 860, which no tool result of this task contains"
+
+
+def test_no_final_answer_is_unverified_and_says_what_is_missing(ws):
+    eng = ScriptedEngine([call("column_sum", path="sales.csv", column="amount")] * 3)
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    _, done = run(agent, TOTAL_TASK, 3)
+    assert done.reason == "max_steps" and not done.verified
+    assert done.problem == "no final answer; total.txt does not exist yet; write it with write_file"
+
+
+def accepts(con, tok, text, require_call=False):
+    con.begin(require_call=require_call)
+    m = con.matcher.deep_copy()
+    ids = tok.encode(text, add_special_tokens=False)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+def test_the_final_answer_grammar_offers_only_numbers_the_tools_returned(bundled, ws):
+    pytest.importorskip("llguidance")
+    tok = bundled.tokenizer
+    eng = scripted_real(bundled, [call("read_file", path="config.json"), final("8443")])
+    agent = Agent(eng, build_default_tools(ws), ws)
+    con = agent.constraint
+    assert con is not None
+    _, done = run(agent, "What port is set in config.json?", 3)
+    assert done.verified and done.answer == "8443"
+    assert con.task.values == ("8443",)  # what the read returned, nothing else
+    for text, ok in [(final("8443"), True), (final("the port is 8443."), True), (final("18"), False),
+                     (final("84431"), False), (final("port 844"), False), (final("example.com"), True)]:
+        assert accepts(con, tok, text) == ok, text
+
+
+def test_a_write_task_grammar_writes_only_its_file_with_a_number_the_tools_gave(bundled, ws):
+    """write_file is offered only once a tool gave a number, only for total.txt and only with such a number; while
+    total.txt is missing a call is required (no final answer offered)."""
+    pytest.importorskip("llguidance")
+    from sinkchat.apps.agent.verify import TaskCheck
+
+    tok = bundled.tokenizer
+    eng = scripted_real(bundled, [call("column_sum", path="sales.csv", column="amount"),
+                                  call("write_file", path="total.txt", content="840"), final("840")])
+    agent = Agent(eng, build_default_tools(ws), ws)
+    con = agent.constraint
+    check = TaskCheck(TOTAL_TASK, agent.workspace)
+    con.set_task(check.context())
+    assert not accepts(con, tok, call("write_file", path="total.txt", content="840"))  # no number from a tool yet
+    check.grounding.add("840")  # what column_sum returns
+    con.set_task(check.context())
+    assert accepts(con, tok, call("write_file", path="total.txt", content="840"))
+    for bad in (call("write_file", path="total.txt", content="860"), call("write_file", path="sum.txt", content="840"),
+                call("write_file", path="total.txt", content="the total is 840")):
+        assert not accepts(con, tok, bad), bad
+    assert not accepts(con, tok, final("840"), require_call=True)
+    begun = []
+    con_begin = con.begin
+    con.begin = lambda require_call=False, budget=None: (begun.append(require_call), con_begin(require_call, budget))[1]
+    _, done = run(agent, TOTAL_TASK, 5)
+    assert done.verified and (ws / "total.txt").read_text() == "840"
+    assert begun == [True, True, False]  # a final answer is offered only once total.txt holds the number
+
+
+def cli(monkeypatch, bundled, script, args):
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.command as agent_mod
+
+    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: scripted_real(bundled, script))
+    return CliRunner().invoke(agent_mod.agent_command, args)
+
+
+def test_cli_exits_3_with_one_line_when_a_task_ends_unverified(monkeypatch, bundled, ws):
+    args = [TOTAL_TASK, "--workspace", str(ws), "--max-steps", "3", "--no-constrain", "--no-log"]
+    res = cli(monkeypatch, bundled, [call("column_sum", path="sales.csv", column="amount")] + [final("840")] * 3, args)
+    assert res.exit_code == 3, res.output
+    lines = [ln for ln in res.output.splitlines() if "NOT verified" in ln]
+    assert lines == ["✗ task NOT verified: total.txt does not exist yet; write it with write_file"]
+    assert "agent: 1 task(s), 1 unverified" in res.output
+    ok = cli(monkeypatch, bundled, [call("column_sum", path="sales.csv", column="amount"),
+                                    call("write_file", path="total.txt", content="840"), final("840")], args)
+    assert ok.exit_code == 0 and "NOT verified" not in ok.output, ok.output
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.command as agent_mod
+
+    assert "3 a task ended unverified" in " ".join(CliRunner().invoke(agent_mod.agent_command, ["--help"]).output.split())
