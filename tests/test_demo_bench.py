@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from fakes import WordTokenizer, tiny_model
 
@@ -159,6 +160,44 @@ def test_demo_writes_files_and_markdown_matches_json(text_file, tmp_path):
     assert s["ppl"]["recompute_targets"] == len(range(8, 160, 8))
     assert s["recompute_after_targets"] == len(range(64, 160, 8))  # targets t-1 >= cap-1, i.e. t >= 64
     assert len(s["attention"]["first_per_layer"]) == 2 and min(s["attention"]["query_positions"]) >= 149
+
+
+class BosWordTokenizer:
+    """The words tokenizer (ids written as numbers) whose encodings start with a BOS, as Gemma's and Llama's do."""
+
+    chat_template = None
+    bos_token, bos_token_id = "<s>", 1
+
+    def __init__(self) -> None:
+        self._words = WordTokenizer()
+
+    def __call__(self, text: str):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[self.bos_token_id])  # what `tokens.bos_token` checks: a BOS first
+
+    def __getattr__(self, name: str):
+        return getattr(self._words, name)
+
+
+def test_demo_recompute_starts_every_window_with_the_bos_as_ppl_does(text_file, tmp_path):
+    """Before: on Gemma 3 270M (a BOS model) `demo` printed "recompute 59.29" against sink 15.48, because its
+    recompute windows past the first cache lost the BOS that `ppl` puts back (16.25 vs 15.67 there). Each target's
+    NLL here is recomputed by hand: a fresh forward over the last `cache` tokens with the BOS in the oldest slot."""
+    model = tiny_model(max_pos=512)
+    eng = Engine(model, BosWordTokenizer(), CacheConfig(capacity=64), SamplingConfig(temperature=0.0))
+    ids = eng.encode_document(text_file.read_text())[:300]
+    assert ids[0] == 1
+    s = demo.run_demo(Settings(cache=CacheConfig(capacity=64)), str(text_file), 300, 32, 160, 8, 96, 48,
+                      tmp_path / "out", quiet=True, engine=eng)
+    nll = []
+    with torch.no_grad():
+        for t in range(8, 160, 8):
+            ctx = ids[max(0, t - 64) : t]
+            ctx = [1] + ctx[1:] if t > 64 else ctx
+            logits = model(input_ids=torch.tensor([ctx])).logits[0, -1]
+            nll.append(float(-torch.log_softmax(logits, -1)[ids[t]]))
+    assert s["ppl"]["policies"]["recompute"]["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)
 
 
 def test_attention_rows_agree_with_the_gauge():

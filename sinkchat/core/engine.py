@@ -25,7 +25,8 @@ from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
-from sinkchat.core.tokens import IncrementalDecoder, bos_token, stop_ids
+from sinkchat.core.plain import PlainCompletion, ReplyText, end_turn
+from sinkchat.core.tokens import IncrementalDecoder, bos_token, stop_ids  # noqa: F401 - re-exported
 from sinkchat.core.turns import Conversation
 from sinkchat.model.spec import ModelSpec
 
@@ -85,6 +86,8 @@ class Engine:
         self.last_reply_ids: list[int] = []
         self.message_taken_back = False  # the last add_message was interrupted and undone
         self.stop_ids = stop_ids(tokenizer, model)
+        self.plain = PlainCompletion.detect(tokenizer, self.stop_ids)  # no chat template: says so once (stderr)
+        self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
         self._pinned_prefix()  # a system prompt too large to pin: one line now, not at the first message
 
     @property
@@ -222,7 +225,7 @@ class Engine:
     def feed_ids(self, ids: Iterable[int], all_logits: bool = False) -> Iterator[Event | torch.Tensor]:
         """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""
         ids = list(ids)
-        pos = 0
+        pos, self.reply_turn = 0, False
         for n in chunk_sizes(len(ids), self.max_chunk):
             t0 = time.perf_counter()
             for item in self._step(ids[pos : pos + n], all_logits):
@@ -256,6 +259,7 @@ class Engine:
                 self.ledger.pinned = self.cache.length
                 delta = delta[len(prefix) :]
             yield from self.feed(delta)
+            self.reply_turn = add_generation_prompt
         except BaseException:
             # a hybrid model's local rings may have let go of tokens they would need back: like an eviction
             if self.ledger.evicted == evicted and self.cache.can_truncate(length):
@@ -273,18 +277,20 @@ class Engine:
         """Sample tokens until EOS, a stop string or max_tokens. Each yielded token is already in the cache, so
         closing the generator (Ctrl-C) leaves the cache consistent; `last_reply_ids` holds what was produced.
         `sampling` overrides the settings for this reply; `logits_processors` run before sampling (mlx-lm style:
-        each maps (recent ids, logits [V]) to logits, e.g. a grammar mask)."""
+        each maps (recent ids, logits [V]) to logits, e.g. a grammar mask). A plain reply to a message (no chat
+        template) also ends at the next turn's marker, control tokens masked (core/plain.py)."""
         cfg = sampling or self.sampling
         limit = max_tokens or cfg.max_tokens
         if self.last_logits is None:
             raise RuntimeError("nothing has been fed yet")
-        dec = IncrementalDecoder(self.tokenizer)
+        turn = self.plain is not None and self.reply_turn
+        view, procs = ReplyText.start(self.tokenizer, self.plain, turn, logits_processors)
         self.last_reply_ids = ids = []
         text, reason, t_start = "", "length", time.perf_counter()
         for i in range(limit):
             t0 = time.perf_counter()
             recent = self.ledger.ids[-64:]
-            tok = self.sampler(self.last_logits, recent, cfg, logits_processors)
+            tok = self.sampler(self.last_logits, recent, cfg, procs)
             gauge_now = self.gauge_every > 0 and i % self.gauge_every == 0
             self.gauge.armed = gauge_now
             try:
@@ -294,19 +300,24 @@ class Engine:
             finally:
                 self.gauge.armed = False
             if tok in self.stop_ids:
-                reason = "eos"
+                reason, rest = "eos", view.finish()  # text held back at a possible marker that never came
+                if rest:
+                    text += rest
+                    yield TokenEvent(tok, rest, time.perf_counter() - t0, self.cache.length)
                 break
-            piece = dec.add(tok)
+            piece = view.add(tok, i == limit - 1, stop)
             text += piece
             yield TokenEvent(tok, piece, time.perf_counter() - t0, self.cache.length)
             if gauge_now:
                 g = self.measure_gauge()
                 if g is not None:
                     yield g
-            if stop and any(s in text for s in stop):
+            if view.stopped:
                 reason = "stop"
                 break
-        yield DoneEvent(reason, len(ids), time.perf_counter() - t_start, text, tuple(ids))
+        if turn and (view.ended or reason == "eos"):
+            end_turn(self, view.kept(len(ids)))  # the marker / EOS out of the cache
+        yield DoneEvent(reason, len(ids), time.perf_counter() - t_start, text, tuple(self.last_reply_ids))
 
     @property
     def gauge_n(self) -> int:

@@ -3,18 +3,23 @@ starts with."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 
 class IncrementalDecoder:
-    """Streams text token by token without splitting multi-byte characters (vLLM's prefix/read offsets)."""
+    """Streams text token by token without splitting multi-byte characters (vLLM's prefix/read offsets). `hidden`:
+    ids never shown, besides the special tokens `skip_special_tokens` drops (a base model's control tokens that its
+    tokenizer does not mark special, e.g. Gemma's <start_of_image>: see `plain.control_ids`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, hidden: Iterable[int] = ()) -> None:
         self.tok = tokenizer
+        self.hidden = frozenset(hidden)
         self.ids: list[int] = []
         self.prefix = self.read = 0
 
     def add(self, token_id: int) -> str:
+        if token_id in self.hidden:
+            return ""
         self.ids.append(token_id)
         before = self.tok.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
         after = self.tok.decode(self.ids[self.prefix :], skip_special_tokens=True)

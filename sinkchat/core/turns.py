@@ -66,8 +66,11 @@ class Conversation:
 
     def add_reply(self, text: str) -> None:
         """Record the assistant reply as generated; `text` must be exactly what the model produced (stop tokens
-        included as text), because it is now in the cache."""
-        self.messages.append({"role": "assistant", "content": _strip_eos(text, self.tokenizer)})
+        included as text), because it is now in the cache. A template closes the turn after its stop token; the
+        plain transcript has none, so there the reply is recorded as the cache holds it (the Engine takes an EOS
+        or the next turn's marker back out where it can, see core/plain.py, and a leftover stays prefix-stable)."""
+        plain = not getattr(self.tokenizer, "chat_template", None)
+        self.messages.append({"role": "assistant", "content": text if plain else _strip_eos(text, self.tokenizer)})
         self.fed += text
 
     def reset(self) -> None:

@@ -30,6 +30,7 @@ from sinkchat.apps.chat.inputs import (  # noqa: F401 - lines_reader, stream_rea
     Reader, lines_reader, make_prompt_session, prompt_reader, stream_reader,
 )
 from sinkchat.apps.chat import session
+from sinkchat.apps.chat.loading import logs_after_spinner
 from sinkchat.apps.render import Renderer, live_stats, toolbar_fragments
 
 log = logging.getLogger(__name__)
@@ -259,12 +260,14 @@ def resolve_system(text: str | None, path: str | None) -> str:
 
 
 def load_engine(settings: Any, system: str, tty: bool) -> Any:
-    """Load the model with a rich status spinner on stderr (a plain line per step off a terminal)."""
+    """Load the model with a rich status spinner on stderr (a plain line per step off a terminal); log lines
+    written meanwhile are shown after it (`loading.logs_after_spinner`)."""
     if not tty:
         return open_engine(settings, system, progress=lambda m: click.echo(m, err=True))
     from rich.console import Console
 
-    with Console(stderr=True).status("loading model ...") as st:
+    console = Console(stderr=True)
+    with logs_after_spinner(console), console.status("loading model ...") as st:
         return open_engine(settings, system, progress=lambda m: st.update(m))
 
 

@@ -24,7 +24,7 @@ import click
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
 from sinkchat.config import ConfigError
 from sinkchat.apps.evals.demo_report import plot_attention, render_markdown
-from sinkchat.apps.evals.ppl import PolicyResult, read_text, recompute_nll, stream_nll, summarize
+from sinkchat.apps.evals.ppl import PolicyResult, read_text, recompute_nll, stream_bos, stream_nll, summarize
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,8 @@ def _policies(engine: Any, ids: list[int], cap: int, n_sink: int, span: int, rec
                                                    lambda p: bar.update(task, completed=p))
     if span > cap:
         task = bar.add_task(f"recompute (first {span})", total=None)
-        results["recompute"] = recompute_nll(engine.model, ids[:span], cap, recompute_every, engine.device)
+        results["recompute"] = recompute_nll(engine.model, ids[:span], cap, recompute_every, engine.device,
+                                             stream_bos(engine, ids))
         bar.update(task, total=1, completed=1)
     return results, attention, evict_chunk
 
