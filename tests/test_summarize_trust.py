@@ -321,3 +321,75 @@ def test_the_closing_feeds_events_reach_the_summarizer_so_its_evictions_are_logg
     assert calls and all(c is not None for c in calls)
     calls[0](ev)
     assert evicted == [ev]
+
+
+def _closed_run_batcher(fed_first: bool):
+    b = Batcher(lambda t: len(t), chunk_lines=100, chunk_tokens=10**6)
+    b.add(Line(1, "A happened"))
+    if fed_first:
+        b.take_chunk()
+        b.commit_chunk()
+    for i in range(2, 6):
+        b.add(Line(i, "A happened"))  # repeats: deduped
+    b.add(Line(6, "B happened"))  # closes the run: its marker joins the pending chunk
+    return b
+
+
+def test_repeats_of_a_line_never_fed_are_skipped_and_the_digest_matches_the_counts():
+    for fed_first in (True, False):
+        b = _closed_run_batcher(fed_first)
+        b.drop_chunk()  # a stop: the pending chunk never reaches the model
+        p, rec = b.period, b.digest.record()
+        assert rec["lines"] == p.summarized + p.deduped and p.consistent(), (fed_first, p, rec["lines"])
+        assert (p.summarized, p.deduped, p.skipped) == ((1, 4, 1) if fed_first else (0, 0, 6))
+        b = _closed_run_batcher(fed_first)
+        n = b.chunk_summarized
+        b.take_chunk()
+        b.unfeed(n, 0)  # the engine took the feed back
+        b.commit_chunk()
+        p, rec = b.period, b.digest.record()
+        assert rec["lines"] == p.summarized + p.deduped, (fed_first, p, rec["lines"])
+
+
+def test_an_incident_is_named_by_what_it_is_about_not_only_its_severity_word():
+    from sinkchat.apps.summarize.digest import Digest
+    from sinkchat.apps.summarize.factcheck import Support
+    from sinkchat.apps.summarize.guard import guard
+
+    lines = ["2025-01-01 10:00:00 cron: backup job failed with exit 1",
+             "2025-01-01 10:00:01 kernel: EXT4-fs error (device sda1): remounting filesystem read-only"]
+    d = Digest()
+    for i, line in enumerate(lines, 1):
+        d.add(i, line)
+    g = guard("The backup job failed with an error.", False, Support(lines), d.take())
+    assert g.text.startswith("The backup job failed with an error. ") and "remounting filesystem" in g.text
+
+
+def test_true_sentences_about_severities_and_quotes_of_a_line_are_kept():
+    from sinkchat.apps.summarize.factcheck import Support
+    from sinkchat.apps.summarize.guard import Echo, problems
+
+    lines = ["2025/03/01 11:00:00 [error] 31#31: *5 connect() failed (111: Connection refused) while connecting to "
+             "upstream", "2025/03/01 11:00:02 upstream timeout while reading", "[ 12.5] worker[1]: segfault at 0",
+             "2025/03/01 11:00:03 nginx: could not start the worker: permission denied"]
+    question = ('Kinds of lines: - 1 lines "[error] 31#31: *5 connect() failed (111: Connection refused) while '
+                'connecting to upstream". In two or three plain sentences, tell a system administrator what '
+                "happened in these log lines.")
+    support = Support(lines)
+    echo = Echo(question, support.lines)
+    for ok in ("The upstream timed out.", "Nginx could not start the worker: permission denied.",
+               "A connect() failed (111: Connection refused) while connecting to upstream."):
+        assert problems(ok, support, echo) == ([], None), ok
+    clean = Support(["2025-01-01 10:00:00 cron: backup ok"])
+    assert problems("No errors were found.", clean, echo) == ([], None)
+    assert problems("In two or three plain sentences, tell a system administrator what happened.", support,
+                    echo) == ([], "echoed the question")
+
+
+def test_text_in_any_script_after_a_binary_line_is_still_text():
+    from sinkchat.apps.summarize.batching import is_binary
+
+    assert is_binary("\ufffd4j\ufffd")
+    for text in ("Ошибка: диск заполнен", "磁盘已满，写入失败", "ディスクがいっぱいです"):
+        assert not is_binary(text, after_binary=True), text
+    assert is_binary("4j", after_binary=True)

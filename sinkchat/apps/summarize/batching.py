@@ -15,7 +15,7 @@ from sinkchat.apps.summarize.digest import Digest
 from sinkchat.apps.summarize.reader import End, Line
 
 BINARY_SHARE = 0.25  # a line with undecodable characters making up more than this share of it is binary
-_WORDISH_RE = re.compile(r"[A-Za-z]{3}")
+_WORDISH_RE = re.compile(r"[^\W\d_]{3}")  # three letters of any script in a row
 
 
 def is_binary(text: str, after_binary: bool = False) -> bool:
@@ -86,8 +86,9 @@ class Batcher:
     last_no: int = 0  # the highest input line number accounted so far, over the whole run
     digest: Digest = field(default_factory=Digest)  # every line fed (deduped repeats included), nothing else
     run_last_no: int = 0  # the line number of the last repeat in the open run
-    chunk_digest: list[tuple[int, str, int]] = field(default_factory=list)  # (line no, text, count) of `chunk`
-    in_flight: list[tuple[int, str, int]] = field(default_factory=list)  # the taken chunk's, until it is fed
+    # (line no, text, count, a closed run's repeats?) of `chunk`; of the taken chunk until it is fed
+    chunk_digest: list[tuple[int, str, int, bool]] = field(default_factory=list)
+    in_flight: list[tuple[int, str, int, bool]] = field(default_factory=list)
     after_binary: bool = False  # the last line read was binary
 
     def add(self, item: Line | End) -> None:
@@ -121,7 +122,7 @@ class Batcher:
         self.period.add("summarized", item.no)
         self.period.truncated += item.truncated
         self._append(item.text)
-        self.chunk_digest.append((item.no, item.text, 1))
+        self.chunk_digest.append((item.no, item.text, 1, False))
         self.chunk_summarized += 1
         self.chunk_truncated += item.truncated
 
@@ -143,11 +144,22 @@ class Batcher:
         self.period.summarized -= summarized
         self.period.skipped += summarized
         self.period.truncated -= truncated
+        self._discard(self.in_flight)
         self.in_flight = []
+
+    def _discard(self, entries: list[tuple[int, str, int, bool]]) -> None:
+        """The digest entries of a chunk that never reached the model: a closed run's repeats whose first line was
+        in the same chunk are skipped too; those of a line fed in an earlier chunk stay deduped, in the digest."""
+        for i, (no, text, count, repeats) in enumerate(entries):
+            if repeats and i == 0:
+                self.digest.add(no, text, count=count)
+            elif repeats:
+                self.period.deduped -= count
+                self.period.skipped += count
 
     def commit_chunk(self) -> None:
         """The taken chunk is in the model's cache: its lines join the digest."""
-        for no, text, count in self.in_flight:
+        for no, text, count, _ in self.in_flight:
             self.digest.add(no, text, count=count)
         self.in_flight = []
 
@@ -161,6 +173,7 @@ class Batcher:
                 self.period.skipped += self.repeats
             else:  # it was fed: the repeats stay counted and go into the digest (exact counts)
                 self.digest.add(self.run_last_no, self.last_text, count=self.repeats)
+        self.in_flight = self.chunk_digest
         self.unfeed(n, self.chunk_truncated)
         self.chunk, self.chunk_tok, self.chunk_summarized, self.chunk_truncated = [], 0, 0, 0
         self.chunk_digest = []
@@ -172,7 +185,7 @@ class Batcher:
         if self.repeats:
             self._append(f"(the line above repeated {self.repeats} more times)")
             if self.last_text is not None:
-                self.chunk_digest.append((self.run_last_no, self.last_text, self.repeats))
+                self.chunk_digest.append((self.run_last_no, self.last_text, self.repeats, True))
         self.repeats = 0
         self.last_text = None
 

@@ -44,8 +44,10 @@ def stem(word: str) -> str:
 
 
 def _negated(text: str, start: int) -> bool:
-    """A severity word preceded (within four words) by a negation is not a claim: "no errors", "without failure"."""
-    before = _WORD_RE.findall(text[max(0, start - 40): start].lower())[-4:]
+    """A severity word preceded (within four words of its own clause) by a negation is not a claim: "no errors",
+    "without failure"; "did not start: permission denied" is one."""
+    clause = re.split(r"[:;,(.!?]", text[max(0, start - 40): start])[-1]
+    before = _WORD_RE.findall(clause.lower())[-4:]
     return any(w in NEGATIONS or w.endswith("n't") for w in before)
 
 
@@ -97,9 +99,11 @@ class Support:
 
 def content_words(sentence: str) -> list[str]:
     """The sentence's words that carry content: letters only (identifiers split at digits and punctuation, as the
-    support is), three letters or more, neither a function word nor a summary word."""
-    return [w for w in _ALPHA_RE.findall(sentence.lower())
-            if len(w) > 2 and w not in FUNCTION_WORDS and w not in SUMMARY_WORDS]
+    support is), three letters or more, neither a function word nor a summary word, nor a severity word or a
+    negation (those are claims, checked by their canonical key: "timed out" for a `timeout` line, "no errors")."""
+    text = SEVERITY_RE.sub(" ", sentence.lower())
+    return [w for w in _ALPHA_RE.findall(text)
+            if len(w) > 2 and w not in FUNCTION_WORDS and w not in SUMMARY_WORDS and w not in NEGATIONS]
 
 
 def unbacked_words(sentence: str, support: Support) -> list[str]:

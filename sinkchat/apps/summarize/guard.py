@@ -29,7 +29,7 @@ from typing import Any
 
 from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY
 from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negated, claims,
-                                               content_words, stitched, unbacked_words, unsupported)
+                                               content_words, stem, stitched, unbacked_words, unsupported)
 
 TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity sentences appended; the rest are counted in one more sentence
@@ -186,13 +186,20 @@ def _tokens(text: str) -> list[str]:
     return [t.lower() for t in _TOKEN_RE.findall(text)]
 
 
+def _grams(words: list[str]) -> set[tuple[str, ...]]:
+    return {tuple(words[i: i + ECHO_GRAM]) for i in range(len(words) - ECHO_GRAM + 1)}
+
+
 class Echo:
     """Whether a sentence is copied from the question: its word 3-grams found in the question cover half its words
     or more ("Kinds of lines in log lines 230 to 255:", "- 8 lines "install * <none> *"", the instructions)."""
 
-    def __init__(self, question: str) -> None:
-        words = _tokens(question)
-        self.grams = {tuple(words[i: i + ECHO_GRAM]) for i in range(len(words) - ECHO_GRAM + 1)}
+    def __init__(self, question: str, lines: list[str] | None = None) -> None:
+        """`lines`: the log lines; n-grams they hold are content, not the prompt's, and a sentence quoting a line
+        is no echo ("connect() failed (111: Connection refused)" is in the digest and in the line)."""
+        self.grams = _grams(_tokens(question))
+        for line in lines or []:
+            self.grams -= _grams(_tokens(line))
 
     def __call__(self, sentence: str) -> bool:
         words = _tokens(sentence)
@@ -216,8 +223,9 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
     bad += [c for c in stitched(sentence, support) if c.rsplit(" at ", 1)[0] not in bad]  # of "nginx.service"
     if bad:
         return bad, None
-    if not content_words(sentence) and not any(k == "name" for k, _ in claims(sentence)):
-        return [], "said nothing"
+    if not content_words(sentence) and not SEVERITY_RE.search(sentence) \
+            and not any(k == "name" for k, _ in claims(sentence)):
+        return [], "said nothing"  # "- 15 more lines."; "No errors were found." says something checked
     return [], None
 
 
@@ -227,7 +235,7 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
     `question`: what the model was asked (a sentence copied from it is dropped)."""
     kept: list[str] = []
     g = Guarded("", "model")
-    echo = Echo(question)
+    echo = Echo(question, support.lines)
     pieces = sentences(text)
     for i, (sentence, ended) in enumerate(pieces):
         if not ended:
@@ -251,6 +259,16 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
     return _complete(g, kept, digest)
 
 
+def _refers(prose: str, stems: set[str], inc: Incident) -> bool:
+    """The prose speaks of this incident, not just of its severity: it shares a content word or a name with the
+    incident's template ("The backup job failed with an error." does not name an ext4 error's remount)."""
+    words = content_words(inc.template.replace("<*>", " "))
+    names = [c.lower() for k, c in claims(inc.template) if k == "name"]
+    if not words and not names:
+        return True
+    return any(stem(w) in stems for w in words) or any(n in prose.lower() for n in names)
+
+
 def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None) -> Guarded:
     """The kept prose, with the digest's incidents it leaves out stated by code; the digest's own summary when no
     model sentence is left."""
@@ -259,8 +277,9 @@ def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None) -> Gua
         g.prose = "digest"
         kept = g.added
     elif digest is not None:
-        said = mentioned(" ".join(kept))
-        missing = [i for i in incidents(digest) if not set(i.keys) <= said]
+        prose = " ".join(kept)
+        said, stems = mentioned(prose), {stem(w) for w in content_words(prose)}
+        missing = [i for i in incidents(digest) if not (set(i.keys) <= said and _refers(prose, stems, i))]
         g.added = incident_sentences(missing)
         if g.added:
             g.prose = "model+digest"

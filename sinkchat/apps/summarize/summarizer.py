@@ -219,13 +219,18 @@ class Summarizer:
         except BaseException:
             if self.engine.message_taken_back:
                 self.batcher.unfeed(lines, truncated)
+            else:  # part of it stays (feeding it evicted older tokens): its lines are summarized, and support
+                self._fed(start, lines, text)
             raise
         finally:
             self.batcher.commit_chunk()  # what is in the cache joins the digest (nothing, once unfed)
+        self._fed(start, lines, text)
+        settle_conversation(self.engine, keep=1, sink=self._fold)
+
+    def _fed(self, start: int, lines: int, text: str) -> None:
         self.fed_chunks.append((start, self.engine.ledger.seen, lines))
         self.period_tokens += self.engine.ledger.seen - start
         self.period_text.append(text)
-        settle_conversation(self.engine, keep=1, sink=self._fold)
 
     def over_budget(self) -> bool:
         """The pending chunk would push this period past what the window holds beside the question and answer:

@@ -36,5 +36,5 @@ occur occurs occurred happen happens happened take took taken see seen note note
 repeat repeats repeated repeatedly similar different kind kinds type types form forms mostly mainly
 generally overall respectively summary summarized range following followed follows
 zero two three four five six seven eight nine ten eleven twelve dozen dozens hundred hundreds thousand thousands
-once twice same other frequent frequently value values severity word words
+once twice same other frequent frequently value values severity word words find finds found
 """.split())
