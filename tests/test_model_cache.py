@@ -208,6 +208,7 @@ def _old_layout_entry(models: Path, source: Path) -> Path:
     old = models / f"{source.stem}-0123456789abcdef0123"
     old.mkdir(parents=True)
     (old / "config.json").write_text("{}")
+    (old / gguf_convert.TABLE).write_text(json.dumps({"architecture": "llama", "tensors": []}))
     (old / gguf_convert.MARKER).write_text(json.dumps({"source": str(source), "version": 3, "types": {}}))
     (models / f".{old.name}.lock").touch()
     return old
@@ -230,7 +231,8 @@ def test_cache_list_and_clean(tmp_path, cache, conversions):
         d = cache / "tokenizers" / name
         d.mkdir(parents=True)
         (d / "tokenizer.json").write_text("{}")
-        for p in (d / "tokenizer.json", d):
+        (d / gguf_convert.MARKER).write_text(json.dumps({"from": str(kept)}))  # as sinkchat writes every one
+        for p in (*d.iterdir(), d):
             os.utime(p, (week_ago, week_ago))
     runner = CliRunner()
     r = runner.invoke(main, ["cache", "list"])
@@ -273,3 +275,135 @@ def test_a_copy_of_the_bundled_model_uses_its_entry(tmp_path, monkeypatch):
     said: list[str] = []
     _, again = loader.resolve_source(str(copy), said.append)
     assert again == str(cache / "models" / Path(bundled).name) and said == []
+
+
+def test_clean_never_removes_a_folder_sinkchat_did_not_make(tmp_path, cache, conversions):
+    """SINKCHAT_CACHE_DIR may be a folder of the user's (`/data`): a model folder of theirs in `models/` and a folder
+    of notes in `tokenizers/` are listed as not sinkchat's and left alone by `clean`, even `--all`; sinkchat's own
+    old-layout folders (both path-keyed layouts), temp dirs and tokenizer folders go."""
+    from sinkchat.apps import cache as cache_app
+    from sinkchat.cli import main
+
+    week_ago = time.time() - 7 * 86400
+    models = cache / "models"
+    mine = models / "my-llama3"
+    mine.mkdir(parents=True)
+    (mine / "llama3.gguf").write_bytes(b"GGUF" + b"\0" * 100)
+    looks_old = models / "notes-0123456789abcdef0123"  # the old name's pattern, but no sinkchat marker inside
+    looks_old.mkdir()
+    (looks_old / "config.json").write_text("{}")
+    looks_new = models / f"{gguf_convert.PREFIX}{'a' * 20}"  # the current name, without a marker
+    looks_new.mkdir()
+    (looks_new / "data.bin").write_bytes(b"x")
+    (models / ".notes.lock").write_text("mine")  # a lock file of some other tool's
+    notes = cache / "tokenizers" / "notes"
+    notes.mkdir(parents=True)
+    (notes / "todo.txt").write_text("buy milk")
+    for p in (*notes.iterdir(), notes, *mine.iterdir(), mine):
+        os.utime(p, (week_ago, week_ago))
+    theirs = [mine, mine / "llama3.gguf", looks_old, looks_new, notes, notes / "todo.txt", models / ".notes.lock"]
+    old = _old_layout_entry(models, tmp_path / "model.gguf")
+    first = models / "model-00112233445566778899"  # the first layout: the model in safetensors
+    first.mkdir()
+    (first / "config.json").write_text("{}")
+    (first / "sinkchat-converted.json").write_text(json.dumps({"source": "/x/model.gguf", "version": 1}))
+    (models / ".trash-gguf-v4-x-1").mkdir()
+    tok = cache / "tokenizers" / ("b" * 20)
+    tok.mkdir()
+    (tok / gguf_convert.MARKER).write_text(json.dumps({"from": "/x/model.gguf"}))
+    for p in (*tok.iterdir(), tok):
+        os.utime(p, (week_ago, week_ago))
+    status = {e.label: e.status for e in cache_app.entries()}
+    assert status == {"models/.trash-gguf-v4-x-1": cache_app.PARTIAL, f"models/{looks_new.name}": cache_app.FOREIGN,
+                      f"models/{first.name}": cache_app.OLD, "models/my-llama3": cache_app.FOREIGN,
+                      f"models/{old.name}": cache_app.OLD, f"models/{looks_old.name}": cache_app.FOREIGN,
+                      "tokenizers/notes": cache_app.FOREIGN, f"tokenizers/{tok.name}": cache_app.UNUSED}, status
+    runner = CliRunner()
+    r = runner.invoke(main, ["cache", "list"])
+    assert r.exit_code == 0 and r.output.count("not sinkchat's") == 4, r.output
+    for args in (["cache", "clean"], ["cache", "clean", "--all"], ["cache", "clean", "--all", "--older-than", "0"]):
+        r = runner.invoke(main, args)
+        assert r.exit_code == 0, r.output
+        assert all(p.exists() for p in theirs), (args, r.output)
+        assert "my-llama3" not in r.output and "notes" not in r.output, r.output
+    assert not old.exists() and not first.exists() and not tok.exists() and not (models / ".trash-gguf-v4-x-1").exists()
+    assert (mine / "llama3.gguf").read_bytes().startswith(b"GGUF") and (notes / "todo.txt").read_text() == "buy milk"
+
+
+def _load_and_wait(path: str, cache_dir: str, ready: str, go: str, out: multiprocessing.Queue) -> None:
+    """A loader: holds the entry as `loader.load` does, says so, waits for `go`, then reads the folder."""
+    os.environ["SINKCHAT_CACHE_DIR"] = cache_dir
+    try:
+        with gguf_convert.prepared(Path(path), lambda m: None) as folder:
+            Path(ready).write_text(str(folder))
+            deadline = time.time() + 30
+            while not os.path.exists(go) and time.time() < deadline:
+                time.sleep(0.02)
+            out.put(json.loads((folder / gguf_convert.MARKER).read_text())["version"])
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put(repr(e))
+
+
+def test_clean_skips_an_entry_another_process_is_loading(tmp_path, cache, conversions):
+    """A process loading an entry holds its lock shared: `clean --all` (and an orphan's removal) skips that entry
+    with a note, removes the rest, and the load reads its folder to the end; once it is done, the entry goes."""
+    from sinkchat.apps import cache as cache_app
+    from sinkchat.cli import main
+
+    loading = write_gguf(tmp_path / "loading.gguf", seed=0)
+    other = write_gguf(tmp_path / "other.gguf", seed=1)
+    gguf_convert.prepare(other, lambda m: None)
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_load_and_wait, args=(str(loading), str(cache), str(ready), str(go), q))
+    child.start()
+    try:
+        deadline = time.time() + 30
+        while not ready.exists() and time.time() < deadline:
+            time.sleep(0.02)
+        folder = Path(ready.read_text())
+        loading.unlink()  # its entry is now an orphan: plain `clean` would remove it too
+        for args in (["cache", "clean"], ["cache", "clean", "--all"]):
+            r = CliRunner().invoke(main, args)
+            assert r.exit_code == 0, r.output
+            assert f"skipped models/{folder.name}: in use" in r.output and gguf_convert.is_done(folder), r.output
+        assert [e.path for e in cache_app.entries() if e.path.parent.name == "models"] == [folder]
+    finally:
+        go.touch()
+        child.join(60)
+    assert child.exitcode == 0 and q.get(timeout=5) == gguf_convert.VERSION
+    r = CliRunner().invoke(main, ["cache", "clean", "--all"])
+    assert r.exit_code == 0 and f"removed models/{folder.name}" in r.output and not folder.exists(), r.output
+
+
+def test_the_loader_holds_the_entry_while_it_reads_it(tmp_path, cache, conversions, monkeypatch):
+    """`loader.load` holds a GGUF's entry from its conversion to the end of the load (here: when it reads the
+    config), and lets it go after; a folder removed between the conversion and the lock is converted again."""
+    from sinkchat.apps import cache as cache_app
+    from sinkchat.config import ModelConfig
+    from sinkchat.model import loader
+
+    path = write_gguf(tmp_path / "model.gguf")
+    seen = []
+
+    def read_config(src):
+        seen.append((Path(src), cache_app._held(Path(src)), gguf_convert.is_done(Path(src))))
+        raise loader.LoadError("stop here")
+
+    monkeypatch.setattr(loader, "_load_config", read_config)
+    with pytest.raises(loader.LoadError, match="stop here"):
+        loader.load(ModelConfig(model=str(path)))
+    [(folder, held, done)] = seen
+    assert held and done and not cache_app._held(folder)
+    real_prepare = gguf_convert.prepare
+
+    def prepare_then_clean(p, progress):  # `cache clean --all` runs between the conversion and the lock
+        out = real_prepare(p, progress)
+        if _count(conversions) == 1:
+            assert cache_app.remove(cache_app._model_entry(out))
+        return out
+
+    monkeypatch.setattr(gguf_convert, "prepare", prepare_then_clean)
+    with gguf_convert.prepared(path, lambda m: None) as again:
+        assert again == folder and gguf_convert.is_done(again) and _count(conversions) == 2

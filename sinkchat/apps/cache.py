@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,7 +25,13 @@ from sinkchat.model import gguf_convert, gguf_file
 
 # statuses; `clean` removes the REMOVABLE ones (and, with --older-than, "ok" entries unused that long)
 OK, ORPHAN, OLD, PARTIAL, UNUSED, BUSY = "ok", "orphan", "old layout", "partial", "unused", "converting"
+FOREIGN = "not sinkchat's"  # a folder sinkchat did not make (SINKCHAT_CACHE_DIR may be a folder of the user's): never removed
 REMOVABLE = (ORPHAN, OLD, PARTIAL, UNUSED)
+KEPT = (BUSY, FOREIGN)  # never removed, even with --all
+OLD_NAME = re.compile(r".+-[0-9a-f]{20}")  # the path-keyed layout before content keys: `<stem>-<20 hex>`
+OURS = re.compile(r"gguf-v[0-9]+-[0-9a-f]{20}")  # a content-keyed folder of this or another version
+FIRST_MARKER = "sinkchat-converted.json"  # the marker of the first layout (`{stem}-{20 hex}`, model.safetensors)
+TEMP = (".convert-", ".trash-")  # a conversion's temp dir, a removal's folder renamed away
 FRESH_S = 3600  # a tokenizer folder younger than this may belong to a conversion still running: never "unused"
 
 
@@ -69,15 +76,43 @@ def _held(entry: Path) -> bool:
     return False
 
 
+def _sinkchat_made(path: Path) -> bool:
+    """Whether sinkchat made this folder of `models/`: its temp dirs, a content-keyed folder with its marker, or a
+    path-keyed folder of the older layout with that layout's marker and tensor table. Nothing else is touched."""
+    if path.name.startswith(TEMP):
+        return True
+    marker = gguf_convert.read_marker(path)
+    if marker is not None and isinstance(marker.get("version"), int) and OURS.fullmatch(path.name):
+        return True
+    if not OLD_NAME.fullmatch(path.name):
+        return False
+    if marker is not None:  # sinkchat 0.x's GGUF folder: config, tokenizer and tensor table
+        return "source" in marker and isinstance(marker.get("version"), int) and (path / gguf_convert.TABLE).is_file()
+    first = _old_marker(path)  # the first layout: the whole model converted to safetensors
+    return first is not None and "source" in first and (path / "config.json").is_file()
+
+
+def _old_marker(path: Path) -> dict | None:
+    try:
+        marker = json.loads((path / FIRST_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
 def _model_entry(path: Path) -> Entry:
+    if not _sinkchat_made(path):  # not walked either: it may be a large tree of the user's
+        return Entry(path, FOREIGN, -1, path.stat().st_mtime)
     size, mtime = _size_and_mtime(path)
-    marker = gguf_convert.read_marker(path) or {}
+    marker = gguf_convert.read_marker(path) or _old_marker(path) or {}
     sources = marker.get("sources") or ([marker["source"]] if marker.get("source") else [])
     entry = Entry(path, OLD, size, mtime, marker.get("name", ""), sources)
     if path.name.startswith(".convert-"):  # `.convert-<entry>-<random>`: busy while that entry's lock is held
         owner = path.parent / path.name.removeprefix(".convert-").rsplit("-", 1)[0]
         unknown = not owner.name.startswith(gguf_convert.PREFIX)  # an older sinkchat's `.convert-<random>`
         entry.status = BUSY if _held(owner) or (unknown and time.time() - mtime < FRESH_S) else PARTIAL
+    elif path.name.startswith(".trash-"):  # a removal interrupted between its rename and its delete
+        entry.status = PARTIAL
     elif path.name.startswith(gguf_convert.PREFIX):
         key = path.name.removeprefix(gguf_convert.PREFIX)
         if not gguf_convert.is_done(path):
@@ -100,6 +135,9 @@ def entries() -> list[Entry]:
     tokenizers = cache_dir() / "tokenizers"
     if tokenizers.is_dir():
         for p in sorted(q for q in tokenizers.iterdir() if q.is_dir()):
+            if not (p / gguf_convert.MARKER).is_file():  # sinkchat writes its marker into every tokenizer folder
+                out.append(Entry(p, FOREIGN, -1, p.stat().st_mtime))
+                continue
             size, mtime = _size_and_mtime(p)
             fresh = time.time() - mtime < FRESH_S
             out.append(Entry(p, OK if p.name in used or fresh else UNUSED, size, mtime))
@@ -108,22 +146,26 @@ def entries() -> list[Entry]:
 
 def to_remove(found: list[Entry], everything: bool, older_than_days: float | None) -> list[Entry]:
     """What `clean` removes: the removable statuses, plus ok entries unused for `older_than_days`; or, with
-    `everything`, all but a conversion in progress."""
+    `everything`, all but a conversion in progress. A folder sinkchat did not make is never removed."""
     cutoff = time.time() - older_than_days * 86400 if older_than_days is not None else None
-    return [e for e in found if e.status != BUSY and (
+    return [e for e in found if e.status not in KEPT and (
         everything or e.status in REMOVABLE or (cutoff is not None and e.last_use < cutoff))]
 
 
-def remove(entry: Entry) -> None:
+def remove(entry: Entry) -> bool:
     """Rename the folder away first (a process that finds it a moment later converts again, rather than reading a
-    half-deleted folder), then delete it and its lock file."""
+    half-deleted folder), then delete it and its lock file. False, with nothing removed, when another process holds
+    the entry's lock: converting it, or loading it (`gguf_convert.reading` holds it shared)."""
+    if entry.status in KEPT:
+        return False
     with gguf_convert.locked(entry.path, wait=False) as free:
         if not free:
-            raise click.ClickException(f"{entry.label} is being converted right now; try again later")
+            return False
         trash = entry.path.with_name(f".trash-{entry.path.name}-{time.time_ns()}")
         entry.path.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
-        (entry.path.parent / f".{entry.path.name}.lock").unlink(missing_ok=True)
+        gguf_convert.lock_path(entry.path).unlink(missing_ok=True)
+    return True
 
 
 def stale_locks() -> list[Path]:
@@ -132,10 +174,14 @@ def stale_locks() -> list[Path]:
     if not models.is_dir():
         return []
     owners = {p: models / p.name[1:].removesuffix(".lock") for p in models.glob(".*.lock")}
-    return [lock for lock, owner in owners.items() if not owner.exists() and not _held(owner)]
+    ours = {lock: owner for lock, owner in owners.items()  # only the lock files of names sinkchat gives
+            if owner.name.startswith(TEMP) or OURS.fullmatch(owner.name) or OLD_NAME.fullmatch(owner.name)}
+    return [lock for lock, owner in ours.items() if not owner.exists() and not _held(owner)]
 
 
 def _mb(n: int) -> str:
+    if n < 0:  # a folder not sinkchat's: not measured
+        return "-"
     return f"{n / 1e6:,.1f} MB" if n < 10**8 else f"{n / 1e6:,.0f} MB"
 
 
@@ -167,7 +213,8 @@ def cache_command(ctx: click.Context) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 def list_command(as_json: bool) -> None:
     """Each entry: size, last use, status (ok; orphan: no file with its content is where it was seen; old layout:
-    from an older sinkchat; partial: a conversion that did not finish; unused: a tokenizer no entry needs)."""
+    from an older sinkchat; partial: a conversion that did not finish; unused: a tokenizer no entry needs; not sinkchat's: a folder sinkchat
+    did not make, never removed)."""
     found = entries()
     if as_json:
         click.echo(json.dumps([{**asdict(e), "path": str(e.path)} for e in found], indent=1))
@@ -177,7 +224,8 @@ def list_command(as_json: bool) -> None:
         return
     freed = sum(e.size for e in to_remove(found, False, None))
     click.echo(format_entries(found))
-    click.echo(f"\n{len(found)} entries, {_mb(sum(e.size for e in found))} in {cache_dir()}; "
+    total = _mb(sum(e.size for e in found if e.status != FOREIGN))
+    click.echo(f"\n{len(found)} entries, {total} in {cache_dir()}; "
                + (f"`sinkchat cache clean` would free {_mb(freed)}" if freed else "nothing to clean"))
 
 
@@ -189,10 +237,12 @@ def list_command(as_json: bool) -> None:
 def clean_command(dry_run: bool, everything: bool, older_than: float | None) -> None:
     """Remove old-layout, half-written and orphaned entries and unused tokenizers (a conversion running now is
     left alone)."""
-    gone = to_remove(entries(), everything, older_than)
-    for e in gone:
-        if not dry_run:
-            remove(e)
+    gone = []
+    for e in to_remove(entries(), everything, older_than):
+        if not dry_run and not remove(e):  # one entry in use must not stop the rest
+            click.echo(f"skipped {e.label}: in use by another sinkchat (loading or converting it)")
+            continue
+        gone.append(e)
         click.echo(f"{'would remove' if dry_run else 'removed'} {e.label} ({_mb(e.size)}, {e.status})")
     if not dry_run:
         for lock in stale_locks():

@@ -68,13 +68,57 @@ def locked(out: Path, wait: bool = True) -> Iterator[bool]:
     """Hold the folder's lock (a file beside it); yields False instead of waiting when `wait` is off and another
     process holds it (a conversion in progress)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
+    with open(lock_path(out), "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             yield False
             return
         yield True
+
+
+def lock_path(out: Path) -> Path:
+    return out.parent / f".{out.name}.lock"
+
+
+@contextlib.contextmanager
+def reading(out: Path) -> Iterator[None]:
+    """Hold the folder's lock shared while reading the folder: `cache clean` (which takes it exclusive, without
+    waiting) then skips the entry instead of pulling it out from under this process. A lock file that `clean`
+    unlinked while this process waited for it is not the folder's lock any more: open it again."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock_file = lock_path(out)
+    while True:
+        f = open(lock_file, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            try:
+                same = os.stat(lock_file).st_ino == os.fstat(f.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            f.close()
+            raise
+        if same:
+            break
+        f.close()
+    with f:
+        yield
+
+
+@contextlib.contextmanager
+def prepared(path: Path, progress: Callable[[str], None]) -> Iterator[Path]:
+    """`prepare(path)`, with the folder held (`reading`) until the block ends: a loader reads the folder (config,
+    tokenizer, table, packed weights) inside it. A folder `cache clean` removed between the conversion and the lock
+    is converted again."""
+    for _ in range(3):
+        out = prepare(path, progress)
+        with reading(out):
+            if is_done(out):
+                yield out
+                return
+    raise GGUFError(f"{path.name}: its cache folder {out} keeps being removed while it loads (`sinkchat cache "
+                    "clean` running?)")
 
 
 def prepare(path: Path, progress: Callable[[str], None]) -> Path:
@@ -105,7 +149,9 @@ def _record_use(out: Path, path: Path) -> None:
         marker = read_marker(out) or {}
         if str(path) in marker.get("sources", []):
             return
-        with locked(out):
+        with locked(out, wait=False) as free:  # never wait for a process loading the entry (`reading`)
+            if not free:
+                return
             marker = read_marker(out) or {}
             sources = [s for s in marker.get("sources", []) if s != str(path) and os.path.exists(s)] + [str(path)]
             _write_json(out / MARKER, {**marker, "sources": sources[-MAX_SOURCES:]})

@@ -8,6 +8,7 @@ quantized (q4: sinkchat's int4; nf4 / int8: bitsandbytes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -77,16 +78,23 @@ def precheck(name: str | None) -> None:
         gguf_file.scan(Path(name).expanduser())
 
 
-def resolve_source(name: str | None, progress: Progress) -> tuple[str, str]:
-    """Return (source as asked, loadable folder or hub id)."""
+def resolve_source(name: str | None, progress: Progress, held: contextlib.ExitStack | None = None
+                   ) -> tuple[str, str]:
+    """Return (source as asked, loadable folder or hub id). With `held`, a GGUF's converted folder stays locked
+    shared (`gguf_convert.reading`) until `held` closes, so `sinkchat cache clean` leaves it alone meanwhile."""
+    def convert(gg: Path) -> str:
+        if held is None:
+            return str(gguf_convert.prepare(gg, progress))
+        return str(held.enter_context(gguf_convert.prepared(gg, progress)))
+
     if not name:
         gg = bundled_gguf()
-        return str(gg), str(gguf_convert.prepare(gg, progress))
+        return str(gg), convert(gg)
     p = Path(name).expanduser()
     if p.suffix == ".gguf":
         if not p.is_file():
             raise LoadError(f"model file not found: {p}")
-        return str(p.resolve()), str(gguf_convert.prepare(p.resolve(), progress))
+        return str(p.resolve()), convert(p.resolve())
     if p.exists():
         if not p.is_dir() or not (p / "config.json").is_file():
             raise LoadError(f"{p} is not a model folder (no config.json) nor a .gguf file")
@@ -319,18 +327,18 @@ def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Call
     """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes.
     `check_context(max positions)` runs once the config is read, before any weight is: a setting that cannot fit
     the model (a --cache larger than its context) fails at once, not after a load of many seconds."""
-    with lean_heap():
-        return _load(cfg, progress, check_context)
+    with lean_heap(), contextlib.ExitStack() as held:  # a GGUF's cache folder is held while it is read
+        return _load(cfg, progress, check_context, held)
 
 
-def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None
-          ) -> Loaded:
+def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None,
+          held: contextlib.ExitStack | None = None) -> Loaded:
     progress = progress or (lambda msg: log.info(msg))
     precheck(cfg.model)  # a damaged GGUF in ~0.02 s, before transformers and torch are imported (~1.5 s, ~2 s)
     quiet_libraries()
     t0 = time.perf_counter()
     set_threads(cfg.threads)
-    source, src = resolve_source(cfg.model, progress)
+    source, src = resolve_source(cfg.model, progress, held)
     config = _load_config(src)
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
