@@ -250,3 +250,89 @@ def test_cli_allow_shell_without_a_terminal_says_so_and_does_not_offer_it(bundle
                                                        "--workspace", str(tmp_path), "--no-log"])
     assert "shell calls are off" not in res.output and "shell" in next(
         ln for ln in res.output.splitlines() if ln.startswith("workspace: ")).split("tools: ")[1]
+
+
+# ---- review fixes --------------------------------------------------------------------------------------------------
+def _bytes_dir(parent, name: bytes):
+    path = os.path.join(os.fsencode(parent), name)
+    os.mkdir(path)
+    return os.fsdecode(path)
+
+
+def test_a_workspace_or_file_name_that_is_not_utf8_does_not_crash(tmp_path):
+    from pathlib import Path
+
+    from sinkchat.apps.agent.grammar import scan_workspace
+
+    root = Path(_bytes_dir(tmp_path, b"ws\xff"))
+    (root / "ok.txt").write_text("x")
+    open(os.path.join(os.fsencode(root), b"bad\xfe.txt"), "w").close()
+    _bytes_dir(root, b"dir\xfe")
+    box = build_default_tools(Workspace(root, journal_dir=tmp_path / "journal"))
+    r = box.call("write_file", {"path": "new.txt", "content": "hi"})
+    assert r.ok, r.text
+    assert (tmp_path / "journal" / "workspace.txt").read_bytes() == os.fsencode(root) + b"\n"
+    view = scan_workspace(root)
+    assert "ok.txt" in view.files and all(p.isascii() for p in view.files + view.dirs)
+
+
+def test_notes_never_change_a_users_own_notes_file(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "NOTES.md").write_text("my own notes\n")
+    box = build_default_tools(Workspace(root, journal_dir=tmp_path / "journal"))
+    for args in ({"action": "clear"}, {"action": "append", "text": "x"}):
+        r = box.call("notes", args)
+        assert not r.ok and "the user's file" in r.text, r.text
+    assert (root / "NOTES.md").read_text() == "my own notes\n"
+    assert "my own notes" in box.call("notes", {}).text
+    (root / "NOTES.md").unlink()  # the agent's own notes may be appended to and cleared
+    assert box.call("notes", {"action": "append", "text": "a"}).ok
+    assert box.call("notes", {"action": "append", "text": "b"}).ok and box.call("notes", {"action": "clear"}).ok
+
+
+def test_the_journal_is_capped_and_undo_reads_only_what_it_restores(tmp_path, monkeypatch):
+    import sinkchat.apps.agent.tools.journal as journal_mod
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    j = Journal(root, tmp_path / "journal")
+    monkeypatch.setattr(journal_mod, "MAX_ENTRIES", 5)
+    for i in range(8):
+        j.record(root / f"f{i}.txt", "write", b"x")
+        (root / f"f{i}.txt").write_bytes(b"x")
+    assert [e.path for e in j.entries()] == [f"f{i}.txt" for i in range(3, 8)]
+    monkeypatch.setattr(journal_mod, "MAX_JOURNAL_BYTES", 1)  # only the newest entry is kept
+    j.record(root / "g.txt", "write", b"y")
+    assert [e.path for e in j.entries()] == ["g.txt"]
+    (root / "g.txt").write_bytes(b"y")
+    decoded = []
+    real_entry = journal_mod._entry
+    monkeypatch.setattr(journal_mod, "_entry", lambda body, f: (decoded.append(f), real_entry(body, f))[1])
+    monkeypatch.setattr(journal_mod, "MAX_JOURNAL_BYTES", 1 << 30)
+    j.record(root / "h.txt", "write", b"z")
+    (root / "h.txt").write_bytes(b"z")
+    decoded.clear()
+    assert len(list(j.undo(1))) == 1 and len(decoded) == 1 and not (root / "h.txt").exists()
+
+
+def test_write_file_never_truncates_a_file_that_appeared_and_overwrites_by_rename(ws, monkeypatch):
+    import sinkchat.apps.agent.tools.write_file as write_mod
+
+    box = build_default_tools(ws)
+    os.link(ws / "notes.txt", ws / "alias.txt")  # a second name for the same inode
+    r = box.call("write_file", {"path": "notes.txt", "content": "new", "overwrite": True})
+    assert r.ok and (ws / "notes.txt").read_text() == "new"
+    assert (ws / "alias.txt").read_text() == NOTES  # replaced by rename, not rewritten in place
+    (ws / "late.txt").write_text("the user's")
+    real_lexists = os.path.lexists
+    monkeypatch.setattr(write_mod.os.path, "lexists", lambda p: False if str(p).endswith("late.txt")
+                        else real_lexists(p))  # late.txt appears between the check and the open
+    r = box.call("write_file", {"path": "late.txt", "content": "gone"})
+    assert not r.ok and (ws / "late.txt").read_text() == "the user's"
+    assert [e.path for e in Journal(ws.resolve()).entries()] == ["notes.txt"]  # no entry for the failed write
+
+
+def test_append_to_a_missing_file_creates_it(ws):
+    r = build_default_tools(ws).call("write_file", {"path": "log.txt", "content": "x", "append": True})
+    assert r.ok and (ws / "log.txt").read_text() == "x"

@@ -222,3 +222,62 @@ def test_cli_exits_3_with_one_line_when_a_task_ends_unverified(monkeypatch, bund
     import sinkchat.apps.agent.command as agent_mod
 
     assert "3 a task ended unverified" in " ".join(CliRunner().invoke(agent_mod.agent_command, ["--help"]).output.split())
+
+
+# ---- review fixes: goals and grounding ---------------------------------------------------------------------------
+def test_an_existing_file_after_a_loose_to_is_a_source_not_a_target(ws):
+    """A file that exists when the task starts is written only when its own clause says so: "comparing it to
+    todo.txt" must not let the agent overwrite the user's todo.txt."""
+    from sinkchat.apps.agent.verify import TaskCheck
+
+    (ws / "todo.txt").write_text("buy milk\n")
+    task = "Write a summary of notes.txt to summary.txt, comparing it to todo.txt"
+    check = TaskCheck(task, Workspace(ws))
+    assert [g.path for g in check.goals] == ["summary.txt"]
+    tool = build_default_tools(ws).tools["write_file"]
+    assert check.refuse_overwrite(tool, {"path": "todo.txt", "content": "x", "overwrite": True})
+    assert all("todo.txt" not in t.path for t in check.context().targets)
+    ex = lambda p: p == "todo.txt"  # noqa: E731
+    for explicit in ("Append the line done to todo.txt", "Write the word done into todo.txt",
+                     "Overwrite todo.txt with the text done", "Add the line done to todo.txt"):
+        assert [g.path for g in write_goals(explicit, ex)] == ["todo.txt"], explicit
+
+
+@pytest.mark.parametrize("task", ["Write the result of 10 / 3, rounded to 0.01, to r.txt", "Add 2 to 1.5"])
+def test_a_number_is_no_file_name(task):
+    assert "0.01" not in [g.path for g in write_goals(task)] and "1.5" not in [g.path for g in write_goals(task)]
+
+
+def test_the_numbers_of_the_task_text_are_grounded(ws):
+    """"Write 42 to answer.txt" could never verify: 42 came from no tool."""
+    eng = ScriptedEngine([call("write_file", path="answer.txt", content="42"), final("wrote 42")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    _, done = run(agent, "Write 42 to answer.txt", 4)
+    assert done.verified and (ws / "answer.txt").read_text() == "42"
+    eng = ScriptedEngine([call("calculator", expression="17 + 25"), final("17 + 25 = 42")])
+    _, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "What is 17 + 25?", 4)
+    assert done.verified, done.problem
+
+
+@pytest.mark.parametrize("task,want", [
+    ("Create a file hello.txt containing: Hello, world. Then tell me its size in bytes.",
+     [("hello.txt", "Hello, world")]),
+    ("Write the word yes to a.txt and the word no to b.txt", [("a.txt", "yes"), ("b.txt", "no")]),
+])
+def test_exact_content_is_read_from_the_targets_own_clause(task, want):
+    assert [(g.path, g.content) for g in write_goals(task)] == want
+
+
+def test_cli_ctrl_c_exits_130_and_says_how_many_tasks_ended_unverified(monkeypatch, bundled, ws):
+    import sinkchat.apps.agent.command as agent_mod
+
+    def tasks(*_a):
+        yield TOTAL_TASK
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(agent_mod, "task_source", tasks)
+    args = [TOTAL_TASK, "--workspace", str(ws), "--max-steps", "2", "--no-constrain", "--no-log"]
+    res = cli(monkeypatch, bundled, [final("840")] * 2, args)
+    assert res.exit_code == 130, res.output
+    assert "interrupted; 1 task(s) ended unverified before it" in res.output
+    assert "agent: 1 task(s), 1 unverified" in res.output

@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -167,8 +168,8 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
 
     A task is verified when its final answer's numbers and names come from its tool results and every file it asks
     to be written holds what it asks. Exit status: 0 every task verified; 3 a task ended unverified (one line says
-    why); 1 an error; 2 bad usage. write_file never replaces a file the task does not name; every change is
-    journaled, and --undo puts it back."""
+    why); 1 an error; 2 bad usage; 130 interrupted (Ctrl-C). write_file never replaces a file the task does not
+    name; every change is journaled, and --undo puts it back."""
     from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
 
     opts = pop_common(kw)
@@ -195,34 +196,43 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         display = Display(engine, metrics, sys.stdout.isatty(), mbytes, AgentLog(slog, engine))
         click.echo(f"workspace: {ws.root}  tools: {', '.join(tools.names)}", err=True)
         rss0 = rss_bytes()
-        unverified = 0
+        tally = _Tally()
+        interrupted = False
         try:
             if task is None and tasks_file is None:
                 _interactive(agent, display, max_steps)
             else:
-                unverified = _run_tasks(agent, display, task_source(task, tasks_file, forever), max_steps)
+                _run_tasks(agent, display, task_source(task, tasks_file, forever), max_steps, tally)
         except KeyboardInterrupt:
-            display.line("interrupted", "red")
+            interrupted = True
+            display.line(f"interrupted; {tally.unverified} task(s) ended unverified before it", "red")
         finally:
             slog.close()
         c = agent.counts
-        click.echo(f"agent: {c.tasks} task(s), {unverified} unverified, {c.steps} step(s), "
+        click.echo(f"agent: {c.tasks} task(s), {tally.unverified} unverified, {c.steps} step(s), "
                    f"tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
                    f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
                    f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
                    + _constraint_note(agent.constraint), err=True)
-    if unverified:
+    if interrupted:
+        sys.exit(130)  # Ctrl-C: 128 + SIGINT, as a shell reports it (the project's convention), never 0
+    if tally.unverified:
         sys.exit(EXIT_UNVERIFIED)
 
 
-def _run_tasks(agent: Agent, display: Display, tasks: Iterable[str], max_steps: int) -> int:
-    """Run each task, showing its events; the number of tasks that ended unverified."""
-    unverified = 0
+@dataclass
+class _Tally:
+    """Tasks that ended unverified so far: kept outside `_run_tasks` so a Ctrl-C midway does not lose the count."""
+
+    unverified: int = 0
+
+
+def _run_tasks(agent: Agent, display: Display, tasks: Iterable[str], max_steps: int, tally: _Tally) -> None:
+    """Run each task, showing its events; counts the tasks that ended unverified into `tally` as they end."""
     for t in tasks:
         for ev in agent.run(t, max_steps or None):
             display(ev)
-            unverified += isinstance(ev, TaskDoneEvent) and not ev.verified
-    return unverified
+            tally.unverified += isinstance(ev, TaskDoneEvent) and not ev.verified
 
 
 def undo_changes(workspace: str | None, n: int) -> None:

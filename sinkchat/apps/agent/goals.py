@@ -6,9 +6,10 @@ Why: "Compute the total ... and write that number to total.txt" ended `task ende
 
 A target is a file name (with an extension) after "to", "into", "as" or "in", "file [named]", or "overwrite /
 replace / update / fill [the contents of]", in a task with a write verb before it (write, save, put, store, copy,
-record, create, add, append, output, export, dump, make, overwrite, replace, update, fill). "in" names
-a target only when the file does not exist yet ("Write the number of lines in fruits.txt to count.txt" reads
-fruits.txt). The content asked for is one of:
+record, create, add, append, output, export, dump, make, overwrite, replace, update, fill). A file that exists when
+the task starts is a target only with explicit wording in its own clause (overwrite, replace, update, fill, append,
+"add ... to F", "write ... into F"); otherwise it is read ("Write the number of lines in fruits.txt to count.txt",
+"... comparing it to todo.txt"). An extension holds a letter ("rounded to 0.01"). The content asked for is one of:
 
 - exact: quoted, or "the text/word/line X to F", "containing (exactly)[:] X", "that says[:] X", "with the text X";
   the file must hold it (whitespace runs compared as one space; an append target must end with it);
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-FILE = r"[\w][\w\-./]*\.[A-Za-z0-9]{1,8}"
+# the extension holds a letter: "rounded to 0.01" or "Add 2 to 1.5" name no file
+FILE = r"[\w][\w\-./]*\.(?=[A-Za-z0-9]{1,8}(?![A-Za-z0-9]))[A-Za-z0-9]*[A-Za-z][A-Za-z0-9]*"
 WRITE_VERB = re.compile(r"\b(?:write|save|put|store|copy|record|create|add|append|output|export|dump|make|overwrite|"
                         r"replace|update|fill)\b", re.I)
 TARGET = re.compile(
@@ -38,6 +40,9 @@ TARGET = re.compile(
     rf"\bfile\s+(?:(?:named|called)\s+)?[\"'`]?(?P<path2>{FILE})|"
     rf"\b(?:overwrite|replace|update|fill)\s+(?:(?:the\s+)?(?:contents?|text)\s+(?:of|in)\s+)?(?:the\s+)?(?:file\s+)?"
     rf"[\"'`]?(?P<path3>{FILE})", re.I)
+# wording that names an existing file as the one to write, in the clause that ends with its name
+EXPLICIT = re.compile(r"\b(?:overwrite|replace|update|fill|append)\b", re.I)
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 NEW_BEFORE = re.compile(r"\bnew\s+(?:text\s+)?file\s+(?:(?:named|called)\s+)?[\"'`]?$", re.I)
 NUMBER_WORDS = re.compile(r"\b(?:number|count|total|sum|result|maximum|minimum|max|min|largest|smallest|average|"
                           r"product|difference|amount)\b", re.I)
@@ -64,29 +69,54 @@ class WriteGoal:
 
 
 def write_goals(task: str, exists: Callable[[str], bool] = lambda p: False) -> list[WriteGoal]:
-    """The files `task` asks to be written, in order (`exists(path)`: whether the workspace has it now)."""
-    goals: dict[str, WriteGoal] = {}
+    """The files `task` asks to be written, in order (`exists(path)`: whether the workspace has it now).
+
+    A file that exists already is a target only when its own clause (the text since the previous file named after
+    "to", "into", ...) says so explicitly (overwrite, replace, update, fill, append, "add ... to F", "write ...
+    into F"): in "Write a summary of notes.txt to summary.txt, comparing it to todo.txt" todo.txt is a source, and
+    a target may be overwritten (refuse_overwrite, the grammar), so a loose "to" must not expose a user's file."""
     verb = WRITE_VERB.search(task)
     if verb is None:
         return []
+    found: list[tuple[str, bool, int, int]] = []  # path, new, start and end of its mention
+    prev_end = verb.start()
     for m in TARGET.finditer(task, verb.start()):
         group = next(g for g in ("path", "path2", "path3") if m.group(g))
         path = m.group(group).rstrip(".")
-        if path in goals:
+        clause, prev_end = task[prev_end:m.end()], m.end()
+        if any(path == f[0] for f in found):
             continue
-        if m.group("prep") and m.group("prep").lower() == "in" and exists(path):
-            continue  # "the lines in fruits.txt": a source
         new = bool(m.group("new")) if group == "path" else bool(NEW_BEFORE.search(task[:m.start(group)]))
-        goals[path] = _goal(task, path, new)
-    return list(goals.values())
+        if exists(path) and not new and not _explicit(clause, group, (m.group("prep") or "").lower()):
+            continue  # "the lines in fruits.txt", "comparing it to todo.txt": a source
+        found.append((path, new, m.start(), m.end()))
+    goals = []
+    for i, (path, new, start, end) in enumerate(found):
+        before = task[found[i - 1][3] if i else 0:end]  # this target's own clause, up to its name
+        after = task[start:found[i + 1][2] if i + 1 < len(found) else len(task)]
+        goals.append(_goal(task, path, new, before, after))
+    return goals
 
 
-def _goal(task: str, path: str, new: bool) -> WriteGoal:
-    append = re.search(rf"\b(?:append|add)\b[^.]*?\bto\s+(?:the\s+)?(?:file\s+)?{re.escape(path)}", task, re.I)
-    for pat in EXACT:
-        m = re.search(pat.format(path=re.escape(path)), task, re.I)
+def _explicit(clause: str, group: str, prep: str) -> bool:
+    """Whether `clause` (ending with a file's name) asks to change that existing file."""
+    if group == "path3" or EXPLICIT.search(clause):
+        return True
+    return bool((prep == "to" and re.search(r"\badd\b", clause, re.I))
+                or (prep == "into" and re.search(r"\bwrite\b", clause, re.I)))
+
+
+def _goal(task: str, path: str, new: bool, before: str, after: str) -> WriteGoal:
+    """The goal for `path`; its exact content is looked for only in its own clause (`before`: since the previous
+    target, up to its name; `after`: from its name to the next target), so "the word yes to a.txt and the word no
+    to b.txt" gives b.txt "no", not "yes to a.txt and the word no"."""
+    esc = re.escape(path)
+    append = re.search(rf"\b(?:append|add)\b[^.]*?\bto\s+(?:the\s+)?(?:file\s+)?{esc}", before, re.I)
+    for i, pat in enumerate(EXACT):
+        m = re.search(pat.format(path=esc), before if i < 2 else after, re.I)
         if m:
-            text = m.group("c").strip().rstrip(".").strip().strip("\"'`")
+            text = m.group("c") if i == 0 else SENTENCE_END.split(m.group("c"), 1)[0]
+            text = text.strip().rstrip(".").strip().strip("\"'`")
             if text:
                 return WriteGoal(path, "exact", text, bool(append), new)
     clause = task[:task.find(path)]

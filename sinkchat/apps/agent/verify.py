@@ -6,10 +6,10 @@ unverified, and `sinkchat agent` exits with EXIT_UNVERIFIED.
 Grounded (issue 28: a port lookup read `"port": 8443` from the tool and answered `18`; "Compute the total ... and
 write that number to total.txt" answered `860` having written nothing):
 
-- numbers: every number in the answer is one the task's data results held. Data results are the ok results of calls
-  that return data (`Tool.returns_data`: calls without side effects, and the shell): a write's "wrote 3 bytes"
-  is not data. Under the grammar the answer cannot even spell another number (grammar.final_schema); this check
-  is what covers `--no-constrain` and native templates' plain text.
+- numbers: every number in the answer is one the task's text or its data results held. Data results are the ok
+  results of calls that return data (`Tool.returns_data`: calls without side effects, and the shell): a write's
+  "wrote 3 bytes" is not data. Under the grammar the answer cannot even spell another number (grammar.final_schema);
+  this check is what covers `--no-constrain` and native templates' plain text.
 - names: every name-like word of the answer (a word with inner `.`, `_`, `-`, `/`, `@` or `:` such as a file name,
   a host or a code; an all-caps word; a capitalized word not starting a sentence) occurs, ignoring case, in the
   task text or a data result.
@@ -47,6 +47,11 @@ class Grounding:
     values: list[str] = field(default_factory=list)
     paths: list[frozenset[str]] = field(default_factory=list)  # per result: the strings its call was given
     whole: list[bool] = field(default_factory=list)  # per result: its call used no numeric option (no offset)
+
+    def __post_init__(self) -> None:
+        # the task's own numbers are grounded too: "Write 42 to answer.txt" and "17 + 25 = 42" (for "What is
+        # 17 + 25?") must be writable and sayable, though no tool returned 42's operands
+        self.values += [v for v in dict.fromkeys(numbers_in(self.task)) if v not in self.values]
 
     def add(self, text: str, args: dict[str, Any] | None = None, whole: bool = True) -> None:
         self.results.append(text)

@@ -14,6 +14,11 @@ written before the file is changed: a crash in between leaves an entry whose fil
 recognizes and drops. Undo restores a file the same way (temporary file in its folder, then `os.replace`) and
 removes the entry only after that, so an interrupted undo can simply be run again.
 
+Size: an entry holds the whole previous content of its file (so an append to a big file costs that file again).
+The journal is capped per workspace: after each record the oldest entries are pruned while there are more than
+MAX_ENTRIES (1,000) or they hold more than MAX_JOURNAL_BYTES (256 MiB) together; a pruned change can no longer be
+undone. Undo of N changes reads only the newest N entries.
+
 Undo refuses to touch a file that changed after the agent's write (its SHA-256 is recorded) into anything but its
 previous content: that would destroy the user's later edit; it stops there and says which entry to remove by hand.
 """
@@ -35,6 +40,8 @@ from typing import Any, Iterator
 log = logging.getLogger(__name__)
 
 MAX_PREVIOUS_BYTES = 32 * 1024 * 1024  # a bigger file is not overwritten: it could not be restored cheaply
+MAX_ENTRIES = 1000  # entries kept per workspace (the oldest are pruned past it)
+MAX_JOURNAL_BYTES = 256 * 1024 * 1024  # bytes of entries kept per workspace (likewise)
 VERSION = 1
 
 
@@ -82,7 +89,7 @@ class Journal:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not (self.dir / "workspace.txt").exists():
-                _atomic_write(self.dir / "workspace.txt", f"{self.root}\n".encode())
+                _atomic_write(self.dir / "workspace.txt", os.fsencode(self.root) + b"\n")  # any bytes a path has
             tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             seq = self._next_seq()
             try:
@@ -99,18 +106,60 @@ class Journal:
             _fsync_dir(self.dir)
         except OSError as e:
             raise JournalError(f"cannot write the undo journal in {self.dir}: {e.strerror or e}") from None
+        self._prune()
         log.debug("journal: %s %s (entry %d)", op, rel, seq)
         return _entry(body, self.dir / f"{seq:08d}.json")
+
+    def _prune(self) -> None:
+        """Delete the oldest entries past MAX_ENTRIES or MAX_JOURNAL_BYTES: every change stores its file's whole
+        previous content, so an unpruned journal would grow without end."""
+        paths = self._paths()
+        sizes = []
+        for p in paths:
+            try:
+                sizes.append(p.stat().st_size)
+            except OSError:
+                sizes.append(0)
+        total, keep = 0, 0
+        for size in reversed(sizes):  # newest first; the newest entry is always kept
+            if keep and (keep >= MAX_ENTRIES or total + size > MAX_JOURNAL_BYTES):
+                break
+            total, keep = total + size, keep + 1
+        for p in paths[:len(paths) - keep]:
+            p.unlink(missing_ok=True)
+            log.info("journal: pruned the oldest entry %s (past %d entries or %d MiB)", p.name, MAX_ENTRIES,
+                     MAX_JOURNAL_BYTES >> 20)
+
+    def _paths(self) -> list[Path]:
+        """The entry files, oldest first."""
+        return sorted(self.dir.glob("[0-9]*.json")) if self.dir.is_dir() else []
+
+    def created(self, rel: str) -> bool:
+        """Whether the agent created the file `rel` (relative to the root) in this workspace: a kept entry records
+        it as new. An entry of a new file saves no content, so a big entry is skipped unread."""
+        for p in reversed(self._paths()):
+            try:
+                if p.stat().st_size > 64 * 1024:
+                    continue
+                body = json.loads(p.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                log.warning("journal: skipping unreadable entry %s (%s)", p, e)
+                continue
+            if isinstance(body, dict) and body.get("path") == rel and body.get("existed") is False:
+                return True
+        return False
 
     def _next_seq(self) -> int:
         nums = [int(p.stem) for p in self.dir.glob("*.json") if p.stem.isdigit()]
         return max(nums, default=0) + 1
 
     # ------------------------------------------------------------------------------------------------- read
-    def entries(self) -> list[Entry]:
-        """Every whole entry, oldest first (an unreadable one is skipped with a warning, never half-applied)."""
+    def entries(self, last: int | None = None) -> list[Entry]:
+        """Every whole entry (or the newest `last`), oldest first (an unreadable one is skipped with a warning,
+        never half-applied). Decoding an entry decodes its saved content: read only what is needed."""
+        paths = self._paths()
         out = []
-        for p in sorted(self.dir.glob("[0-9]*.json")) if self.dir.is_dir() else []:
+        for p in paths if last is None else paths[-last:] if last > 0 else []:
             try:
                 out.append(_entry(json.loads(p.read_text(encoding="utf-8")), p))
             except (OSError, ValueError, KeyError, TypeError) as e:
@@ -121,7 +170,7 @@ class Journal:
     def undo(self, n: int = 1) -> Iterator[str]:
         """Restore the last `n` changes, newest first, yielding one line per change restored. Raises JournalError
         (after the ones before it are restored) when a file changed since the agent wrote it."""
-        for e in reversed(self.entries()[-n:] if n > 0 else []):
+        for e in reversed(self.entries(last=n) if n > 0 else []):
             yield self._restore(e)
 
     def _restore(self, e: Entry) -> str:

@@ -1,6 +1,7 @@
 """`notes`: a scratchpad file (NOTES.md) in the workspace. The cache forgets the oldest steps; what the model writes
 here survives eviction and can be read back at any time. Appending and clearing are journaled like every file
-change (tools/journal.py), so `sinkchat agent --undo` can bring cleared notes back."""
+change (tools/journal.py), so `sinkchat agent --undo` can bring cleared notes back. A NOTES.md that was there
+already (the user's own) is never appended to or cleared: only one the agent created, as its journal records."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def notes(action: Literal["read", "append", "clear"] = "read", text: str = "", *
         text: the note to append (for action "append")
     """
     real = workspace.resolve(NOTES_FILE, kind="file", must_exist=False)
+    if action in ("append", "clear"):
+        _refuse_users_file(workspace, real)
     if action == "append":
         if not text.strip():
             raise ToolError('action "append" needs a non-empty "text"')
@@ -48,6 +51,14 @@ def notes(action: Literal["read", "append", "clear"] = "read", text: str = "", *
     if not real.exists():
         return "(no notes yet)"
     return _read(workspace, real, 256 * 1024).decode("utf-8", errors="replace") or "(no notes yet)"
+
+
+def _refuse_users_file(workspace: Workspace, real: Path) -> None:
+    """A NOTES.md the agent did not create in this workspace (its journal has no entry creating it) is the user's:
+    clearing or appending to it would change their file with no task asking for it, so it is refused."""
+    if os.path.lexists(real) and not workspace.journal.created(workspace.rel(real)):
+        raise ToolError(f"refused: {NOTES_FILE} in the workspace is the user's file (the agent did not create it); "
+                        "the notes tool only changes its own notes")
 
 
 def _read(workspace: Workspace, real: Path, limit: int = 64 * 1024 * 1024) -> bytes:

@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from sinkchat.apps.agent.tools.journal import Journal, JournalError
+from sinkchat.apps.agent.tools.journal import Entry, Journal, JournalError
 from sinkchat.apps.agent.tools.schema import ToolError
 
 
@@ -49,11 +49,11 @@ class Workspace:
             self._journal = Journal(self.root, self._journal_dir)
         return self._journal
 
-    def record_change(self, real: Path, op: str, after: bytes | None) -> None:
+    def record_change(self, real: Path, op: str, after: bytes | None) -> Entry:
         """Journal a change about to be made to `real`; a journal that cannot be written is a ToolError (and the
-        tool then changes nothing: no change without its undo)."""
+        tool then changes nothing: no change without its undo). The entry, to drop if the change then fails."""
         try:
-            self.journal.record(real, op, after)
+            return self.journal.record(real, op, after)
         except JournalError as e:
             raise ToolError(f"refused: {e}") from None
 
