@@ -489,11 +489,13 @@ def test_batcher_skip_and_drop_chunk_keep_every_line_accounted():
     assert b.chunk_summarized == 3 and b.chunk == ["a", "b", "(the line above repeated 2 more times)", "c"]
     assert b.drop_chunk() == 3  # stopped: the pending chunk never reaches the model
     p = b.period
-    assert (p.summarized, p.deduped, p.skipped, p.truncated) == (0, 2, 3, 0) and b.chunk == [] and p.consistent()
+    # the repeats of "b" stand for a line the model never read: skipped too, not deduped
+    assert (p.summarized, p.deduped, p.skipped, p.truncated) == (0, 0, 5, 0) and b.chunk == [] and p.consistent()
+    assert b.digest.record()["lines"] == 0
     b.skip(Line(8, "x", skipped_before=2))  # queued, never fed; lines 6-7 were dropped by the reader
     b.skip_to(11)  # the reader numbered lines up to 11 but never queued 9-11
     b.skip(End(11))  # nothing new
-    assert (p.first_line, p.last_line, p.skipped, p.lines) == (1, 11, 9, 11) and p.consistent()
+    assert (p.first_line, p.last_line, p.skipped, p.lines) == (1, 11, 11, 11) and p.consistent()
     b2 = Batcher(lambda s: 1, chunk_lines=2, chunk_tokens=10**6)
     b2.add(Line(1, "a"))
     b2.add(Line(2, "b"))

@@ -34,6 +34,7 @@ from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negate
 TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity sentences appended; the rest are counted in one more sentence
 TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
+VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
 ECHO_GRAM = 3  # word n-grams shared with the question that mark a sentence as copied from it ...
 ECHO_SHARE = 0.5  # ... when they cover at least this share of its words
 _UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -116,26 +117,29 @@ def incidents(digest: dict[str, Any]) -> list[Incident]:
     return out
 
 
-def _quote(template: str) -> str:
-    """A template or value as quoted text: one line, no unreadable characters, at most TEMPLATE_CHARS."""
+def _quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
+    """A template or value as quoted text: one line, no unreadable characters, at most `limit` characters, cut at a
+    space where there is one."""
     t = " ".join(_UNREADABLE_RE.sub("", template).replace('"', "'").split())
-    return t if len(t) <= TEMPLATE_CHARS else t[: TEMPLATE_CHARS - 1].rstrip() + "…"
+    if len(t) <= limit:
+        return t
+    cut = t[: limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2:] else cut).rstrip() + "…"
 
 
 def _filled(t: dict[str, Any]) -> str:
-    """A template with each `<*>` slot shown as its values: one value as itself, a few joined by "/", more as the
-    first ones and how many ("status half-installed/unpacked/installed libfoo:amd64 1.2")."""
+    """A template with each `<*>` slot shown as its values: one value as itself, two joined by "/", more as the
+    first two and how many ("status half-installed/unpacked libfoo:amd64 1.2", "install a/b/… (8 values)")."""
     params = iter(t.get("params") or [])
 
     def slot(_: re.Match[str]) -> str:
         p = next(params, None)
         if not p or not p.get("values"):
             return "…"
-        vals, n = p["values"], p.get("distinct", len(p["values"]))
-        shown = "/".join(vals[:3])
-        return shown if n <= 3 else f"{shown}/… ({n} values)"
+        vals, n = [_quote(v, VALUE_CHARS) for v in p["values"]], p.get("distinct", len(p["values"]))
+        return "/".join(vals[:2]) if n <= 2 else f"{'/'.join(vals[:2])}/… ({n} values)"
 
-    return _quote(re.sub(r"<\*>", slot, t["template"]))
+    return _quote(re.sub(r"<\*>", slot, t["template"]), TEMPLATE_CHARS + 40)
 
 
 def incident_sentence(inc: Incident) -> str:

@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 
 FORMATS = ("text", "jsonl", "markdown")
+SHOWN_WORDS = 8  # unsupported words named under a summary (the record keeps them all)
 
 
 class OutputClosed(Exception):
@@ -54,8 +55,10 @@ def summary_text(b: dict[str, Any]) -> str:
     notes = []
     if dropped:
         n = len(dropped)
-        why = (["unsupported by the log: " + ", ".join(b["unsupported"])] if b.get("unsupported") else []) \
-            + list(b.get("why") or [])
+        words = list(b.get("unsupported") or [])
+        shown = ", ".join(words[:SHOWN_WORDS]) + (f" and {len(words) - SHOWN_WORDS} more" if len(words) >
+                                                  SHOWN_WORDS else "")
+        why = ([f"unsupported by the log: {shown}"] if words else []) + list(b.get("why") or [])
         notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary: "
                      + ("; ".join(why) if why else "unfinished"))
     elif b.get("unsupported"):
