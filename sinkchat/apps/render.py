@@ -20,8 +20,8 @@ from rich.table import Table
 from rich.text import Text
 
 from sinkchat.core.events import DoneEvent, EvictionEvent
-from sinkchat.core.metrics import (Metrics, Stats, eviction_line, gauge_bar, human_bytes, local_gauge, policy_label,
-                                   read_stats, status_line)
+from sinkchat.core.metrics import (FIELDS, Metrics, Stats, eviction_line, fit_fields, gauge_bar, human_bytes,
+                                   read_stats, status_line, status_variants)
 
 Fragments = list[tuple[str, str]]
 
@@ -35,37 +35,23 @@ def live_stats(engine: Any, metrics: Metrics, model_nbytes: int | None = None) -
 
 # ------------------------------------------------------------------------------------------------- pure text pieces
 def toolbar_fragments(s: Stats, width: int = 200) -> Fragments:
-    """The bottom toolbar as prompt-toolkit (style, text) fragments: memory, KV fill, totals, speed, gauge, policy.
-    Below ~110 columns it drops labels and the eviction count so the gauge still fits an 80-column terminal."""
-    fill = s.cache_len / s.capacity if s.capacity else 0.0
-    gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
-    start = "" if s.holds_start or s.gauge is None else " (start gone)"
-    if width >= 110:
-        mem = f" RSS {human_bytes(s.rss)} " + (f"CUDA {human_bytes(s.cuda[0])} " if s.cuda else "")
-        return [
-            ("class:toolbar.policy", f" {policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} "),
-            ("class:toolbar", mem),
-            ("class:toolbar.kv", f" KV {human_bytes(s.kv_bytes)}: {s.kv_layout} " if s.kv_layout else
-             f" KV {human_bytes(s.kv_bytes)} {s.cache_len}/{s.capacity} {fill:.0%} "),
-            ("class:toolbar", f" seen {s.seen} "),
-            ("class:toolbar.evicted", f" evicted {s.evicted} ({s.evictions}x) "),
-            ("class:toolbar", f" {s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''} "),
-            ("class:toolbar.gauge", f" sink {gauge_bar(s.gauge)} {gauge}{start}{local_gauge(s)} "),
-        ]
-    mem = f" RSS {_short(s.rss)}" + (f" CUDA {_short(s.cuda[0])}" if s.cuda else "") + " "
-    return [
-        ("class:toolbar.policy", f" {s.policy}({s.n_sink}){'+' + str(s.pinned) if s.pinned > s.n_sink else ''} "),
-        ("class:toolbar", mem),
-        ("class:toolbar.kv", f"KV {_short(s.kv_bytes)} {s.cache_len}/{s.capacity} "),
-        ("class:toolbar", f"seen {s.seen} "),
-        ("class:toolbar.evicted", f"evicted {s.evicted} "),
-        ("class:toolbar", f"{s.decode_tok_s:.1f}t/s "),
-        ("class:toolbar.gauge", f"sink {gauge_bar(s.gauge, 5)} {gauge}{'!' if start else ''} "),
-    ]
-
-
-def _short(n: float) -> str:
-    return human_bytes(n).replace(" ", "").replace("iB", "")
+    """The bottom toolbar as prompt-toolkit (style, text) fragments: the status line's fields (`status_variants`,
+    toolbar spelling), fitted to `width` columns by dropping lower-priority fields whole (`fit_fields`): the cache
+    fill and the evictions stay longest, the gauge bar shrinks and goes first, never a field cut in the middle."""
+    texts = fit_fields(status_variants(s, toolbar=True), width - 3, 2)  # a space each side (+1: seen / evicted split)
+    if texts["seen"].startswith("seen "):  # tokens seen and evicted apart, the evictions in their own colour
+        seen, _, evicted = texts["seen"].partition(" evicted ")
+        parts = [("class:toolbar", seen), ("class:toolbar.evicted", f"evicted {evicted}")]
+    else:
+        parts = [("class:toolbar.evicted", texts["seen"])] if texts["seen"] else []
+    style = {"policy": "class:toolbar.policy", "kv": "class:toolbar.kv", "gauge": "class:toolbar.gauge"}
+    frags: Fragments = []
+    for name in FIELDS:
+        if name == "seen":
+            frags += [(st, f" {t} ") for st, t in parts]
+        elif texts[name]:
+            frags.append((style.get(name, "class:toolbar"), f" {texts[name]} "))
+    return frags
 
 
 def toolbar_text(s: Stats, width: int = 200) -> str:
@@ -82,12 +68,15 @@ def stats_table(s: Stats) -> Table:
         ("pinned", f"pinned {s.pinned} + window {s.capacity - s.pinned} (the system prompt, sinks included)"
          if s.pinned > s.n_sink else "-"),
         ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"
-                  + (f" ({s.kv_layout})" if s.kv_layout else "")),
+                  + (f" ({s.kv_layout})" if s.kv_layout else "")
+                  + (f", {human_bytes(s.kv_allocated)} allocated so far (the local rings grow to it with longer "
+                     "chunks)" if 0 < s.kv_allocated < s.kv_bytes else "")),
         ("model", human_bytes(s.model_bytes)),
         ("rss", human_bytes(s.rss)),
         ("cuda", f"{human_bytes(s.cuda[0])} (peak {human_bytes(s.cuda[1])})" if s.cuda else "-"),
         ("tokens seen", str(s.seen)),
         ("tokens evicted", f"{s.evicted} in {s.evictions} evictions"),
+        *([("tokens cleared", f"{s.cleared} (/clear or a load: dropped, not evicted)")] if s.cleared else []),
         ("decode", f"{s.decode_tok_s:.1f} tok/s (p50 {s.p50_ms:.0f} ms, p99 {s.p99_ms:.0f} ms)"),
         ("prefill", f"{s.prefill_tok_s:.1f} tok/s"),
         ("decoder", s.decoder or "-"),
@@ -226,7 +215,7 @@ class Renderer:
     def _live_view(self) -> Group:
         partial = self._partial
         try:  # runs on rich's refresh thread while the engine works: never let a reading error kill it
-            status = status_line(self.stats()) if self.stats else ""
+            status = status_line(self.stats(), max(20, self.out.width - 1)) if self.stats else ""
             self._last_status = status
         except Exception:  # noqa: BLE001
             status = getattr(self, "_last_status", "")

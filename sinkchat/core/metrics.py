@@ -1,9 +1,17 @@
-"""Live figures folded from engine events, plus memory probes. Pure bookkeeping: clients render `Stats`."""
+"""Live figures folded from engine events, plus memory probes. Pure bookkeeping: clients render `Stats`.
+
+A status line is read on another thread than the one feeding the model (chat's live status, the toolbar), so
+`read_stats` takes one consistent reading of the ledger (`ledger_view`) and shows what is fully in the cache: the
+figures then add up at every moment, kv = seen - evicted - cleared. The status line itself (`status_line`) is
+built from fields with a priority and fitted to the terminal by dropping whole fields (`fit_fields`).
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,16 +80,24 @@ class Metrics:
     evictions: deque = field(default_factory=lambda: deque(maxlen=100))
     gauge: GaugeEvent | None = None
     replies: int = 0
+    feeding: bool = False  # the last event was a prefill chunk: a feed is under way (its rate is the one to show)
+    feed_tokens: int = 0  # the current (or last) feed's chunks so far: its own rate, not an average over feeds
+    feed_seconds: float = 0.0
 
     def fold(self, ev: Event) -> None:
         if isinstance(ev, TokenEvent):
             self.decode_tokens += 1
             self.decode_seconds += ev.seconds
             self.latencies.append(ev.seconds)
+            self.feeding = False
         elif isinstance(ev, PrefillEvent):
             self.prefill_tokens += ev.tokens
             self.prefill_seconds += ev.seconds
             self.recent_prefill.append((ev.tokens, ev.seconds))
+            if not self.feeding:  # the first chunk of a new feed
+                self.feed_tokens, self.feed_seconds, self.feeding = 0, 0.0, True
+            self.feed_tokens += ev.tokens
+            self.feed_seconds += ev.seconds
         elif isinstance(ev, EvictionEvent):
             self.evicted += ev.count
             self.eviction_count += 1
@@ -90,6 +106,7 @@ class Metrics:
             self.gauge = ev
         elif isinstance(ev, DoneEvent):
             self.replies += 1
+            self.feeding = False
 
     def new_stream(self) -> None:
         """The cache now holds another stream (a loaded snapshot or transcript): forget the eviction events and
@@ -103,6 +120,11 @@ class Metrics:
         recent = list(self.latencies)[-self.window :]
         total = sum(recent)
         return len(recent) / total if total > 0 else 0.0
+
+    @property
+    def feed_tok_s(self) -> float:
+        """The current feed's own prefill rate (0 before its first chunk is in)."""
+        return self.feed_tokens / self.feed_seconds if self.feed_seconds > 0 else 0.0
 
     @property
     def prefill_tok_s(self) -> float:
@@ -120,7 +142,12 @@ class Metrics:
 
 @dataclass(frozen=True)
 class Stats:
-    """One consistent reading of everything a status line or /stats shows."""
+    """One consistent reading of everything a status line or /stats shows.
+
+    `cache_len` is what is fully in the cache (the ledger's length), so cache_len == seen - evicted - cleared
+    while `evicted` is the ledger's; a client showing its own eviction fold (`render.live_stats`) may show fewer
+    (a stream loaded without its figures), never more. `kv_bytes`: the buffers at their size for this session,
+    constant from the first status on (`session_kv_bytes`); `kv_allocated`: what is allocated so far."""
 
     policy: str
     n_sink: int
@@ -146,21 +173,57 @@ class Stats:
     kv_layout: str = ""  # hybrid models: "global 6 layers 1024/1024, local 20 layers 511/511" (empty otherwise)
     gauge_local: float | None = None  # hybrid models: the local layers' share on the first tokens of their window
     gauge_local_uniform: float | None = None  # ... and an even spread's share there
+    cleared: int = 0  # tokens a /clear or a load dropped (not evicted): seen - evicted - cleared is what is held
+    feeding: bool = False  # a feed is under way: the rate to show is `feed_tok_s`, not the last decode's
+    feed_tok_s: float = 0.0  # that feed's own prefill rate (0 until its first chunk is in)
+    kv_allocated: int = 0  # bytes the cache's buffers hold now (rings allocate lazily, up to `kv_bytes`)
+
+
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger's figures read together: length == seen - evicted - cleared (see `ledger_view`)."""
+
+    seen: int
+    evicted: int
+    cleared: int
+    length: int
+    start: int
+    pinned: int
+    holds_start: bool
+
+
+def ledger_view(ledger: Any, tries: int = 200) -> LedgerView:
+    """One consistent reading of the ledger while the engine may be updating it on another thread.
+
+    `Ledger.append` / `evict` / `truncate` / `clear` change the lists and the counters one after the other, so a
+    reader between two of those steps sees a length that disagrees with the counters (and the cache's own length
+    runs a whole chunk ahead of both while that chunk is computed). The reading is retried, yielding to the
+    writer, until the ledger's invariant holds; after `tries` the counters win and the length is derived."""
+    for _ in range(tries):
+        seen, evicted, cleared = ledger.seen, ledger.evicted, ledger.cleared
+        length, start, pinned, holds = len(ledger.ids), ledger.start, ledger.pinned, ledger.holds_stream_start()
+        if (length == seen - evicted - cleared == len(ledger.abs_index)
+                and (seen, evicted, cleared) == (ledger.seen, ledger.evicted, ledger.cleared)):
+            return LedgerView(seen, evicted, cleared, length, start, min(pinned, length), holds)
+        time.sleep(0)  # let the writer finish its update
+    return LedgerView(seen, evicted, cleared, max(0, seen - evicted - cleared), start, pinned, holds)
 
 
 def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stats:
-    g = m.gauge
+    """Everything a status shows, the cache's figures from one `ledger_view` (never the cache's running length)."""
+    g, v = m.gauge, ledger_view(engine.ledger)
+    cache = engine.cache
     return Stats(
         policy=engine.cache_cfg.policy,
         n_sink=engine.cache_cfg.n_sink,
-        cache_len=engine.cache.length,
+        cache_len=v.length,
         capacity=engine.cache_cfg.capacity,
-        kv_bytes=engine.cache.nbytes,
+        kv_bytes=session_kv_bytes(engine),
         model_bytes=model_nbytes if model_nbytes is not None else model_bytes(engine.model),
         rss=rss_bytes(),
         cuda=cuda_bytes(),
-        seen=engine.ledger.seen,
-        evicted=engine.ledger.evicted,
+        seen=v.seen,
+        evicted=v.evicted,
         evictions=m.eviction_count,
         decode_tok_s=m.decode_tok_s,
         prefill_tok_s=m.prefill_tok_s,
@@ -169,19 +232,67 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         gauge=g.share if g else None,
         gauge_recent=g.recent if g else None,
         gauge_uniform=g.uniform if g else None,
-        holds_start=engine.ledger.holds_stream_start(),
+        holds_start=v.holds_start,
         decoder=getattr(engine, "decoder_status", ""),
-        pinned=engine.ledger.pinned if engine.cache_cfg.policy == "sink" else 0,
-        kv_layout=kv_layout(engine.cache),
+        pinned=v.pinned if engine.cache_cfg.policy == "sink" else 0,
+        kv_layout=kv_layout(cache, v.length, v.seen - v.start),
         gauge_local=g.local if g else None,
         gauge_local_uniform=g.local_uniform if g else None,
+        cleared=v.cleared,
+        feeding=m.feeding or cache.length - v.length > 1,  # a chunk in flight: a feed began before its first event
+        feed_tok_s=m.feed_tok_s if m.feeding else 0.0,
+        kv_allocated=cache.nbytes,
     )
 
 
-def kv_layout(cache: Any) -> str:
-    """How a hybrid cache holds its two kinds of layers (`HybridCache.layout`), or "" for a one-kind cache."""
-    layout = getattr(cache, "layout", None)
-    return layout() if callable(layout) else ""
+def session_kv_bytes(engine: Any) -> int:
+    """The bytes of the cache's buffers at their size for this session, the same from the first status on.
+
+    Buffers are allocated at the first forward (0 bytes before it) and a hybrid model's local rings are sized by
+    the longest chunk they have taken so far (`WindowLayer._make_room` grows them): the allocation alone read
+    15.4 then 19.0 MiB in one Gemma session. Each global (or shared) layer holds `capacity` slots; a ring at most
+    its window (`keep`) + the longest chunk the engine feeds + its `slack` (the growth rule's ceiling)."""
+    cache, spec = engine.cache, getattr(engine, "spec", None)
+    store = getattr(engine, "kv_store", None)
+    if spec is None or store is None or not cache.layers:
+        return int(cache.nbytes)
+    slot = spec.kv_bytes_per_token(torch_bits(store)) // max(1, len(cache.layers))  # one layer, one token
+    chunk = min(int(getattr(engine, "prefill_chunk", cache.capacity)), cache.capacity)
+    total = 0
+    for layer in cache.layers:
+        ring = hasattr(layer, "keep") and hasattr(layer, "slack")
+        slots = max(layer.capacity, layer.keep + chunk + layer.slack) if ring else cache.capacity
+        total += max(int(layer.nbytes), slot * slots)
+    return total
+
+
+def torch_bits(dtype: Any) -> int:
+    """Bits per element of a torch dtype (what the KV buffers store)."""
+    import torch
+
+    return torch.finfo(dtype).bits if dtype.is_floating_point else torch.iinfo(dtype).bits
+
+
+def kv_layout(cache: Any, length: int | None = None, stream: int | None = None) -> str:
+    """How a hybrid cache holds its two kinds of layers ("global 6 layers 1024/1024, local 20 layers 511/511", a
+    ring's held tokens out of window - 1, or "shared"), or "" for a one-kind cache. `length` / `stream` (tokens in
+    the cache / fed since the stream began) come from a `ledger_view`: the layers' own lengths run ahead of the
+    ledger while a chunk is computed, one layer after another."""
+    glob, local = getattr(cache, "global_idx", None), getattr(cache, "local_idx", None)
+    if glob is None or local is None:
+        return ""
+    length = cache.length if length is None else length
+    ring = next((cache.layers[i] for i in local if hasattr(cache.layers[i], "keep")), None)
+    if ring is None:
+        held = "shared"
+    else:
+        seen = ring.visible if stream is None else min(ring.visible, stream)
+        held = f"{min(seen, ring.keep)}/{ring.keep}"
+    return f"global {_layers(len(glob))} {length}/{cache.capacity}, local {_layers(len(local))} {held}"
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
 
 
 def human_bytes(n: float) -> str:
@@ -212,15 +323,71 @@ def policy_label(policy: str, n_sink: int, pinned: int = 0, capacity: int = 0) -
     return f"sink({n_sink}) pinned {pinned} + window {capacity - pinned}" if pinned > n_sink else f"sink({n_sink})"
 
 
-def status_line(s: Stats) -> str:
-    """The one-line status (toolbar, stderr): memory, cache fill, totals, speed, gauge, policy."""
-    cuda = f" cuda {human_bytes(s.cuda[0])}" if s.cuda else ""
-    gauge = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
-    return (
-        f"{policy_label(s.policy, s.n_sink, s.pinned, s.capacity)} | rss {human_bytes(s.rss)}{cuda} | kv {human_bytes(s.kv_bytes)} "
-        f"{s.kv_layout or f'{s.cache_len}/{s.capacity}'} | seen {s.seen} evicted {s.evicted} | {s.decode_tok_s:.1f} tok/s | "
-        f"sink {gauge_bar(s.gauge)} {gauge}{local_gauge(s)}"
-    )
+# ------------------------------------------------------------------------------------------------- status line
+FIELDS = ("policy", "mem", "kv", "seen", "rate", "gauge")  # the order they are shown in
+# How a line too wide for the terminal gives way, one step at a time: (field, its next shorter variant). The last
+# to go: the cache fill and the evictions, then the gauge's figures (sink and local layers), tokens seen, the rate,
+# the policy, the KV bytes, memory; the gauge bar shrinks first and goes before any figure. A field is shown whole
+# or not at all.
+SHRINK = (("gauge", 1), ("policy", 1), ("mem", 1), ("gauge", 2), ("kv", 1), ("policy", 2), ("rate", 1),
+          ("kv", 2), ("seen", 1), ("seen", 2), ("gauge", 3))
+
+
+def status_variants(s: Stats, toolbar: bool = False) -> dict[str, list[str]]:
+    """Each field's texts, longest first ("" = not shown). `toolbar`: chat's bottom toolbar spelling (capital
+    labels, fill %, eviction count)."""
+    label = policy_label(s.policy, s.n_sink, s.pinned, s.capacity)
+    short = f"{s.policy}({s.n_sink}){'+' + str(s.pinned) if s.pinned > s.n_sink else ''}" if s.policy == "sink" \
+        else s.policy
+    cuda = f" {'CUDA' if toolbar else 'cuda'} {human_bytes(s.cuda[0])}" if s.cuda else ""
+    kv = "KV" if toolbar else "kv"
+    fill = s.kv_layout or f"{s.cache_len}/{s.capacity}" + (f" {s.cache_len / s.capacity:.0%}" if toolbar and
+                                                           s.capacity else "")
+    compact = re.sub(r"global \d+ layers? |(?<=local )\d+ layers? |,", "", s.kv_layout) if s.kv_layout else fill
+    count = f" ({s.evictions}x)" if toolbar else ""
+    cleared = f" cleared {s.cleared}" if s.cleared else ""
+    rate = f"prefill {s.feed_tok_s:.1f} tok/s" if s.feeding and s.feed_tok_s else "prefill … tok/s" if s.feeding \
+        else f"{s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''}"
+    value = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
+    start = "" if s.holds_start or s.gauge is None else " (start gone)"
+    tail = f"{value}{start}{local_gauge(s)}"
+    return {
+        "policy": [label, short, ""],
+        "mem": [f"{'RSS' if toolbar else 'rss'} {human_bytes(s.rss)}{cuda}", ""],
+        "kv": [f"{kv} {human_bytes(s.kv_bytes)}{':' if s.kv_layout else ''} {fill}", f"{kv} {fill}",
+               f"{kv} {compact}"],
+        "seen": [f"seen {s.seen} evicted {s.evicted}{count}{cleared}", f"seen {s.seen} evicted {s.evicted}",
+                 f"evicted {s.evicted}"],
+        "rate": [rate, ""],
+        "gauge": [f"sink {gauge_bar(s.gauge)} {tail}", f"sink {gauge_bar(s.gauge, 5)} {tail}", f"sink {tail}", ""],
+    }
+
+
+def fit_fields(variants: dict[str, list[str]], width: int, sep: int) -> dict[str, str]:
+    """The longest texts of every field that fit `width` columns together (`sep` columns between two shown
+    fields), reached by taking the `SHRINK` steps in order: lower-priority fields shrink or go whole."""
+    pick = {name: 0 for name in FIELDS}
+
+    def chosen() -> dict[str, str]:
+        return {name: variants[name][pick[name]] for name in FIELDS}
+
+    def length(texts: dict[str, str]) -> int:
+        shown = [t for t in texts.values() if t]
+        return sum(len(t) for t in shown) + sep * max(0, len(shown) - 1)
+
+    for name, step in SHRINK:
+        if length(chosen()) <= width:
+            break
+        pick[name] = max(pick[name], min(step, len(variants[name]) - 1))
+    return chosen()
+
+
+def status_line(s: Stats, width: int | None = None) -> str:
+    """The one-line status (stderr, chat's live line, summarize): policy, memory, KV bytes and fill, totals,
+    rate (the feed's own prefill rate during a feed), gauge. `width`: the terminal's columns, met by dropping
+    lower-priority fields whole (`fit_fields`); None: everything."""
+    texts = fit_fields(status_variants(s), width if width is not None else 1 << 30, 3)
+    return " | ".join(texts[name] for name in FIELDS if texts[name])
 
 
 def local_gauge(s: Stats) -> str:

@@ -51,9 +51,12 @@ class Interrupted(Exception):
 
 
 class Status:
-    """Progress on stderr: one live line on a terminal, a plain line every PLAIN_EVERY seconds otherwise."""
+    """Progress on stderr: one live line on a terminal, a plain line every PLAIN_EVERY seconds otherwise.
 
-    def __init__(self, stream: TextIO, quiet: bool, line: Callable[[], str] | None = None) -> None:
+    `line(width)` builds the status for `width` columns (None: no limit); on a terminal it is given the terminal's
+    width, so the line drops lower-priority fields whole instead of being cut mid-field by the edge."""
+
+    def __init__(self, stream: TextIO, quiet: bool, line: Callable[[int | None], str] | None = None) -> None:
         self.stream, self.quiet = stream, quiet
         self.line = line
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -82,23 +85,23 @@ class Status:
         """The last status, left on screen as a plain line."""
         if not self.quiet and self.line is not None:
             self.clear()
-            self._write(self.line() + "\n")
+            self._write(self.line(None) + "\n")
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
         if self.quiet or self.line is None or (not force and now - self.last < self.every):
             return
         self.last = now
-        text = self.line()
         if self.tty:
             width = max(20, _term_width() - 1)
-            self._write("\r\x1b[K" + text[:width])
+            self._write("\r\x1b[K" + self.line(width)[:width])  # fitted: the cut is a last resort, never reached
             self.live = True
         else:
-            self._write(text + "\n")
+            self._write(self.line(None) + "\n")
 
 
 def _term_width() -> int:
+    """stderr's columns (where the live line goes); 120 when it is no terminal."""
     try:
         return os.get_terminal_size(sys.stderr.fileno()).columns or 120
     except (OSError, ValueError):
@@ -181,15 +184,17 @@ class Summarizer:
                 raise Interrupted
         return text
 
-    def status_text(self) -> str:
+    def status_text(self, width: int | None = None) -> str:
+        """The line accounting, then the engine's status fitted to what `width` leaves (None: all of it)."""
         from sinkchat.core.metrics import read_stats, status_line
 
         t, p = self.totals, self.batcher.period
         read = t.lines + p.lines
-        return (f"lines {read}: fed {t.summarized + p.summarized} filt {t.filtered + p.filtered} "
+        head = (f"lines {read}: fed {t.summarized + p.summarized} filt {t.filtered + p.filtered} "
                 f"dup {t.deduped + p.deduped} skip {t.skipped + p.skipped} queue {self.queued()} | "
-                f"summaries {self.summaries} | "
-                + status_line(read_stats(self.engine, self.metrics, self.model_nbytes)))
+                f"summaries {self.summaries} | ")
+        rest = None if width is None else max(0, width - len(head))
+        return head + status_line(read_stats(self.engine, self.metrics, self.model_nbytes), rest)
 
     # ------------------------------------------------------------------------------------------------ steps
     def handle(self, item: Item) -> bool:
