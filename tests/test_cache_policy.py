@@ -2,7 +2,8 @@
 
 import pytest
 
-from sinkchat.core.cache_policy import ContextFull, Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.core.cache_policy import (ContextFull, Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots,
+                                        plan_eviction)
 from sinkchat.config import CacheConfig, ConfigError
 
 
@@ -101,3 +102,32 @@ def test_a_ledger_saved_before_cleared_and_start_existed_still_loads():
     old = {"ids": [1, 2], "abs_index": [40, 41], "seen": 42, "evicted": 40}
     led = Ledger.from_state(old)
     assert (led.cleared, led.start) == (0, 40) and led.holds_stream_start()
+
+
+@pytest.mark.parametrize("cfg,prefix,want", [
+    (CacheConfig("sink", 4, 160, 8, "system"), 56, 56),  # the pinned prompt, longer than the sinks
+    (CacheConfig("sink", 4, 160, 8, "system"), 0, 4),  # nothing pinned yet: the sinks
+    (CacheConfig("sink", 8, 160, 8, "system"), 6, 8),  # a prompt shorter than the sinks sits inside them
+    (CacheConfig("sink", 4, 160, 8, "none"), 56, 4),  # --pin none: the prompt is evictable
+    (CacheConfig("window", 4, 160, 8, "system"), 56, 0),  # only the sink policy keeps anything
+    (CacheConfig("dense", 4, 160, 8, "system"), 56, 0),
+])
+def test_pinned_slots_is_the_sinks_or_the_pinned_prompt(cfg, prefix, want):
+    assert pinned_slots(cfg, prefix) == want
+
+
+def test_an_eviction_into_the_pinned_prefix_unpins_what_it_took():
+    led = Ledger()
+    led.append(list(range(100)))
+    led.pinned = 56
+    led.evict(Eviction(56, 10))  # the sink policy: behind the prefix
+    assert led.pinned == 56
+    led.evict(Eviction(0, 10))  # the window policy: from slot 0, into the prompt
+    assert led.pinned == 0 and led.abs_index[0] == 10
+
+
+def test_eviction_runs_split_at_gaps_in_the_stream():
+    idx = [0, 1, 2, 3, 40, 41, 42, 90]
+    assert eviction_runs(idx, Eviction(0, 6)) == [Eviction(0, 4), Eviction(0, 2)]
+    assert eviction_runs(idx, Eviction(4, 4)) == [Eviction(4, 3), Eviction(4, 1)]
+    assert eviction_runs(idx, Eviction(1, 2)) == [Eviction(1, 2)]

@@ -271,3 +271,27 @@ def test_after_clear_the_gauge_judges_the_new_stream(word_tok, policy, holds):
     eng.stop_ids = set()
     gauges = [e for e in eng.generate(max_tokens=3) if isinstance(e, GaugeEvent)]
     assert gauges and all(g.holds_start is holds for g in gauges)
+
+
+def test_the_engine_counts_every_token_a_model_call_processed_and_the_caches_peak(word_tok):
+    """`Engine.processed` and `take_peak`, kept in `_forward`: prefill chunks, generated tokens (the last one too,
+    which has no text), nothing for a call Ctrl-C undid; the peak is the longest right after a call (the cache is
+    full then, before the next eviction makes room), not the length now."""
+    from sinkchat.apps.runlog import ForwardTally
+
+    eng = Engine(tiny_model(layers=1), word_tok, CacheConfig("sink", 4, 32, 8), SamplingConfig(temperature=0),
+                 gauge_every=0, prefill_chunk=8)
+    tally = ForwardTally.of(eng)
+    assert tally is not None and tally.tokens == 0 and eng.take_peak() == 0
+    list(eng.feed_ids(rand_ids(20)))
+    assert eng.processed == tally.tokens == 20 and eng.take_peak() == 20
+    after = [e.cache_len for e in eng.feed_ids(rand_ids(30, seed=1)) if type(e).__name__ == "PrefillEvent"]
+    assert eng.processed == 50 and eng.ledger.evicted > 0
+    assert max(after) > after[-1] == eng.cache.length  # the peak was not at the end
+    assert tally.take_peak() == max(after) and eng.take_peak() == eng.cache.length  # started over from now
+    done = [e for e in eng.generate(max_tokens=5) if type(e).__name__ == "DoneEvent"][0]
+    assert eng.processed == 50 + done.tokens == eng.ledger.seen
+    eng.model.model.layers[0].register_forward_hook(lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        list(eng.feed_ids([1, 2, 3]))
+    assert eng.processed == eng.ledger.seen  # the undone call counted nothing

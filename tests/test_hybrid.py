@@ -11,6 +11,7 @@ models) across many evictions, in multi-token chunks and single tokens:
   layers what their window sees in the stream. Exact: no layer's input depends on an evicted token otherwise.
 - shadow: for interleaved stacks, a cache that stores keys un-rotated and rotates them at use from scratch (fp64),
   per layer with that layer's RoPE (tests/shadow_cache.py, extended here with a local window layer).
+The rings' memory and what a Ctrl-C rollback may take back from them: tests/test_core_rings.py.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import torch
 import transformers as tf
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fakes import CharTokenizer, WordTokenizer
+from fakes import WordTokenizer
 from shadow_cache import ShadowLayer, rotate_at
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.engine import Engine
-from sinkchat.core.hybrid_cache import HybridKVCache, WindowLayer, make_cache
-from sinkchat.core.kv_cache import SinkKVCache, SinkLayer
+from sinkchat.core.hybrid_cache import HybridKVCache, make_cache
+from sinkchat.core.kv_cache import SinkKVCache
 from sinkchat.decode import select
 from sinkchat.model.spec import ModelSpec, UnsupportedModel, check_config
 
@@ -260,20 +261,6 @@ def test_interleaved_stacks_match_the_rotate_at_use_reference(build, cap, chunk)
         assert (k - lf.rotated_keys()).abs().max().item() <= TOL, i
 
 
-def test_ring_layers_hold_the_window_not_the_cache():
-    model = gemma3([S] * 5 + [F])
-    eng = engine(model, CacheConfig("sink", 4, 64, 6))
-    stream(eng, random_ids(200))
-    layers = eng.cache.layers
-    assert [type(layer) for layer in layers] == [WindowLayer] * 5 + [SinkLayer]
-    ring, glob = layers[0], layers[5]
-    assert ring.visible == 7 and glob.length == eng.cache.length
-    assert ring.capacity == 7 + 16  # keep + slack (the largest chunk was 7): under half the global layer's 64
-    assert eng.cache.nbytes == 5 * ring.nbytes + glob.nbytes
-    assert eng.cache.layout() == f"global 1 layer {eng.cache.length}/64, local 5 layers 7/7"
-    assert [layer.is_sliding for layer in layers] == [True] * 5 + [False]
-
-
 def test_the_status_line_and_stats_show_both_kinds_of_layers():
     """What a user sees: the KV figure of a hybrid model names its global and local layers (the ledger's
     length alone would hide that 5 of the 6 layers hold 7 tokens)."""
@@ -319,26 +306,6 @@ def test_a_cache_state_restores_the_rings():
     stream(a, ids[100:], singles=10)
     stream(b, ids[100:], singles=10)
     assert torch.equal(a.last_logits, b.last_logits)
-
-
-def test_an_interrupted_message_is_taken_back_only_while_the_rings_can_be():
-    model = gemma3([S, F])
-    eng = Engine(model, CharTokenizer(), CacheConfig("sink", 4, 200, 5), SamplingConfig(temperature=0),
-                 gauge_every=0, prefill_chunk=4)
-    list(eng.feed_ids(random_ids(30)))
-    before = [t.clone() for t in eng.cache.layers[0].live()]
-
-    def cut(after_events):
-        gen = eng.add_message("user", "abcdefghij" * 4)
-        for _ in range(after_events):
-            next(gen)
-        gen.close()
-
-    cut(1)  # one chunk of 4 in: the ring still holds the 7 tokens before the message
-    assert eng.message_taken_back and eng.cache.length == 30
-    assert all(torch.equal(x, y) for x, y in zip(before, eng.cache.layers[0].live()))
-    cut(12)  # several chunks in: the ring gave up the tokens before the message, like an eviction would
-    assert not eng.message_taken_back and eng.cache.length > 30
 
 
 def test_reconfigure_refuses_to_cross_the_local_window_mid_stream():

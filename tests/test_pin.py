@@ -115,3 +115,86 @@ def test_the_toolbar_and_stats_show_the_pin():
     con = Console(record=True, width=120)
     con.print(stats_table(s))
     assert f"pinned {p} + window {160 - p}" in con.export_text()
+
+
+def _pinned_keys(eng: Engine, p: int) -> list[torch.Tensor]:
+    return [layer.live()[0][:, :, :p].clone() for layer in eng.cache.layers]
+
+
+@pytest.mark.parametrize("command", ["/window 60", "/sinks 1", "reconfigure"])
+def test_shrinking_the_cache_live_keeps_the_pinned_prompt(command):
+    """/window, /sinks and `reconfigure` evict what no longer fits from behind the pinned prompt, never the prompt:
+    its ids, stream indices and keys (never moved, never re-rotated) stay, the ledger's count of pinned slots
+    stays true, and the engine goes on exactly as one that held the prompt as sinks and shrank the same way."""
+    from sinkchat.apps.chat.repl import lines_reader
+    from test_repl import make_loop
+
+    eng = engine()
+    chat(eng, 3)
+    p, block = eng.ledger.pinned, eng.encode(eng.conv.system_block())
+    assert p == len(block) == 56 and eng.cache.length > 140
+    keys, evicted = _pinned_keys(eng, p), eng.ledger.evicted
+    if command == "reconfigure":
+        eng.reconfigure(capacity=72)
+    else:
+        loop, _, err = make_loop(eng)
+        loop.run(lines_reader([command]))
+        assert "rror" not in err.getvalue(), err.getvalue()
+    cap = eng.cache_cfg.capacity
+    assert cap < 160 and eng.cache.length <= cap and eng.ledger.evicted > evicted
+    assert eng.ledger.pinned == p and eng.pinned_slots() == p
+    assert eng.ledger.ids[:p] == block and eng.ledger.abs_index[:p] == list(range(p))
+    assert all(torch.equal(a, b) for a, b in zip(keys, _pinned_keys(eng, p)))
+    as_sinks = engine(pin="none", n_sink=p)
+    chat(as_sinks, 3)
+    as_sinks.reconfigure(capacity=cap, evict_chunk=eng.cache_cfg.evict_chunk)  # derived from the sinks alone
+    chat(eng, 2)
+    chat(as_sinks, 2)
+    assert eng.ledger.ids == as_sinks.ledger.ids and eng.ledger.ids[:p] == block
+    torch.testing.assert_close(eng.last_logits, as_sinks.last_logits, rtol=0, atol=1e-5)
+
+
+def test_shrinking_below_the_pinned_prompt_plus_a_window_is_refused_and_changes_nothing():
+    eng = engine()
+    chat(eng, 2)
+    before = (eng.cache_cfg, eng.cache.length, list(eng.ledger.ids))
+    with pytest.raises(ConfigError, match="56 pinned tokens") as e:
+        eng.reconfigure(capacity=60)
+    assert "\n" not in str(e.value) and (eng.cache_cfg, eng.cache.length, eng.ledger.ids) == before
+
+
+def test_a_long_message_after_a_large_pinned_prompt_is_fed_in_chunks_that_fit():
+    """97 pinned slots of a 160-token cache leave 63 for the conversation: a 156-token message (shorter than the
+    prefill chunk of 256) must go in chunks of at most 63, not as one chunk that could only fit by evicting the
+    pinned prompt ("156 incoming tokens cannot fit a cache of 160 with 97 pinned")."""
+    eng = engine(system="x" * 87)
+    assert eng.prefill_chunk >= 156
+    block = eng.encode(eng.conv.system_block())
+    events = list(eng.add_message("user", "y" * 137))
+    p = eng.ledger.pinned
+    assert p == len(block) == 97 and eng.ledger.seen == 97 + 156
+    assert eng.ledger.ids[:p] == block and eng.ledger.abs_index[:p] == list(range(p))
+    fed = [e.tokens for e in events if type(e).__name__ == "PrefillEvent"]
+    assert fed[0] == 97 and max(fed[1:]) <= 160 - 97 and sum(fed) == 97 + 156  # the prompt, then the message
+    assert eng.cache.length <= 160 and eng.ledger.evicted == 156 + 97 - eng.cache.length
+    list(eng.generate())  # and the reply goes on from there
+    assert eng.ledger.ids[:p] == block
+
+
+def test_a_window_policy_that_evicts_the_prompt_unpins_it():
+    """`/policy window` evicts from slot 0, the prompt first: the ledger must stop counting it as pinned, or a
+    switch back to sink would freeze whatever conversation tokens then sit in those 56 slots (and the status line
+    would show a pinned prompt that is gone)."""
+    eng = engine()
+    chat(eng, 2)
+    eng.reconfigure(policy="window")
+    assert eng.ledger.pinned == 56  # nothing evicted yet: the prompt still sits at the front
+    chat(eng, 2)
+    assert eng.ledger.abs_index[0] > 0 and eng.ledger.pinned == 0
+    eng.reconfigure(policy="sink")
+    assert eng.pinned_slots() == 4
+    front = eng.ledger.abs_index[4]
+    chat(eng, 2)
+    assert eng.ledger.abs_index[4] > front  # slot 4 on is an ordinary window again
+    line = status_line(read_stats(eng, Metrics(), model_nbytes=0))
+    assert "pinned" not in line

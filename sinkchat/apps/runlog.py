@@ -18,47 +18,31 @@ from typing import Any, Callable
 
 
 class ForwardTally:
-    """Every token the model processed (fed or generated, an end-of-turn token too): the tokens of each model call
-    that completed (`Engine._forward`, through which every prefill chunk and every generated token passes), and the
-    longest the cache got right after one (the true peak: eviction makes room before a call, never during it).
+    """Every token the model processed (fed or generated, an end-of-turn token too) and the longest the cache got:
+    a view of the engine's own counters, `Engine.processed` and `Engine.take_peak`, kept in `Engine._forward`,
+    through which every prefill chunk and every generated token passes (an interrupted call raises and counts
+    nothing, as its tokens were taken back).
 
-    Why here: counting events misses tokens (a generated EOS has no TokenEvent; tokens fed between turns are in no
-    turn), and sampling `cache.length` now and then misses the peak of a task the agent then rewinds. A hook in
-    `core/engine.py` would be the natural home; until it has one, the tally wraps the engine's `_forward` once (an
-    interrupted call raises and counts nothing, as its tokens were taken back)."""
-
-    ATTR = "_forward_tally"
+    Why not count events: a generated EOS has no TokenEvent, tokens fed between turns are in no turn, and sampling
+    `cache.length` now and then misses the peak of a task the agent then rewinds."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.tokens = 0
-        self._peak = int(engine.cache.length)
-        inner = engine._forward
-
-        def counted(ids: Any, *args: Any, **kw: Any) -> Any:
-            out = inner(ids, *args, **kw)
-            self.tokens += len(ids)
-            self._peak = max(self._peak, int(self.engine.cache.length))
-            return out
-
-        engine._forward = counted
 
     @classmethod
     def of(cls, engine: Any) -> ForwardTally | None:
-        """The engine's tally, installed on first use; None for an engine double without a model call to count."""
-        tally = getattr(engine, "__dict__", {}).get(cls.ATTR)
-        if tally is None:
-            if not callable(getattr(engine, "_forward", None)) or not hasattr(getattr(engine, "cache", None), "length"):
-                return None
-            tally = cls(engine)
-            setattr(engine, cls.ATTR, tally)
-        return tally
+        """The engine's tally; None for an engine double that keeps no such counters (no model call to count)."""
+        if not isinstance(getattr(engine, "processed", None), int) or not callable(getattr(engine, "take_peak", None)):
+            return None
+        return cls(engine)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.engine.processed)
 
     def take_peak(self) -> int:
-        """The longest the cache was since the last call (or since the tally was installed); starts over from now."""
-        now = int(self.engine.cache.length)
-        peak, self._peak = max(self._peak, now), now
-        return peak
+        """The longest the cache was since the last call (or since the engine was built); starts over from now."""
+        return int(self.engine.take_peak())
 
 
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],

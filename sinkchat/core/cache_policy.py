@@ -10,8 +10,12 @@ therefore shifts every later slot (and its RoPE position) down by the block's si
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sinkchat.errors import UserError
+
+if TYPE_CHECKING:
+    from sinkchat.config import CacheConfig
 
 
 class ContextFull(UserError, RuntimeError):
@@ -54,6 +58,30 @@ def plan_eviction(
     return Eviction(start=pinned, count=count)
 
 
+def pinned_slots(cfg: CacheConfig, pinned_prefix: int) -> int:
+    """Leading slots that `cfg` never evicts: the sinks, or a pinned prefix of `pinned_prefix` slots (the system
+    prompt, which starts with the sinks) where it is longer and `cfg` pins it. Only the sink policy pins anything.
+    The one rule behind eviction, the prefill chunk and a live shrink: were one of them to count only the sinks, it
+    would evict the prompt (or feed a chunk that fits only by evicting it) while the ledger still says it is pinned."""
+    if cfg.policy != "sink":
+        return 0
+    return max(cfg.n_sink, pinned_prefix if cfg.pin == "system" else 0)
+
+
+def eviction_runs(abs_index: list[int], ev: Eviction) -> list[Eviction]:
+    """`ev` split into runs of consecutive stream positions, each starting where the previous one was (the slots
+    move down as each run goes): a block spanning a gap (the old sinks plus the oldest window tokens, right after
+    switching sink -> window) must never show as one range claiming everything in between."""
+    idx = abs_index[ev.start : ev.start + ev.count]
+    runs, n = [], 1
+    for a, b in zip(idx, idx[1:]):
+        if b != a + 1:
+            runs.append(Eviction(ev.start, n))
+            n = 0
+        n += 1
+    return runs + [Eviction(ev.start, n)]
+
+
 @dataclass
 class Ledger:
     """Token ids and absolute stream indices of the tokens in the cache, slot by slot.
@@ -82,7 +110,9 @@ class Ledger:
         self.seen += len(token_ids)
 
     def evict(self, ev: Eviction) -> tuple[list[int], int, int]:
-        """Drop the slots of `ev`; return (dropped ids, first absolute index, last absolute index + 1)."""
+        """Drop the slots of `ev`; return (dropped ids, first absolute index, last absolute index + 1). An eviction
+        that reaches into the pinned prefix (the window policy starts at slot 0) leaves only the part before it
+        pinned: the count must never claim slots that now hold other tokens."""
         end = ev.start + ev.count
         if ev.count <= 0 or end > len(self.ids):
             raise ValueError(f"bad eviction {ev} for {len(self.ids)} slots")
@@ -91,6 +121,7 @@ class Ledger:
         del self.ids[ev.start : end]
         del self.abs_index[ev.start : end]
         self.evicted += ev.count
+        self.pinned = min(self.pinned, ev.start)
         return dropped, first, last
 
     def truncate(self, length: int) -> None:

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
-from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, plan_eviction
+from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.core.gauge import SinkGauge
 from sinkchat.core.interrupts import deferred_sigint
 from sinkchat.core.hybrid_cache import local_layout, make_cache
-from sinkchat.core.kv_cache import SinkKVCache
+from sinkchat.core.kv_cache import SinkKVCache, resolve_kv_dtype
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
@@ -88,6 +88,8 @@ class Engine:
         self.stop_ids = stop_ids(tokenizer, model)
         self.plain = PlainCompletion.detect(tokenizer, self.stop_ids)  # no chat template: says so once (stderr)
         self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
+        self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
+        self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
         self._pinned_prefix()  # a system prompt too large to pin: one line now, not at the first message
 
     @property
@@ -125,7 +127,15 @@ class Engine:
             if record is not None:
                 record.extend(ids)
             self.last_logits = logits[-1].float()
+            self.processed += len(ids)
+            self._peak = max(self._peak, self.cache.length)
         return logits
+
+    def take_peak(self) -> int:
+        """The longest the cache was since the last call (the true peak: eviction makes room before a model call,
+        never during one, so right after each call is when it is longest); starts over from now."""
+        peak, self._peak = max(self._peak, self.cache.length), self.cache.length
+        return peak
 
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         """One model call: the fast step for a single token when the model allows it, the step's chunk path for
@@ -159,15 +169,7 @@ class Engine:
         """Drop the slots of `ev`: one event per run of consecutive stream positions, so that a block spanning a gap
         (the old sinks plus the oldest window tokens, right after switching sink -> window) never shows as one
         range that claims everything in between."""
-        runs, idx = [], self.ledger.abs_index[ev.start : ev.start + ev.count]
-        n = 1
-        for a, b in zip(idx, idx[1:]):
-            if b != a + 1:
-                runs.append(n)
-                n = 0
-            n += 1
-        runs.append(n)
-        return [self._evict_run(Eviction(ev.start, r)) for r in runs]  # each run starts where the last one was
+        return [self._evict_run(run) for run in eviction_runs(self.ledger.abs_index, ev)]
 
     def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
@@ -190,11 +192,10 @@ class Engine:
     def max_chunk(self) -> int:
         return max(1, min(self.prefill_chunk, self.cache_cfg.capacity - self.pinned_slots()))
 
-    def pinned_slots(self) -> int:
-        """Leading slots the policy never evicts: the sinks, or the pinned system prompt where it is longer (which
-        starts with them: it is the first thing fed). Only the sink policy pins anything."""
-        c = self.cache_cfg
-        return max(c.n_sink, self.ledger.pinned) if c.policy == "sink" else 0
+    def pinned_slots(self, cfg: CacheConfig | None = None) -> int:
+        """Leading slots the policy (`cfg`: the current one, or one about to be applied) never evicts: the sinks, or
+        the pinned system prompt where it is longer (`cache_policy.pinned_slots`)."""
+        return pinned_slots(cfg or self.cache_cfg, self.ledger.pinned)
 
     def _pinned_prefix(self) -> str:
         """The system block to pin before the next message (`--pin system`), or "" when nothing is to be pinned:
@@ -362,7 +363,7 @@ class Engine:
         if excess > 0:
             if new.policy == "dense":
                 raise ConfigError(f"the cache holds {self.cache.length} tokens, more than --cache {new.capacity}")
-            pinned = max(new.n_sink, self.ledger.pinned) if new.policy == "sink" else 0
+            pinned = self.pinned_slots(new)
             if new.capacity - pinned < 8:
                 raise ConfigError(f"--cache {new.capacity} cannot hold the {pinned} pinned tokens plus a window")
             events.extend(self._evict(Eviction(pinned, excess)))
@@ -395,10 +396,3 @@ class Engine:
     def set_sampling(self, **changes: Any) -> None:
         self.sampler.reconfigure(**changes)
 
-
-def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:
-    """auto: bf16 with the fast step (half the bytes attention reads per token; the ppl cost is in the README),
-    else the model's own floating dtype."""
-    if name == "auto" and not fast:
-        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]

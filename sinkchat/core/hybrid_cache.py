@@ -63,6 +63,11 @@ class WindowLayer(CacheLayerMixin):
     def visible(self) -> int:
         return min(self.end - self.floor, self.keep)
 
+    @property
+    def lo(self) -> int:
+        """The first visible slot: the visible ones are [lo, end)."""
+        return self.end - self.visible
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         self._alloc(key_states, value_states, self.keep + max(key_states.shape[-2], self.slack))
@@ -79,8 +84,7 @@ class WindowLayer(CacheLayerMixin):
         """Room for `q` more slots: move the visible ones to the front (or into a larger buffer)."""
         if self.end + q <= self.capacity:
             return
-        n = self.visible
-        src = self.end - n
+        n, src = self.visible, self.lo
         k, v = self.keys[:, :, src : self.end], self.values[:, :, src : self.end]  # [B, H_kv, n, D]
         if n + q > self.capacity:  # a chunk larger than any before: grow once
             old_k, old_v = k, v
@@ -100,7 +104,7 @@ class WindowLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         self._make_room(q, self.scratch or Scratch())
-        lo = self.end - self.visible
+        lo = self.lo  # before the append: what the new tokens see besides each other
         self.keys[:, :, self.end : self.end + q] = key_states
         self.values[:, :, self.end : self.end + q] = value_states
         self.end += q
@@ -131,7 +135,7 @@ class WindowLayer(CacheLayerMixin):
         self.length -= count
         if not self.is_initialized:
             return
-        lo = self.end - self.visible
+        lo = self.lo
         self.dropped += lo - self.floor
         self.floor = lo
         if rope is None or lo == self.end:
@@ -164,8 +168,24 @@ class WindowLayer(CacheLayerMixin):
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the visible keys and values [B, H_kv, visible, D]."""
-        lo = self.end - self.visible
-        return self.keys[:, :, lo : self.end], self.values[:, :, lo : self.end]
+        return self.keys[:, :, self.lo : self.end], self.values[:, :, self.lo : self.end]
+
+    def next_slot_views(self, scratch: Scratch) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a token written in place (the native step): room for it, then views of the visible slots plus its
+        own, last ([B, H_kv, visible + 1, D], always inside the buffer); `advance(1)` then counts it."""
+        self._make_room(1, scratch)
+        return self.keys[:, :, self.lo : self.end + 1], self.values[:, :, self.lo : self.end + 1]
+
+    def advance(self, n: int) -> None:
+        """Count `n` tokens written in place after the held ones (one, where `next_slot_views` made room)."""
+        self.length += n
+        self.end += n
+
+    def restored(self, length: int) -> None:
+        """After `load_state` wrote the saved visible slots: the current position is the global `length`, and a ring
+        saved full may have dropped older tokens, so a rollback past its window is refused."""
+        self.length = length
+        self.dropped = int(self.visible >= self.keep)
 
     @property
     def nbytes(self) -> int:
@@ -217,28 +237,15 @@ class HybridKVCache(SinkKVCache):
             if not layer.is_initialized:
                 empty = torch.empty(1, n_kv, 0, head_dim, device=device, dtype=dtype)  # [B, H_kv, 0, D]
                 layer.lazy_initialization(empty, empty)
-        keys, values = [], []
-        for layer in self.layers:
-            if isinstance(layer, WindowLayer):
-                layer._make_room(1, self.scratch)
-                lo = layer.end - layer.visible
-                keys.append(layer.keys[:, :, lo : layer.end + 1])
-                values.append(layer.values[:, :, lo : layer.end + 1])
-            else:
-                keys.append(layer.keys)
-                values.append(layer.values)
-        return keys, values
+        views = [layer.next_slot_views(self.scratch) if isinstance(layer, WindowLayer) else (layer.keys, layer.values)
+                 for layer in self.layers]
+        return [k for k, _ in views], [v for _, v in views]
 
     def advance(self, n: int) -> None:
         """Count `n` tokens written in place (one: only `buffers` made room in the rings)."""
         if n != 1 and self.rings:
             raise RuntimeError("a hybrid cache's rings take one token written in place at a time")
-        if self.length + n > self.capacity:
-            raise RuntimeError(f"KV cache overflow ({self.length + n} > {self.capacity}): evict first")
-        for layer in self.layers:
-            layer.length += n
-            if isinstance(layer, WindowLayer):
-                layer.end += n
+        super().advance(n)
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """`SinkKVCache.load_state`, then each ring learns the current position. A ring saved full may have
@@ -246,8 +253,7 @@ class HybridKVCache(SinkKVCache):
         super().load_state(state)
         for layer in self.layers:
             if isinstance(layer, WindowLayer):
-                layer.length = self.length
-                layer.dropped = int(layer.visible >= layer.keep)
+                layer.restored(self.length)
 
     def layout(self) -> str:
         """For status lines: "global 6 layers 1024/1024, local 20 layers 511/511" (a ring's visible tokens out of

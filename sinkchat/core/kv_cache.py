@@ -13,6 +13,7 @@ most capacity / evict_chunk times before it leaves the cache, and sinks (slots <
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -116,6 +117,10 @@ class SinkLayer(CacheLayerMixin):
             self.values[:, :, start : start + n].copy_(scratch.take("same", v).copy_(v))
         self.length -= count
 
+    def advance(self, n: int) -> None:
+        """Count `n` slots written in place after the live ones (the cache checked the room)."""
+        self.length += n
+
     def truncate(self, length: int) -> None:
         """Forget slots >= length (stale data past `length` is overwritten by the next update)."""
         self.length = min(self.length, length)
@@ -192,7 +197,7 @@ class SinkKVCache(Cache):
         if self.length + n > self.capacity:
             raise RuntimeError(f"KV cache overflow ({self.length + n} > {self.capacity}): evict first")
         for layer in self.layers:
-            layer.length += n
+            layer.advance(n)
 
     def reset(self) -> None:
         for layer in self.layers:
@@ -235,3 +240,11 @@ class SinkKVCache(Cache):
                 raise ValueError(f"snapshot layer {i} has shape {tuple(k.shape)}, cache expects {tuple(layer.keys.shape)}")
             layer.reset()
             layer.update(k.to(layer.keys.dtype), v.to(layer.values.dtype))
+
+
+def resolve_kv_dtype(name: str, fast: bool, model: Any) -> torch.dtype:
+    """What the cache buffers store. auto: bf16 with the fast step (half the bytes attention reads per token; the
+    ppl cost is in the README), else the model's own floating dtype."""
+    if name == "auto" and not fast:
+        return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
