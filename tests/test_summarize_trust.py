@@ -384,6 +384,9 @@ def test_true_sentences_about_severities_and_quotes_of_a_line_are_kept():
     assert problems("No errors were found.", clean, echo) == ([], None)
     assert problems("In two or three plain sentences, tell a system administrator what happened.", support,
                     echo) == ([], "echoed the question")
+    # the digest's templates as the question shows them, copied back with the slots' stars
+    assert problems('2025/03/01 11:00:02 [9] "upstream * while reading" (...)', support, echo)[1] == \
+        "echoed the question"
 
 
 def test_text_in_any_script_after_a_binary_line_is_still_text():

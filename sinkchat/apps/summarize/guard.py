@@ -37,6 +37,7 @@ TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
 VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
 ECHO_GRAM = 3  # word n-grams shared with the question that mark a sentence as copied from it ...
 ECHO_SHARE = 0.5  # ... when they cover at least this share of its words
+_WILDCARD_RE = re.compile(r"<\*>|(?:^|[\s\"'(])\*(?=[\s\"')]|$)")  # a template's slot, as the question shows it
 _UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
@@ -220,7 +221,7 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
     """Why a model sentence may not be shown: (unsupported claims and words, another reason or None)."""
     if _UNREADABLE_RE.search(sentence):
         return [], "unreadable characters"
-    if echo(sentence):
+    if echo(sentence) or _WILDCARD_RE.search(sentence):  # the digest's "status * libfoo *" copied back
         return [], "echoed the question"
     bad = unsupported(sentence, support) + contradicted(sentence, support)
     bad += [w for w in unbacked_words(sentence, support) if not any(w in b.lower() for b in bad)]  # not "nginx"
