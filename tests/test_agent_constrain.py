@@ -6,19 +6,20 @@ are still fed back as errors. Plus: a fresh cache region per task, and a copied 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
+import llguidance  # noqa: F401 - a required dependency: a broken install fails these tests, never skips them
 import pytest
 import torch
 
-pytest.importorskip("llguidance")
+from sinkchat.apps.agent.agent import Agent, build_default_tools
+from sinkchat.apps.agent.constrain import LlguidanceMissing, ToolCallConstraint, build_constraint
+from sinkchat.apps.agent.protocol import FEW_SHOT, AgentErrorEvent, ModelTextEvent, parse_reply
+from sinkchat.apps.agent.tools.workspace import Workspace
+from sinkchat.core.events import DoneEvent, TokenEvent
 
-from sinkchat.apps.agent.agent import Agent, build_default_tools  # noqa: E402
-from sinkchat.apps.agent.constrain import ToolCallConstraint, build_constraint  # noqa: E402
-from sinkchat.apps.agent.protocol import FEW_SHOT, AgentErrorEvent, ModelTextEvent, parse_reply  # noqa: E402
-from sinkchat.apps.agent.tools.workspace import Workspace  # noqa: E402
-from sinkchat.core.events import DoneEvent, TokenEvent  # noqa: E402
-
-from fakes import ScriptedEngine, tiny_model  # noqa: E402
+from fakes import ScriptedEngine, tiny_model
 
 
 def make_engine(tok, temperature=1.0, seed=0, max_tokens=160, capacity=2048):
@@ -127,9 +128,14 @@ def test_unconstrained_recovery_still_works(tok, tmp_path):
     assert sum(c.startswith("Tool error") for c in fed) >= 3
 
 
-def test_scripted_engine_without_processors_runs_unconstrained(tmp_path):
+def test_scripted_engine_without_processors_runs_unconstrained(tmp_path, caplog):
+    """Where the constraint cannot work the run goes on unconstrained, and a WARNING (stderr under the CLI's
+    logging) says so, naming the flag it is then equivalent to; it was an info line nobody saw."""
     eng = ScriptedEngine(['{"tool": "clock" "args": {}}', '{"tool": "clock", "args": {}}', '{"final": "noon"}'])
-    agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)), tmp_path / "ws")
+    with caplog.at_level(logging.WARNING, logger="sinkchat.apps.agent.constrain"):
+        agent = Agent(eng, build_default_tools(Workspace(tmp_path / "ws", create=True)), tmp_path / "ws")
+    said = [r for r in caplog.records if r.name == "sinkchat.apps.agent.constrain"]
+    assert [r.levelno for r in said] == [logging.WARNING] and "--no-constrain" in said[0].getMessage()
     assert agent.constraint is None and build_constraint(eng, [], False) is None
     list(agent.run("time?", 5))
     assert agent.counts.unusable == 1 and agent.counts.calls_ok == 1 and agent.counts.finals == 1
@@ -201,3 +207,40 @@ def test_a_token_the_grammar_refuses_ends_the_reply(tok, box, caplog):
     allowed = torch.isfinite(out[0]).nonzero().flatten().tolist()
     assert allowed and set(allowed) <= set(eng.stop_ids)
     assert sum("ending this reply" in r.getMessage() for r in caplog.records) == 1
+
+
+def _hide_llguidance(monkeypatch):
+    """A broken install: `import llguidance` raises ImportError."""
+    for name in [m for m in sys.modules if m == "llguidance" or m.startswith("llguidance.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "llguidance.hf", None)
+
+
+def test_a_missing_llguidance_is_an_error_not_a_silent_unconstrained_run(tok, box, tmp_path, monkeypatch):
+    """llguidance is required: without it the agent refuses to start with one line naming the fix (reinstall, or
+    --no-constrain), rather than running unconstrained (0 valid calls in a 54-step soak) with an info log line."""
+    eng = make_engine(tok, max_tokens=8)
+    _hide_llguidance(monkeypatch)
+    with pytest.raises(LlguidanceMissing) as e:
+        Agent(eng, box, tmp_path / "ws")
+    msg = str(e.value)
+    assert "\n" not in msg and "--no-constrain" in msg and "reinstall" in msg and e.value.exit_code == 1
+    assert Agent(eng, box, tmp_path / "ws", constrain=False).constraint is None  # the flag it names works without it
+
+
+def test_cli_without_llguidance_says_so_in_one_error_line(tok, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import sinkchat.apps.agent.command as agent_mod
+
+    root = tmp_path / "ws"
+    root.mkdir()
+    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: make_engine(tok, max_tokens=8))
+    _hide_llguidance(monkeypatch)
+    args = ["what time is it?", "--workspace", str(root), "--max-steps", "1", "--no-log"]
+    res = CliRunner().invoke(agent_mod.agent_command, args)
+    assert res.exit_code == 1, res.output
+    errors = [ln for ln in res.output.splitlines() if ln.startswith("Error:")]
+    assert len(errors) == 1 and "llguidance" in errors[0] and "--no-constrain" in errors[0], res.output
+    res = CliRunner().invoke(agent_mod.agent_command, args + ["--no-constrain"])
+    assert res.exit_code == 3 and "Error:" not in res.output and "unconstrained" in res.output, res.output

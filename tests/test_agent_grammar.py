@@ -10,19 +10,20 @@ from __future__ import annotations
 import json
 import random
 
+import llguidance  # noqa: F401 - a required dependency: a broken install fails these tests, never skips them
+import numpy as np
 import pytest
+import torch
 
-pytest.importorskip("llguidance")
+from sinkchat.apps.agent.agent import build_default_tools
+from sinkchat.apps.agent.constrain import MIN_FREE_TOKENS, ToolCallConstraint
+from sinkchat.apps.agent.grammar import scan_workspace
+from sinkchat.apps.agent.protocol import parse_reply
+from sinkchat.apps.agent.tools.schema import Arg, ToolError, coerce, tool, tool_from_function
+from sinkchat.apps.agent.tools.workspace import Workspace
+from sinkchat.core.events import DoneEvent
 
-from sinkchat.apps.agent.agent import build_default_tools  # noqa: E402
-from sinkchat.apps.agent.constrain import MIN_FREE_TOKENS, ToolCallConstraint  # noqa: E402
-from sinkchat.apps.agent.grammar import scan_workspace  # noqa: E402
-from sinkchat.apps.agent.protocol import parse_reply  # noqa: E402
-from sinkchat.apps.agent.tools.schema import Arg, ToolError, coerce, tool, tool_from_function  # noqa: E402
-from sinkchat.apps.agent.tools.workspace import Workspace  # noqa: E402
-from sinkchat.core.events import DoneEvent  # noqa: E402
-
-from fakes import tiny_model  # noqa: E402
+from fakes import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +221,93 @@ def test_the_calculator_is_offered_arithmetic_only(tok, tmp_path):
     for good in ("(3 + 4) * 2 ** 3", "sqrt(2) * pi", "1015 / 7", ".5 * 2", "round(10 / 3)", "2^10"):
         assert accepts(con, tok, call("calculator", expression=good)), good
         calculator(good)  # the tool takes it (a ToolError would fail the test)
+
+
+@pytest.fixture(scope="module")
+def pieces(tok):
+    """Each token's text, and the ids of each text (for a model that writes one chosen text, piece by piece)."""
+    texts = [tok.decode([i]) for i in range(len(tok))]
+    by_text: dict[str, list[int]] = {}
+    for i, t in enumerate(texts):
+        if t and i > 2:
+            by_text.setdefault(t, []).append(i)
+    return texts, by_text
+
+
+def _wilful(con, pieces, target, budget, reference=None):
+    """Generate under `con` as the slowest stubborn model would: each step the shortest allowed token that continues
+    `target` (a target that never ends: it does not close by itself), else the first allowed token. Returns the
+    text, whether it ended with EOS within `budget`, and per step whether `con` masked more than `reference` (the
+    same grammar with no budget) allowed."""
+    texts, by_text = pieces
+    ids: list[int] = []
+    out, shaped = "", []
+    for _ in range(budget):
+        allowed = torch.isfinite(con(ids, torch.zeros(len(texts)))).numpy()
+        if reference is not None:
+            shaped.append(bool((torch.isfinite(reference(ids, torch.zeros(len(texts)))).numpy() != allowed).any()))
+        rest = target[len(out):] if target.startswith(out) else ""
+        ends = [rest[:k] for k in range(1, min(len(rest), 16) + 1)]
+        cand = [i for t in ends for i in by_text.get(t, []) if allowed[i]]
+        nxt = cand[0] if cand else int(np.flatnonzero(allowed)[0])
+        ids.append(nxt)
+        if nxt == 2:
+            return out, True, shaped
+        out += texts[nxt]
+    return out, False, shaped
+
+
+def test_the_closing_reserve_fits_the_longest_path_a_call_can_name(tok, pieces, tmp_path):
+    """The reserve is sized from each enum's LONGEST value: a stubborn model reading the one 120-character file of a
+    workspace (beside a short one) at the smallest budget still closes its call. Sized from the shortest value the
+    budget was 59 and the reply was cut mid-path at 59 of 59 tokens."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    long = ("quarterly_sales_report_for_the_northern_region_" * 3)[:116] + ".txt"
+    assert len(long) == 120
+    (root / long).write_text("x")
+    (root / "a.txt").write_text("a")
+    con, box = constraint(tok, root)
+    con.begin(budget=1)
+    target = call("read_file", path=long)
+    text, ended, _ = _wilful(con, pieces, target + " " * 200, con.budget)  # the model would go on: it is closed
+    assert ended and text == target, (con.budget, con.reserve, text)
+    box.validate("read_file", parse_reply(text).args)
+
+
+def test_the_closing_starts_exactly_where_the_reserve_says(tok, pieces, tmp_path):
+    """A stubborn model writing a long file content: every token before `budget - reserve` is the grammar's own
+    mask, the closing shapes the mask from that token on (not one later: the reserve would be one short; not
+    earlier: a token of free text lost), and the call still closes within the budget."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    con, _ = constraint(tok, root)
+    free, _ = constraint(tok, root)
+    free.begin()
+    con.begin(budget=con.reserve + 80)  # 80 free tokens: the closing starts inside the content string
+    assert con.closing_at == con.budget - con.reserve == 80
+    text, ended, shaped = _wilful(con, pieces, call("write_file", path="b.txt", content="x" * 500), con.budget,
+                                  reference=free)
+    start = con.budget - con.reserve
+    assert ended and len(shaped) <= con.budget, text
+    assert shaped.index(True) == start and not any(shaped[:start]), shaped
+    assert parse_reply(text).args["path"] == "b.txt" and text.startswith(call("write_file", path="b.txt")[:-2])
+
+
+def test_a_sibling_folder_sharing_the_workspace_prefix_is_never_offered(tok, tmp_path):
+    """`/ws2` beside `/ws`: its name starts with the workspace's, but it is outside; links to it (a folder, a file)
+    are neither listed nor accepted by the grammar (a prefix check without the separator would offer them)."""
+    root, sibling = tmp_path / "ws", tmp_path / "ws2"
+    (sibling / "inner").mkdir(parents=True)
+    (sibling / "secret.txt").write_text("s")
+    root.mkdir()
+    (root / "a.txt").write_text("a")
+    (root / "to_sib").symlink_to(sibling)
+    (root / "sib_file").symlink_to(sibling / "secret.txt")
+    view = scan_workspace(root)
+    assert view.files == ("a.txt",) and view.dirs == (".",), view
+    con, _ = constraint(tok, root)
+    assert accepts(con, tok, call("read_file", path="a.txt"))
+    for name, path in (("read_file", "sib_file"), ("read_file", "to_sib/secret.txt"), ("list_dir", "to_sib"),
+                       ("list_dir", "to_sib/inner")):
+        assert not accepts(con, tok, call(name, path=path)), (name, path)

@@ -72,7 +72,6 @@ def test_a_wrong_copy_is_caught_against_the_source_file(ws):
 
 
 def test_a_new_path_is_never_an_existing_one(bundled, ws):
-    pytest.importorskip("llguidance")
     from sinkchat.apps.agent.verify import TaskCheck
 
     tok = bundled.tokenizer
@@ -212,7 +211,6 @@ def test_a_policy_denial_says_who_denied_and_the_tool_is_no_longer_offered(bundl
     fed = [c.splitlines()[0] for r, c, _ in eng.fed[1:3]]  # then the protocol reminder (unconstrained)
     assert fed == [f"Tool error (shell): {why}. shell is refused every time in this run: do not call it again"] * 2
     assert not any("user denied" in c for _, c, _ in eng.fed)
-    pytest.importorskip("llguidance")
     agent = Agent(scripted_real(bundled, []), build_default_tools(root, allow_shell=True), root, approve=approve)
     assert accepts(agent.constraint, bundled.tokenizer, call("shell", command="ls"))
     list(agent._act(1, Parsed("call", name="shell", args={"command": "ls"})))

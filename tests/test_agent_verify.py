@@ -155,7 +155,6 @@ def accepts(con, tok, text, require_call=False):
 
 
 def test_the_final_answer_grammar_offers_only_numbers_the_tools_returned(bundled, ws):
-    pytest.importorskip("llguidance")
     tok = bundled.tokenizer
     eng = scripted_real(bundled, [call("read_file", path="config.json"), final("8443")])
     agent = Agent(eng, build_default_tools(ws), ws)
@@ -172,7 +171,6 @@ def test_the_final_answer_grammar_offers_only_numbers_the_tools_returned(bundled
 def test_a_write_task_grammar_writes_only_its_file_with_a_number_the_tools_gave(bundled, ws):
     """write_file is offered only once a tool gave a number, only for total.txt and only with such a number; while
     total.txt is missing a call is required (no final answer offered)."""
-    pytest.importorskip("llguidance")
     from sinkchat.apps.agent.verify import TaskCheck
 
     tok = bundled.tokenizer

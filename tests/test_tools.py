@@ -246,6 +246,52 @@ def test_workspace_resolve_rejects_nul_and_types(tmp_path):
     assert ws.resolve(".", kind="dir") == ws.root
 
 
+def test_a_sibling_folder_sharing_the_workspace_prefix_is_outside(tmp_path):
+    """`/ws2` beside `/ws` starts with the same characters but is outside the jail: reached through `..` or a link,
+    every tool refuses it (a prefix check without the separator would let it through)."""
+    (tmp_path / "ws2").mkdir()
+    (tmp_path / "ws2" / "secret.txt").write_text(SECRET)
+    ws = Workspace(tmp_path / "ws", create=True)
+    os.symlink(tmp_path / "ws2", ws.root / "to_sib")
+    os.symlink(tmp_path / "ws2" / "secret.txt", ws.root / "sib_file")
+    box = build_default_tools(ws)
+    for path in ("../ws2/secret.txt", "to_sib/secret.txt", "sib_file", str(tmp_path / "ws2" / "secret.txt")):
+        with pytest.raises(ToolError, match="refused"):
+            ws.resolve(path)
+        r = box.call("read_file", {"path": path})
+        assert not r.ok and SECRET not in r.text, path
+    assert not box.call("list_dir", {"path": "to_sib"}).ok
+    assert not box.call("write_file", {"path": "to_sib/new.txt", "content": "x"}).ok
+    assert sorted(p.name for p in (tmp_path / "ws2").iterdir()) == ["secret.txt"]
+
+
+def test_the_tools_package_has_no_import_circle_even_for_type_hints():
+    """tests/test_layout.py skips `if TYPE_CHECKING:` imports (they never run); here they count too, so the
+    schema <-> workspace circle (schema typed its injected workspace by importing it) cannot come back."""
+    import ast
+
+    import sinkchat.apps.agent.tools as pkg
+
+    graph: dict[str, set[str]] = {}
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        deps = graph.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sinkchat.apps.agent.tools."):
+                deps.add(node.module.rsplit(".", 1)[1])
+    assert "workspace" in graph["file_stats"] and "schema" in graph["workspace"]  # the walk sees real imports
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += graph.get(n, ())
+        return seen
+
+    assert [m for m in graph if m != "__init__" and m in reach(m)] == []
+
+
 # ------------------------------------------------------------------------------------------------ stopping timed-out calls
 def _gone(pid: int, wait: float = 3.0) -> bool:
     """True once `pid` no longer runs (exited, or a zombie nobody has reaped yet)."""
@@ -378,6 +424,9 @@ def test_counting_and_column_tools(env):
     assert box.call("column_sum", {"path": "t.csv", "column": "amount"}).text == "8.5"
     assert box.call("column_max", {"path": "t.csv", "column": "Amount"}).text == "10"
     assert box.call("column_min", {"path": "t.csv", "column": "amount"}).text == "-4"
+    assert box.tools["column_max"].description == "The largest (maximum) value of a column of a CSV file."
+    assert [p.description for p in box.tools["column_min"].params] == [
+        "CSV file path relative to the workspace", "the column name"]
     r = box.call("column_sum", {"path": "t.csv", "column": "price"})
     assert not r.ok and "name,Amount,note" in r.text
     assert not box.call("column_sum", {"path": "t.csv", "column": "note"}).ok  # no numbers

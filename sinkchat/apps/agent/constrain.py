@@ -35,11 +35,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from sinkchat.apps.agent.grammar import (  # noqa: F401 - re-exported: the grammar's knobs live there
-    FINAL_CHARS, MAX_PATHS, SEPARATORS, STRING_CHARS, TaskContext, WorkspaceView, json_protocol_lark,
-    json_protocol_schema, native_protocol_lark, scan_workspace, shortest_calls,
+from sinkchat.apps.agent.grammar import (
+    STRING_CHARS, TaskContext, WorkspaceView, json_protocol_lark, json_protocol_schema, native_protocol_lark,
+    scan_workspace, shortest_calls,
 )
 from sinkchat.apps.agent.tools.schema import Tool
+from sinkchat.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,26 @@ _TOKEN_INFO: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = 
 
 
 class ConstraintUnavailable(Exception):
-    """The grammar cannot be used here (no llguidance, a tokenizer it cannot read); the agent runs unconstrained."""
+    """The grammar cannot be used with this engine or tokenizer (one llguidance cannot read, an engine whose
+    generate() takes no processors): the agent runs unconstrained, and `build_constraint` warns on stderr."""
+
+
+class LlguidanceMissing(UserError):
+    """llguidance, a required dependency, cannot be imported: a broken install, shown as one `Error:` line.
+
+    Why an error and not a warning: unconstrained, the bundled model wrote 0 valid calls in a 54-step soak, so a
+    run that went on would fail every task, its one hint buried in the log (it was an info line nobody saw). The
+    user fixes the install, or says `--no-constrain` and gets exactly that, knowingly. (A tokenizer llguidance
+    cannot read is different: reinstalling fixes nothing there, so that is a warning and the run goes on.)"""
 
 
 def _lltokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
     try:
         import llguidance.hf
     except ImportError as e:
-        raise ConstraintUnavailable(f"llguidance is not installed ({e})") from None
+        raise LlguidanceMissing(f"llguidance, which constrains the agent's tool calls, cannot be imported ({e}): "
+                                "reinstall sinkchat (pip install 'llguidance>=1.0,<2'), or run with --no-constrain"
+                                ) from None
     key = (id(tokenizer), vocab)
     if key not in _LLTOKENIZERS:
         try:
@@ -111,7 +124,6 @@ class ToolCallConstraint:
         self.active = True
         self.budget: int | None = None  # this reply's token limit (None: no closing)
         self._n = 0  # masks computed in this reply
-        self.closed_early = 0  # replies that reached the closing reserve (all replies)
         self.tokens = 0  # masks computed (all replies)
         self.seconds = 0.0  # time spent computing and applying them (and re-reading the workspace listing)
         self._ninf: torch.Tensor | None = None
@@ -184,6 +196,13 @@ class ToolCallConstraint:
         self.budget = None if budget is None or self.native else max(budget, self.reserve + MIN_FREE_TOKENS)
 
     @property
+    def closing_at(self) -> int | None:
+        """The index (0-based) of this reply's first token the closing rule shapes: the last `reserve` tokens of
+        the budget (None: no budget, no closing). The one place that says where closing starts, so the reserve
+        that `_reserve` sizes is exactly what the reply gets."""
+        return None if self.budget is None else self.budget - self.reserve
+
+    @property
     def complete(self) -> bool:
         """The reply so far is a whole call or answer."""
         return self.matcher.is_accepting()
@@ -199,7 +218,7 @@ class ToolCallConstraint:
         self._pending = True
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(np.bool_)
-        if self.budget is not None and self.budget - self._n <= self.reserve:
+        if self.closing_at is not None and self._n >= self.closing_at:
             allowed = self._closing(allowed)
         self._n += 1
         mask = torch.from_numpy(allowed).to(logits.device)
@@ -228,8 +247,7 @@ class ToolCallConstraint:
     def _closing(self, allowed: np.ndarray) -> np.ndarray:
         """The reply is in its last `reserve` tokens: only closing tokens (those with a `"` first: in a string `}`
         is text, `"` ends it), else the one longest allowed token."""
-        if self.budget is not None and self.budget - self._n == self.reserve:
-            self.closed_early += 1
+        if self._n == self.closing_at:
             log.debug("tool grammar: closing the reply at token %d of %d", self._n, self.budget)
         closing = allowed & self._closer
         if closing.any():
@@ -242,8 +260,9 @@ class ToolCallConstraint:
 
 def build_constraint(engine: Any, tools: list[Tool], native: bool,
                      workspace: Path | None = None) -> ToolCallConstraint | None:
-    """The constraint for this engine, or None (logged) where it cannot work: an engine double whose `generate`
-    takes no processors, a tokenizer llguidance cannot read, no llguidance."""
+    """The constraint for this engine, or None where it cannot work (an engine whose `generate` takes no
+    processors, a tokenizer llguidance cannot read): then one warning on stderr says the run is unconstrained, as
+    with --no-constrain. No llguidance at all is a broken install: LlguidanceMissing (a one-line error)."""
     import inspect
 
     try:
@@ -256,6 +275,6 @@ def build_constraint(engine: Any, tools: list[Tool], native: bool,
         if not eos:
             raise ConstraintUnavailable("the tokenizer has no end-of-reply token")
         return ToolCallConstraint(tok, tools, vocab, eos, native, workspace=workspace)
-    except (ConstraintUnavailable, ImportError, TypeError, ValueError) as e:
-        log.info("tool calls are not constrained: %s", e)
+    except (ConstraintUnavailable, TypeError, ValueError) as e:
+        log.warning("tool calls are not constrained (as with --no-constrain): %s", e)
         return None

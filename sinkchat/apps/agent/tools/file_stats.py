@@ -14,6 +14,7 @@ import csv
 import io
 import os
 import re
+from typing import Callable
 
 from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 from sinkchat.apps.agent.tools.search_text import PATTERN_CHARS
@@ -91,37 +92,26 @@ def count_matches(pattern: str, path: str, *, workspace: Workspace) -> str:
     return _num(sum(1 for line in _text(path, workspace).splitlines() if rx.search(line)))
 
 
-@tool(args=CSV_COLUMN)
-def column_sum(path: str, column: str, *, workspace: Workspace) -> str:
-    """The sum (total) of a column of a CSV file.
+def _column_tool(name: str, fold: Callable[[list[float]], float], what: str) -> Callable[..., str]:
+    """One column tool: `fold` over the column's numbers. One body for the three (sum, max, min), each still its
+    own tool named after its question (see the module doc for why one number per tool)."""
+
+    def column_tool(path: str, column: str, *, workspace: Workspace) -> str:
+        return _num(fold(_column(path, column, workspace)))
+
+    column_tool.__name__ = column_tool.__qualname__ = name
+    column_tool.__doc__ = f"""{what} of a column of a CSV file.
 
     Args:
         path: CSV file path relative to the workspace
         column: the column name
     """
-    return _num(sum(_column(path, column, workspace)))
+    return tool(args=CSV_COLUMN)(column_tool)
 
 
-@tool(args=CSV_COLUMN)
-def column_max(path: str, column: str, *, workspace: Workspace) -> str:
-    """The largest (maximum) value of a column of a CSV file.
-
-    Args:
-        path: CSV file path relative to the workspace
-        column: the column name
-    """
-    return _num(max(_column(path, column, workspace)))
-
-
-@tool(args=CSV_COLUMN)
-def column_min(path: str, column: str, *, workspace: Workspace) -> str:
-    """The smallest (minimum) value of a column of a CSV file.
-
-    Args:
-        path: CSV file path relative to the workspace
-        column: the column name
-    """
-    return _num(min(_column(path, column, workspace)))
+column_sum = _column_tool("column_sum", sum, "The sum (total)")
+column_max = _column_tool("column_max", max, "The largest (maximum) value")
+column_min = _column_tool("column_min", min, "The smallest (minimum) value")
 
 
 TOOLS = [count_lines, count_words, count_matches, column_sum, column_max, column_min]

@@ -15,10 +15,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
-
-if TYPE_CHECKING:
-    from sinkchat.apps.agent.tools.workspace import Workspace
+from typing import Any, Callable
 
 DEFAULT_TIMEOUT = 10.0
 INJECTED = ("workspace",)
@@ -169,8 +166,9 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     return desc, args
 
 
-def tool_from_function(fn: Callable[..., Any], workspace: Workspace | None = None) -> Tool:
-    """Build a Tool from a plain function: schema from type hints + docstring, injected `workspace`."""
+def tool_from_function(fn: Callable[..., Any], workspace: object | None = None) -> Tool:
+    """Build a Tool from a plain function: schema from type hints + docstring, injected `workspace` (opaque here:
+    typed `object` so this module never imports tools/workspace.py, which imports ToolError from here)."""
     meta = getattr(fn, "__tool__", {})
     name = meta.get("name") or fn.__name__
     try:
