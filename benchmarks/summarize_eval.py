@@ -40,8 +40,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sinkchat.apps.summarize.digest import Digest, severities  # noqa: E402
-from sinkchat.apps.summarize.factcheck import Support, claims  # noqa: E402
+from sinkchat.apps.summarize.digest import Digest, severities, split_timestamp  # noqa: E402
+from sinkchat.apps.summarize.factcheck import Support, claims, content_words, stem  # noqa: E402
 from sinkchat.apps.summarize.guard import Echo, mentioned, problems, sentences  # noqa: E402
 from eval_runs import MIX_INCIDENTS, journal_lines, run_cli, run_live, run_sigterm  # noqa: E402
 
@@ -139,13 +139,18 @@ def unsupported_sentences(r: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 
 def named(r: dict[str, Any], blocks: list[dict[str, Any]], line: int) -> bool | None:
-    """Whether the record covering input line `line` states each severity key of that line; None when a stop
-    skipped it (no record covers it as read)."""
-    keys = set(severities(r["input"][line - 1]))
+    """Whether the record covering input line `line` states each severity key of that line and speaks of that line
+    (shares a content word with it: "the backup failed" does not name a disk error); None when a stop skipped it
+    (no record covers it as read)."""
+    text = r["input"][line - 1]
+    keys = set(severities(text))
     span = [b for b in blocks if b["first_line"] <= line <= b["last_line"]]
     if not span or (span[0]["skipped"] and r["mode"] == "sigterm" and span[0]["final"]):
         return None
-    return keys <= mentioned(span[0]["summary"])
+    summary = span[0]["summary"]
+    stems = {stem(w) for w in content_words(summary)}
+    words = content_words(split_timestamp(text)[1])
+    return keys <= mentioned(summary) and (not words or any(stem(w) in stems for w in words))
 
 
 def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
