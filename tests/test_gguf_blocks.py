@@ -79,3 +79,26 @@ def test_absmax_q8g_rounds_float_weights_within_half_a_step() -> None:
     p = gguf_blocks.absmax_q8g(w)
     step = np.repeat(p.d, 16, axis=1)
     assert (np.abs(p.dequantize() - w) <= step / 2 + 1e-6).all()
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """fp32 values as their bit patterns: equal only if bit for bit, a zero's sign included (-0.0 == 0.0 as floats)."""
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: T(t).name)
+def test_float_values_keep_gguf_dequantize_s_signed_zeros(qtype: int) -> None:
+    """`to_float` is gguf-py's values bit for bit: d·q with q = 0 and d < 0 is -0.0 there; a re-implementation as
+    d·q + m (m = 0, or Q4_0's m = -8d) makes it +0.0 (Q4_0 / Q8_0 / Q5_0 / Q6_K), which value equality misses."""
+    raw = random_blocks(qtype, rows=8, k=512)
+    want = dequantize(raw, qtype)
+    np.testing.assert_array_equal(_bits(gguf_blocks.to_float(qtype, raw)), _bits(want))
+
+
+def test_float_values_of_the_bundled_model_are_gguf_dequantize_bit_for_bit() -> None:
+    """The bundled file's own blocks (the Q8_0 token table, the Q4_1 linears, the F32 norms), by bits."""
+    reader = GGUFReader(str(bundled_gguf()))
+    for t in reader.tensors:
+        raw = np.asarray(t.data).reshape(-1, t.data.shape[-1])[:256]  # a sample of rows: the whole file takes 15 s
+        want = np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32)
+        np.testing.assert_array_equal(_bits(gguf_blocks.to_float(t.tensor_type, raw)), _bits(want), err_msg=t.name)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -129,6 +130,29 @@ def _rows_of(lin: Any, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor, 
     return weights[g0:g1], lin.sw[g0:g1], bias
 
 
+@dataclass(frozen=True)
+class _Head:
+    """Where the step's logits come from: C projects with a tied int8 table (`table`: an `Int8Head`'s) or a packed
+    head (`packed`: a GGUF's untied one of the model's width); anything else (`torch`) is applied after the step."""
+
+    table: Any
+    packed: Any
+    torch: Any
+    vocab: int  # the logits' columns
+    c_vocab: int  # rows of logits C writes: the table's (padded to 16), the packed head's, or 0 (C returns hidden)
+
+
+def _choose_head(model: Any, spec: ModelSpec) -> _Head:
+    """Which of the three heads `model`'s output embeddings are (`_Head`)."""
+    head = model.get_output_embeddings()
+    if isinstance(head, int4.Int8Head) and head.table.kernels == "native":
+        table = head.table
+        return _Head(table, None, None, table.num_embeddings, table.hw.shape[0] * native.RG)
+    if _is_native(head) and head.in_features == spec.dim:  # a GGUF's
+        return _Head(None, head, None, head.out_features, head.out_features)
+    return _Head(None, None, head, spec.vocab, 0)
+
+
 class NativeStep:
     """The Engine's single-token path on the native kernels: `__call__` as `torch_step.TorchStep`'s (logits,
     pre-RoPE queries, gauge shares). Nothing to build beyond the kernels' library, so `prepare` / `warm_up` do
@@ -139,45 +163,43 @@ class NativeStep:
     failed = None
 
     def __init__(self, model: Any, spec: ModelSpec) -> None:
-        base = model.model
-        layers = base.layers
         self.n_layers = spec.n_layers
         self.n_heads, self.n_kv, self.head_dim = spec.n_heads, spec.n_kv, spec.head_dim
         self.embed = model.get_input_embeddings()  # called as a module: an Int8Embedding or any other lookup
-        head = model.get_output_embeddings()
-        table = head.table if isinstance(head, int4.Int8Head) and head.table.kernels == "native" else None
-        packed = head if table is None and _is_native(head) and head.in_features == spec.dim else None  # a GGUF's
-        self.head = None if table is not None or packed is not None else head  # anything else: applied in torch
-        self.vocab, c_vocab = spec.vocab, 0  # C's logits rows: the table's (padded to 16), a packed head's, or none
-        if table is not None:
-            self.vocab, c_vocab = table.num_embeddings, table.hw.shape[0] * native.RG
-        elif packed is not None:
-            self.vocab = c_vocab = packed.out_features
+        head = _choose_head(model, spec)
+        self.head, self.vocab = head.torch, head.vocab
         self._unit = spec.norm.unit_offset  # Gemma: norms multiply by 1 + w; folded here so C multiplies by w
         self.final_softcap = spec.final_softcap  # Gemma 2: tanh(logits / cap) * cap, after the head (in torch)
-        norm_in, norm_mlp, attn_out, mlp_out = _norm_names(spec)
         # keep every tensor the struct points into alive for the step's lifetime
         self._keep: list[torch.Tensor] = [spec.inv_freq(0).contiguous()]
+        self._m = self._model_struct(model.model, spec, head)
+        self._out = self._m.vocab or spec.dim  # logits where C has a head, else the final hidden state
+        self._kv: tuple[Any, ...] = ()
+        _, _, attn_out, mlp_out = _norm_names(spec)
+        self._layers = (self._per_layer(model.model.layers, spec, attn_out, mlp_out)
+                        if spec.model_type in GEMMA_TYPES else None)
+        self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
+        # what status lines show: which kernels' library runs the step, and which path feeds chunks
+        self.status = f"native ({native.variant()}; prefill {'native' if self.prefill is not None else 'hf'})"
+
+    def _model_struct(self, base: Any, spec: ModelSpec, head: _Head) -> native.StepModel:
+        """The sc_model struct `sc_step` reads: shapes, norms (stacked per layer), every linear's (weights, scales,
+        bias) pointers and layout, the head C projects with; each tensor kept alive in `_keep`."""
+        layers = base.layers
+        norm_in, norm_mlp, _, _ = _norm_names(spec)
         ins = [self._stack([layer.get_submodule(n).weight for layer in layers]) for n in (norm_in, norm_mlp)]
         final = self._stack([base.norm.weight])
         qk = [self._stack([layer.self_attn.get_submodule(n).weight for layer in layers]) if spec.norm.qk_norm else None
               for n in ("q_norm", "k_norm")]
-        ptrs, types = [], []
-        for layer in layers:
-            for lin, first, n in _parts(layer, spec):
-                parts = _rows_of(lin, first, n)
-                self._keep += [t for t in parts if t is not None]  # what the pointers point into
-                ptrs += [t.data_ptr() if t is not None else None for t in parts]
-                types.append(_LIN_TYPE[lin.layout])
+        self._lin, self._types = self._linears(layers, spec)
+        table, packed = head.table, head.packed
         if table is not None:
             self._keep += [table.hw, table.scale]
         self._head = self._head_triple(packed)
-        self._lin = (ctypes.c_void_p * len(ptrs))(*ptrs)
-        self._types = (ctypes.c_int * len(types))(*types)
-        self._m = native.StepModel(
+        return native.StepModel(
             n_layers=self.n_layers, dim=spec.dim, n_heads=self.n_heads, n_kv=self.n_kv,
             head_dim=self.head_dim, inter=spec.inter,
-            vocab=c_vocab, kv_bf16=0,
+            vocab=head.c_vocab, kv_bf16=0,
             eps=spec.norm.eps, scaling=spec.layers[0].scaling, rope_scale=spec.layers[0].rope.attention_scaling,
             inv_freq=self._keep[0].data_ptr(), norm_in=ins[0].data_ptr(), norm_post=ins[1].data_ptr(),
             norm_final=final.data_ptr(), lin=ctypes.cast(self._lin, ctypes.c_void_p),
@@ -187,12 +209,18 @@ class NativeStep:
             lin_type=ctypes.cast(self._types, ctypes.c_void_p), rot=spec.layers[0].rope.rot_dim,
             head=None if packed is None else ctypes.cast(self._head, ctypes.c_void_p),
             head_type=0 if packed is None else _LIN_TYPE[packed.layout])
-        self._out = self._m.vocab or spec.dim  # logits where C has a head, else the final hidden state
-        self._kv: tuple[Any, ...] = ()
-        self._layers = self._per_layer(layers, spec, attn_out, mlp_out) if spec.model_type in GEMMA_TYPES else None
-        self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
-        # what status lines show: which kernels' library runs the step, and which path feeds chunks
-        self.status = f"native ({native.variant()}; prefill {'native' if self.prefill is not None else 'hf'})"
+
+    def _linears(self, layers: Any, spec: ModelSpec) -> tuple[Any, Any]:
+        """The C arrays of every layer's 7 (weights, scales, bias) pointers in `_LINEARS` order, and their layouts
+        (`_LIN_TYPE`); the tensors pointed into kept alive."""
+        ptrs, types = [], []
+        for layer in layers:
+            for lin, first, n in _parts(layer, spec):
+                parts = _rows_of(lin, first, n)
+                self._keep += [t for t in parts if t is not None]  # what the pointers point into
+                ptrs += [t.data_ptr() if t is not None else None for t in parts]
+                types.append(_LIN_TYPE[lin.layout])
+        return (ctypes.c_void_p * len(ptrs))(*ptrs), (ctypes.c_int * len(types))(*types)
 
     def _head_triple(self, head: Any) -> Any:
         """The C array (weights, scales, bias) of a packed output head (its whole rows), or None.

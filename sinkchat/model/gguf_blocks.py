@@ -14,8 +14,10 @@ ever forming the weights in float.
 | F32 / F16 / BF16 | float | | w | q8g, absmax per 16 | no: within half a step (max abs w / 254 per 16) |
 
 The K-quants keep their super-blocks (`unpack_k`: the file's integer scales and fp16 d, dmin; the kernels form
-d·sc in fp32, which is exact). `unpack` also gives them as per-sub-block products (`Parts`, d·sc rounded to fp16:
-within 2⁻¹² relative of the file's scale), the form q4 / q8g hold where the K layouts cannot run (torch's kernels).
+d·sc in fp32, which is exact). `unpack` also gives them as per-sub-block products (`Parts`, taken from the same
+`KParts`: one parser of the super-block; the kernel rounds d·sc to fp16, within 2⁻¹² relative of the file's
+scale), the form q4 / q8g hold where the K layouts cannot run (torch's kernels). `to_float` (norms, float tables,
+the float model) is gguf-py's own `dequantize`, bit for bit, signed zeros included.
 `tests/test_gguf_blocks.py` and `tests/test_qk.py` hold every type to `gguf.quants.dequantize` on real blocks.
 
 Each function takes the raw blocks of whole rows, uint8 [rows, bytes per row], and returns numpy arrays.
@@ -28,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
-from gguf.quants import Q4_K
+from gguf.quants import Q4_K, dequantize as gguf_dequantize
 
 QK = 256  # weights per K-quant super-block
 
@@ -86,20 +88,6 @@ def _q4_1(raw: np.ndarray) -> Parts:
     return Parts("q4", q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1))
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K super-block head -> per 32-weight sub-block scale d·sc and offset −dmin·mn, fp32 [n, 8]."""
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))
-
-
-def _q4_k(raw: np.ndarray) -> Parts:
-    b, rows = _blocks(raw, 144)
-    d, m = _k_scales(b)
-    q = _nibbles(b[:, 16:], 32)  # [n, 256]: sub-blocks in order
-    return Parts("q4", q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1))
-
-
 def _halves(x: np.ndarray) -> np.ndarray:
     """Per-32 scales [n, j] -> the same value for each 16-weight half [n, 2j]."""
     return np.repeat(x, 2, axis=1)
@@ -132,25 +120,93 @@ def _q5_1(raw: np.ndarray) -> Parts:
     return Parts("q8g", q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1))
 
 
-def _q5_k(raw: np.ndarray) -> Parts:
+# ---- the K-quants in their super-block form (layouts "q4k" / "q8k": the file's own integers, nothing rounded) ------
+@dataclass(frozen=True)
+class KParts:
+    """A K-quant tensor's rows as `Int4KLinear` / `Int8KLinear` hold them: per super-block of 256 along K, fp16 d and
+    dmin (given as fp32), and per sub-block j (32 weights for "q4k", 16 for "q8k") integer sc_j and mn_j:
+    w = (d·sc_j)·q − (dmin·mn_j). Unlike `Parts` (products rounded to fp16) this is the file exactly."""
+
+    layout: str  # "q4k" (q uint8 0..15, sc / mn uint8 per 32) or "q8k" (q int8, sc int8 / mn uint8 per 16)
+    q: np.ndarray  # [rows, K]
+    d: np.ndarray  # fp32 [rows, K/256]
+    dmin: np.ndarray  # fp32 [rows, K/256]
+    sc: np.ndarray  # [rows, K/sub]
+    mn: np.ndarray  # [rows, K/sub]
+
+    @property
+    def sub(self) -> int:
+        return 32 if self.layout == "q4k" else 16
+
+    def products(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per sub-block d·sc_j and dmin·mn_j, fp32 [rows, K/sub] (exact: an fp16 times a 6- or 8-bit integer)."""
+        per = QK // self.sub
+        ds = np.repeat(self.d, per, axis=1) * self.sc.astype(np.float32)
+        dm = np.repeat(self.dmin, per, axis=1) * self.mn.astype(np.float32)
+        return ds, dm
+
+    def dequantize(self) -> np.ndarray:
+        """fp32 [rows, K] as gguf-py computes it: (d·sc)·q − (dmin·mn), each step fp32 (bit-exact to its dequantize)."""
+        rows, k = self.q.shape
+        ds, dm = self.products()
+        q = self.q.astype(np.float32).reshape(rows, -1, self.sub)
+        return (ds[..., None] * q - dm[..., None]).reshape(rows, k)
+
+
+def _k_head(b: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
+    """Q4_K / Q5_K super-block head (d, dmin fp16; 12 bytes of 6-bit sc, mn) -> d, dmin [rows, S], sc, mn uint8
+    [rows, 8S]. The one parser of that head: the `Parts` forms are taken from the `KParts` it gives."""
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [n, 8] each
+    return (_f16(b[:, :2]).reshape(rows, -1), _f16(b[:, 2:4]).reshape(rows, -1), sc.reshape(rows, -1),
+            mn.reshape(rows, -1))
+
+
+def _q4_k_super(raw: np.ndarray) -> KParts:
+    b, rows = _blocks(raw, 144)
+    d, dmin, sc, mn = _k_head(b, rows)
+    q = _nibbles(b[:, 16:], 32)  # [n, 256]: sub-blocks in order
+    return KParts("q4k", q.reshape(rows, -1), d, dmin, sc, mn)
+
+
+def _q5_k_super(raw: np.ndarray) -> KParts:
     b, rows = _blocks(raw, 176)
-    d, m = _k_scales(b)
+    d, dmin, sc, mn = _k_head(b, rows)
     n = b.shape[0]
     ql = _nibbles(b[:, 48:], 32).reshape(n, 8, 32)  # sub-block s: low nibbles of run s // 2
     qh = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)  # bit s of qh[l]
     q = (ql | ((qh & np.uint8(1)) << np.uint8(4))).astype(np.int8)
-    return Parts("q8g", q.reshape(rows, -1), _halves(d).reshape(rows, -1), _halves(m).reshape(rows, -1))
+    return KParts("q8k", q.reshape(rows, -1), d, dmin, _halves(sc).astype(np.int8), _halves(mn))  # sc <= 63: int8
 
 
-def _q6_k(raw: np.ndarray) -> Parts:
+def _q6_k_super(raw: np.ndarray) -> KParts:
     b, rows = _blocks(raw, 210)
     n = b.shape[0]
     ql = _nibbles(b[:, :128], 64).reshape(n, 8, 32)
     qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     qh = (qh & np.uint8(3)).reshape(n, 8, 32)
     q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
-    d = _f16(b[:, 208:210]) * np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # [n, 16]
-    return Parts("q8g", q.reshape(rows, -1), d.reshape(rows, -1), np.zeros_like(d).reshape(rows, -1))
+    d = _f16(b[:, 208:210]).reshape(rows, -1)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).reshape(rows, -1)  # [rows, K/16]
+    return KParts("q8k", q.reshape(rows, -1), d, np.zeros_like(d), sc, np.zeros(sc.shape, dtype=np.uint8))
+
+
+def _per_sub_block(k: KParts, offset: bool = True) -> Parts:
+    """A K-quant as q4 ("q4k": per 32) / q8g ("q8k": per 16) `Parts`: d = d·sc_j, m = −dmin·mn_j, both fp32 (the
+    kernel rounds them to fp16). Q6_K has no offset (`offset=False`): its m is +0, as the kernels have always held."""
+    ds, dm = k.products()
+    return Parts("q4" if k.layout == "q4k" else "q8g", k.q, ds, -dm if offset else np.zeros_like(ds))
+
+
+def _q4_k(raw: np.ndarray) -> Parts:
+    return _per_sub_block(_q4_k_super(raw))
+
+
+def _q5_k(raw: np.ndarray) -> Parts:
+    return _per_sub_block(_q5_k_super(raw))
+
+
+def _q6_k(raw: np.ndarray) -> Parts:
+    return _per_sub_block(_q6_k_super(raw), offset=False)
 
 
 def _float(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -174,7 +230,7 @@ UNPACK: dict[int, Callable[[np.ndarray], Parts]] = {
     T.Q8_0: _q8_0, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
 }
 FLOATS: dict[int, np.dtype] = {T.F32: np.dtype(np.float32), T.F16: np.dtype(np.float16)}
-EXACT = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1})  # kernel values == file values, bit for bit
+EXACT = frozenset({T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1})  # kernel values == file values (a zero's sign aside)
 
 
 def unpack(qtype: int, raw: np.ndarray) -> Parts:
@@ -183,71 +239,17 @@ def unpack(qtype: int, raw: np.ndarray) -> Parts:
 
 
 def to_float(qtype: int, raw: np.ndarray) -> np.ndarray:
-    """Raw rows of any supported type -> fp32 [rows, K] as the file means them (norms, float tables)."""
+    """Raw rows of any supported type -> fp32 [rows, K] as the file means them (norms, float tables, the float
+    model). The quant types go through gguf-py's `dequantize`, the reference: `Parts.dequantize` is the kernel's
+    view (K-quant products rounded to fp16), and a·q + m with m = 0 loses the sign of a zero gguf-py keeps (d·q)."""
     if qtype == T.BF16:
         u = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
         return u.view(np.float32)
     if qtype in FLOATS:
         return _float(raw, FLOATS[qtype])
-    p = unpack(qtype, raw)
-    rows, k = p.q.shape
-    q = p.q.astype(np.float32).reshape(rows, k // p.group, p.group)
-    return (p.d[..., None] * q + p.m[..., None]).reshape(rows, k)
-
-
-# ---- the K-quants in their super-block form (layouts "q4k" / "q8k": the file's own integers, nothing rounded) ------
-@dataclass(frozen=True)
-class KParts:
-    """A K-quant tensor's rows as `Int4KLinear` / `Int8KLinear` hold them: per super-block of 256 along K, fp16 d and
-    dmin (given as fp32), and per sub-block j (32 weights for "q4k", 16 for "q8k") integer sc_j and mn_j:
-    w = (d·sc_j)·q − (dmin·mn_j). Unlike `Parts` (products rounded to fp16) this is the file exactly."""
-
-    layout: str  # "q4k" (q uint8 0..15, sc / mn uint8 per 32) or "q8k" (q int8, sc int8 / mn uint8 per 16)
-    q: np.ndarray  # [rows, K]
-    d: np.ndarray  # fp32 [rows, K/256]
-    dmin: np.ndarray  # fp32 [rows, K/256]
-    sc: np.ndarray  # [rows, K/sub]
-    mn: np.ndarray  # [rows, K/sub]
-
-    @property
-    def sub(self) -> int:
-        return 32 if self.layout == "q4k" else 16
-
-    def dequantize(self) -> np.ndarray:
-        """fp32 [rows, K] as gguf-py computes it: (d·sc)·q − (dmin·mn), each step fp32 (bit-exact to its dequantize)."""
-        rows, k = self.q.shape
-        per = QK // self.sub
-        ds = np.repeat(self.d, per, axis=1) * self.sc.astype(np.float32)  # [rows, K/sub]
-        dm = np.repeat(self.dmin, per, axis=1) * self.mn.astype(np.float32)
-        q = self.q.astype(np.float32).reshape(rows, -1, self.sub)
-        return (ds[..., None] * q - dm[..., None]).reshape(rows, k)
-
-
-def _k_head(b: np.ndarray, rows: int) -> tuple[np.ndarray, ...]:
-    """Q4_K / Q5_K super-block head (d, dmin fp16; 12 bytes of 6-bit sc, mn) -> d, dmin [rows, S], sc, mn uint8
-    [rows, 8S]."""
-    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))  # [n, 8] each
-    return (_f16(b[:, :2]).reshape(rows, -1), _f16(b[:, 2:4]).reshape(rows, -1), sc.reshape(rows, -1),
-            mn.reshape(rows, -1))
-
-
-def _q4_k_super(raw: np.ndarray) -> KParts:
-    b, rows = _blocks(raw, 144)
-    d, dmin, sc, mn = _k_head(b, rows)
-    return KParts("q4k", _q4_k(raw).q, d, dmin, sc, mn)
-
-
-def _q5_k_super(raw: np.ndarray) -> KParts:
-    b, rows = _blocks(raw, 176)
-    d, dmin, sc, mn = _k_head(b, rows)
-    return KParts("q8k", _q5_k(raw).q, d, dmin, _halves(sc).astype(np.int8), _halves(mn))  # sc <= 63: fits int8
-
-
-def _q6_k_super(raw: np.ndarray) -> KParts:
-    b, rows = _blocks(raw, 210)
-    d = _f16(b[:, 208:210]).reshape(rows, -1)
-    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).reshape(rows, -1)  # [rows, K/16]
-    return KParts("q8k", _q6_k(raw).q, d, np.zeros_like(d), sc, np.zeros(sc.shape, dtype=np.uint8))
+    if qtype not in UNPACK:
+        raise KeyError(qtype)  # as `unpack`: a type sinkchat does not load
+    return gguf_dequantize(np.ascontiguousarray(raw), qtype)
 
 
 UNPACK_K: dict[int, Callable[[np.ndarray], KParts]] = {T.Q4_K: _q4_k_super, T.Q5_K: _q5_k_super, T.Q6_K: _q6_k_super}

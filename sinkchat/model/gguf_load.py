@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -185,64 +185,74 @@ def _put(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def _mapped(table: dict[str, TensorInfo], arch: str, gguf: Path, long_rope: bool
+            ) -> Iterator[tuple[TensorInfo, str]]:
+    """The tensors sinkchat loads with their transformers names, in file order (the plain reads then go forwards);
+    the rest skipped, logged. `long_rope=False`: LongRoPE's factor tensors refused (the packed path cannot take them;
+    the float path has always skipped them)."""
+    for t in sorted(table.values(), key=lambda t: t.offset):
+        hf = hf_name(t.name, arch)
+        if hf is not None:
+            yield t, hf
+        elif t.name.startswith("rope_factors") and not long_rope:
+            raise GGUFError(f"{gguf.name}: LongRoPE factor tensors ({t.name}) are not supported yet")
+        else:
+            log.info("gguf: skipping %s", t.name)
+
+
+def _float_values(f: Any, t: TensorInfo, arch: str) -> np.ndarray:
+    """A tensor as fp32 in its own shape, as transformers holds it (Gemma's norms back to w)."""
+    return norm_values(t, arch, gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape))
+
+
+def _check_filled(model: nn.Module, gguf: Path) -> None:
+    """Refuse a model with a weight still on the meta device: the file had no tensor for it."""
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+    if left:
+        raise GGUFError(f"{gguf.name}: no tensor for {', '.join(left[:3])}")
+
+
 def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch: str, kernels: str,
                  progress: Callable[[str], None]) -> float:
-    """Fill the meta-device `model` from the GGUF; returns the share of decoder linear weights in 4/8 bits."""
+    """Fill the meta-device `model` from the GGUF; returns the share of decoder linear weights in 4/8 bits (every
+    one is packed, float types too: 1.0, or 0.0 for a file without linears)."""
     biases: dict[str, torch.Tensor] = {}
-    total = packed = 0
+    total = 0
     with open(gguf, "rb") as f:
-        for t in sorted(table.values(), key=lambda t: t.offset):
-            hf = hf_name(t.name, arch)
-            if hf is None:
-                if t.name.startswith("rope_factors"):
-                    raise GGUFError(f"{gguf.name}: LongRoPE factor tensors ({t.name}) are not supported yet")
-                log.info("gguf: skipping %s", t.name)
-                continue
+        for t, hf in _mapped(table, arch, gguf, long_rope=False):
             if hf == "model.embed_tokens.weight":
                 _install_table(model, _table(f, t, kernels), tied="output.weight" not in table)
             elif hf == "lm_head.weight":  # an untied head; a per-row int8 one (a float file's) projects as a head
                 head = _table(f, t, kernels)
                 _put(model, "lm_head", int4.Int8Head(head) if isinstance(head, int4.Int8Table) else head)
             elif len(t.shape) == 2:
-                mod = module_of(f, t, kernels, heads=_heads(hf, model.config, arch))
-                _put(model, hf.removesuffix(".weight"), mod)
+                _put(model, hf.removesuffix(".weight"), module_of(f, t, kernels, heads=_heads(hf, model.config, arch)))
                 total += t.shape[0] * t.shape[1]
-                packed += t.shape[0] * t.shape[1]
             elif hf.endswith(".bias"):
                 biases[hf] = torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(-1).copy())
             else:
-                w = norm_values(t, arch, gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape))
-                _set(model, hf, torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)))
+                _set(model, hf, torch.from_numpy(np.ascontiguousarray(_float_values(f, t, arch), dtype=np.float32)))
     for hf, b in biases.items():
         mod = model.get_submodule(hf.removesuffix(".bias"))
         heads = _heads(hf, model.config, arch)
         if heads:
             b = torch.from_numpy(_unpermute(b.numpy(), heads).copy())
         mod.bias = nn.Parameter(b.float(), requires_grad=False)
-    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
-    if left:
-        raise GGUFError(f"{gguf.name}: no tensor for {', '.join(left[:3])}")
-    return packed / max(1, total)
+    _check_filled(model, gguf)
+    return 1.0 if total else 0.0
 
 
 def load_float(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch: str) -> None:
     """Fill the meta-device `model` with every tensor dequantized to fp32 (--quant none / nf4 / int8: those modes
     quantize the float model themselves). One tensor at a time; the float model is what those modes hold anyway."""
     with open(gguf, "rb") as f:
-        for t in sorted(table.values(), key=lambda t: t.offset):
-            hf = hf_name(t.name, arch)
-            if hf is None:
-                continue
-            w = norm_values(t, arch, gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(t.shape))
+        for t, hf in _mapped(table, arch, gguf, long_rope=True):
+            w = _float_values(f, t, arch)
             heads = _heads(hf, model.config, arch)
-            if heads:
-                w = _unpermute(w, heads)
-            _set(model, hf, torch.from_numpy(np.ascontiguousarray(w)))
+            _set(model, hf, torch.from_numpy(np.ascontiguousarray(_unpermute(w, heads) if heads else w)))
     if "output.weight" not in table:
         model.lm_head.weight = model.model.embed_tokens.weight
-    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
-    if left:
-        raise GGUFError(f"{gguf.name}: no tensor for {', '.join(left[:3])}")
+    _check_filled(model, gguf)
 
 
 def _install_table(model: nn.Module, table: nn.Module, tied: bool) -> None:
