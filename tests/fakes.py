@@ -197,3 +197,15 @@ def stream_logits(eng: Any, ids: list[int]) -> Any:
         list(eng.feed_ids([t]))
         out.append(eng.last_logits.clone())
     return torch.stack(out)
+
+
+def emit_reply(engine: Any, text: str) -> Iterator[Any]:
+    """Feed `text` into a real engine as its reply and yield what `Engine.generate` would for it: the feed's events,
+    one token event, a done event (scripted replies on a real cache)."""
+    from sinkchat.core.events import DoneEvent, TokenEvent
+
+    ids = engine.encode(text)
+    yield from engine.feed_ids(ids)
+    engine.last_reply_ids = ids
+    yield TokenEvent(ids[-1], text, 0.0, engine.cache.length)
+    yield DoneEvent("eos", len(ids), 0.0, text, tuple(ids))

@@ -13,10 +13,10 @@ from sinkchat.apps.agent.tools.workspace import Workspace
 from sinkchat.apps.agent.protocol import (
     FEW_SHOT, ModelTextEvent, StepEvent, TaskDoneEvent, ToolResultEvent, ToolsTokenizer, parse_reply,
 )
-from sinkchat.core.events import DoneEvent, EvictionEvent, TokenEvent
+from sinkchat.core.events import EvictionEvent, TokenEvent
 from sinkchat.core.turns import Conversation
 
-from fakes import ScriptedEngine as FakeEngine, tiny_model
+from fakes import ScriptedEngine as FakeEngine, emit_reply, tiny_model
 
 SECRET = "OUTSIDE-SECRET-91c2"
 
@@ -217,11 +217,7 @@ class HalfScripted:
             yield from super().generate(max_tokens, stop, sampling)
             return
         text = self.SCRIPT[(self.n_gen // 2) % len(self.SCRIPT)]
-        ids = self.encode(text)
-        yield from self.feed_ids(ids)
-        self.last_reply_ids = ids
-        yield TokenEvent(ids[-1], text, 0.0, self.cache.length)
-        yield DoneEvent("eos", len(ids), 0.0, text, tuple(ids))
+        yield from emit_reply(self, text)
 
 
 def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):

@@ -5,7 +5,6 @@ that file holds what it asks, and `sinkchat agent` exits 3 with one line when a 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,8 @@ from sinkchat.apps.agent.goals import write_goals
 from sinkchat.apps.agent.protocol import FinalRejectedEvent, TaskDoneEvent
 from sinkchat.apps.agent.tools.workspace import Workspace
 from sinkchat.core.engine import Engine
-from sinkchat.core.events import DoneEvent, TokenEvent
 
-from fakes import ScriptedEngine, tiny_model
+from fakes import ScriptedEngine, emit_reply, tiny_model
 
 SALES = "region,amount,units\nnorth,120,3\nsouth,75,2\neast,310,9\nwest,45,1\nnorth,90,4\nsouth,200,5\n"  # 840
 CONFIG = '{"host": "example.com", "port": 8443, "debug": false}\n'
@@ -56,11 +54,7 @@ class ScriptedReal(Engine):
 
     def generate(self, max_tokens=None, stop=(), sampling=None, logits_processors=None):
         text = self.script.pop(0) if self.script else final("out of script")
-        ids = self.encode(text)
-        yield from self.feed_ids(ids)
-        self.last_reply_ids = ids
-        yield TokenEvent(ids[-1], text, 0.0, self.cache.length)
-        yield DoneEvent("eos", len(ids), 0.0, text, tuple(ids))
+        yield from emit_reply(self, text)
 
 
 def scripted_real(bundled, script):

@@ -93,11 +93,7 @@ def _sinkchat_made(path: Path) -> bool:
 
 
 def _old_marker(path: Path) -> dict | None:
-    try:
-        marker = json.loads((path / FIRST_MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) else None
+    return gguf_convert.read_json(path / FIRST_MARKER)
 
 
 def _model_entry(path: Path) -> Entry:

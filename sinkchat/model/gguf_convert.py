@@ -50,12 +50,17 @@ def folder(head: gguf_file.Header) -> Path:
     return models_dir() / f"{PREFIX}{gguf_file.content_key(head)}"
 
 
-def read_marker(out: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
     try:
-        marker = json.loads((out / MARKER).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return marker if isinstance(marker, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def read_marker(out: Path) -> dict[str, Any] | None:
+    return read_json(out / MARKER)
 
 
 def is_done(out: Path) -> bool:

@@ -25,9 +25,7 @@ with a warning, rather than raising inside the engine's loop.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any

@@ -152,5 +152,5 @@ def reply_lark(alternatives: list[dict[str, Any]], wrap: tuple[str, str] = ("", 
         names.append(f"a{i}")
     pre, post = (_lit(x) if x else "" for x in wrap)
     call = f"{pre} ({' | '.join(names)}) {post}".strip()
-    head = [f"start: call | TEXT", f"call: {call}", f"TEXT: {text}"] if text else [f"start: {call}"]
+    head = ["start: call | TEXT", f"call: {call}", f"TEXT: {text}"] if text else [f"start: {call}"]
     return w.text(head + rules)
