@@ -120,10 +120,14 @@ def stitched(sentence: str, support: Support) -> list[str]:
     versions must stand on one line with that time, else the facts are stitched from different lines ("14:42:12
     status half-installed gcc:amd64 1.31-1.2" where gcc's line says 14:42:11 and 4:12.2.0-3). Returns the claims
     no such line holds (empty for sentences with no time, or with a span of two times)."""
-    times = {m.group(0) for m in TIME_RE.finditer(sentence)}
-    if len(times) != 1:
+    times = [m.group(0) for m in TIME_RE.finditer(sentence)]
+    if len(times) != 1:  # none, or a span ("from 14:36:25 to 14:36:25")
         return []
-    t = times.pop()
+    t = times[0]
+    span_from = r"\bfrom\s+\S*" + re.escape(t) + r"\S*\s+to\s"
+    span_to = r"\bfrom\s+\S.{0,40}?\sto\s+\S*" + re.escape(t)
+    if re.search(span_from, sentence) or re.search(span_to, sentence):  # a span with another clock's stamp
+        return []
     ids = [c for k, c in claims(sentence) if (k == "name" or (k == "number" and re.search(r"\d[-.:/+]\d", c)))
            and t not in c and not re.fullmatch(r"[\d:-]+", c)]
     if not ids:
@@ -137,7 +141,10 @@ def stitched(sentence: str, support: Support) -> list[str]:
 def _digest_text(d: dict[str, Any]) -> str:
     """Every number and value of a digest record as text (counts, line numbers, timestamps, parameter values)."""
     parts = [str(d.get("lines", "")), str(d.get("first_ts") or ""), str(d.get("last_ts") or ""),
-             str(d.get("binary", ""))] + [f"{k} {v}" for k, v in (d.get("severity") or {}).items()]
+             str(d.get("binary", "")), str(len(d.get("templates") or []))]  # "of 7 kinds"
+    parts += [f"{k} {v}" for k, v in (d.get("severity") or {}).items()]
+    for key in d.get("severity") or {}:  # "2 lines show error": the lines of the templates holding the key
+        parts.append(str(sum(t["count"] for t in d.get("templates", []) if key in (t.get("severity") or {}))))
     for t in d.get("templates", []):
         parts += [t["template"], str(t["count"]), str(t["first_line"]), str(t["last_line"]),
                   str(t.get("first_ts") or ""), str(t.get("last_ts") or "")]

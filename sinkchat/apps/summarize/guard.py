@@ -35,6 +35,7 @@ TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity sentences appended; the rest are counted in one more sentence
 TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
 VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
+NO_INCIDENT = "No line shows a severity word (no errors or warnings)."  # negated: checked against the lines
 ECHO_GRAM = 3  # word n-grams shared with the question that mark a sentence as copied from it ...
 ECHO_SHARE = 0.5  # ... when they cover at least this share of its words
 _WILDCARD_RE = re.compile(r"<\*>|(?:^|[\s\"'(])\*(?=[\s\"')]|$)")  # a template's slot, as the question shows it
@@ -129,8 +130,9 @@ def _quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
 
 
 def _filled(t: dict[str, Any]) -> str:
-    """A template with each `<*>` slot shown as its values: one value as itself, two joined by "/", more as the
-    first two and how many ("status half-installed/unpacked libfoo:amd64 1.2", "install a/b/… (8 values)")."""
+    """A template with each `<*>` slot shown as its values: one value as itself, more in braces, past two as the
+    first two and how many ("status {half-installed, unpacked} libfoo:amd64 1.2", "install {a, b, … 8 values}").
+    Braces and commas, not "/": "unpacked/half-configured" would read back as one name no line holds."""
     params = iter(t.get("params") or [])
 
     def slot(_: re.Match[str]) -> str:
@@ -138,7 +140,9 @@ def _filled(t: dict[str, Any]) -> str:
         if not p or not p.get("values"):
             return "…"
         vals, n = [_quote(v, VALUE_CHARS) for v in p["values"]], p.get("distinct", len(p["values"]))
-        return "/".join(vals[:2]) if n <= 2 else f"{'/'.join(vals[:2])}/… ({n} values)"
+        if n == 1:
+            return vals[0]
+        return "{" + ", ".join(vals[:2]) + (f", … {n} values" if n > 2 else "") + "}"
 
     return _quote(re.sub(r"<\*>", slot, t["template"]), TEMPLATE_CHARS + 40)
 
@@ -163,7 +167,7 @@ def incident_sentences(incs: list[Incident]) -> list[str]:
 def digest_summary(digest: dict[str, Any]) -> list[str]:
     """A summary written by code from the digest alone: span, the most frequent kinds of lines with their counts
     and values, then the severities ("26 lines from 14:36:31 to 14:36:33, of 9 kinds; most frequent: 8 x "status
-    half-installed/unpacked/installed python3.11:amd64 3.11.2-6"; ... No line has a severity word.")."""
+    {half-installed, unpacked, installed} python3.11:amd64 3.11.2-6"; ... No line shows a severity word.")."""
     n = digest.get("lines", 0)
     temps = digest.get("templates") or []
     head = f"{n} line{'s' if n != 1 else ''}"
@@ -178,7 +182,7 @@ def digest_summary(digest: dict[str, Any]) -> list[str]:
         head += "; most frequent: " + "; ".join(f"{t['count']} x \"{_filled(t)}\"" for t in top)
     out = [head + "."]
     incs = incidents(digest)
-    out += incident_sentences(incs) if incs else ["No line has a severity word."]
+    out += incident_sentences(incs) if incs else [NO_INCIDENT]
     return out
 
 
