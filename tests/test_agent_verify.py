@@ -273,3 +273,9 @@ def test_cli_ctrl_c_exits_130_and_says_how_many_tasks_ended_unverified(monkeypat
     assert res.exit_code == 130, res.output
     assert "interrupted; 1 task(s) ended unverified before it" in res.output
     assert "agent: 1 task(s), 1 unverified" in res.output
+
+
+def test_a_number_in_exponent_form_grounds_no_part_of_it():
+    from sinkchat.apps.agent.patterns import numbers_in
+
+    assert numbers_in("sum 1.235e+04 over 12 rows, port 8443, ratio 2.5E-3") == ["12", "8443"]

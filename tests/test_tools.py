@@ -430,6 +430,12 @@ def test_counting_and_column_tools(env):
     r = box.call("column_sum", {"path": "t.csv", "column": "price"})
     assert not r.ok and "name,Amount,note" in r.text
     assert not box.call("column_sum", {"path": "t.csv", "column": "note"}).ok  # no numbers
+    # exact, never "1.235e+04" (a model copied "1.235"); thousands separators read; a cell that is no number said
+    (ws.root / "s.csv").write_text('id,amount\n1,10000.50\n2,2345.25\n3,"1,030.10"\n4,0.1\n5,0.2\n')
+    assert box.call("column_sum", {"path": "s.csv", "column": "amount"}).text == "13376.15"
+    (ws.root / "u.csv").write_text("id,amount\n1,19.75\n2,n/a\n3,0.25\n")
+    assert box.call("column_sum", {"path": "u.csv", "column": "amount"}).text == \
+        "20 (over 2 of 3 rows; skipped, not a number: row 2)"
     assert not box.call("count_lines", {"path": "blob.bin"}).ok
     for path in ("../secret.txt", "secretlink", "rootlink/etc/passwd", "fifo", "zerolink"):
         r = box.call("count_lines", {"path": path})

@@ -23,9 +23,13 @@ MAX_VALUES = 200  # numbers offered to a final answer (the first ones given)
 VALUE_CHARS = 32
 
 
+_WITH_EXPONENT = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
 def numbers_in(text: str) -> list[str]:
-    """The digit runs of `text` as written ("8443", "12.5"), in order."""
-    return NUMBER.findall(text)
+    """The numbers of `text` as written ("8443", "12.5"), in order; one in exponent form ("1.235e+04") is none of
+    them: its mantissa "1.235" is not the value, and a small model copied just that."""
+    return [m.group(0) for m in _WITH_EXPONENT.finditer(text) if NUMBER.fullmatch(m.group(0))]
 
 
 def grounded_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', first: str | None = None) -> str:

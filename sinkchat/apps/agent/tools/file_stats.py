@@ -14,6 +14,7 @@ import csv
 import io
 import os
 import re
+from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
@@ -38,26 +39,51 @@ def _text(path: str, workspace: Workspace) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
+def _num(x: float | Decimal) -> str:
+    """The number exactly, never rounded nor in exponent form: "12345.75", not "1.235e+04" (which a 135M model
+    copied as "1.235", and whose "1.235" the grounding then accepted as a number the tool returned)."""
+    d = x if isinstance(x, Decimal) else Decimal(repr(float(x)))
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
 
 
-def _column(path: str, column: str, workspace: Workspace) -> list[float]:
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _cell(text: str) -> Decimal | None:
+    """A CSV cell as an exact decimal ("1,030.10" with thousands separators too), or None when it is no number."""
+    t = text.strip()
+    if _THOUSANDS.fullmatch(t):
+        t = t.replace(",", "")
+    try:
+        d = Decimal(t)
+    except InvalidOperation:
+        return None
+    return d if d.is_finite() else None
+
+
+def _column(path: str, column: str, workspace: Workspace) -> tuple[list[Decimal], list[int]]:
+    """The column's numbers, exact, and the (1-based data) rows whose cell holds something that is not a number."""
     text = _text(path, workspace)
     rows = list(csv.DictReader(io.StringIO(text)))
     key = next((k for k in (rows[0] if rows else {}) if k and k.strip().lower() == column.strip().lower()), None)
     if key is None:
         header = text.splitlines()[0] if text else ""
         raise ToolError(f"{path} has no column {column!r}; its columns are: {header[:200]}")
-    values = []
-    for r in rows:
-        try:
-            values.append(float(str(r.get(key, "")).strip()))
-        except ValueError:
-            continue
+    values, skipped = [], []
+    for i, r in enumerate(rows, 1):
+        cell = str(r.get(key) or "")
+        if not cell.strip():
+            continue  # an empty cell is a missing value, as in a spreadsheet's SUM
+        v = _cell(cell)
+        if v is None:
+            skipped.append(i)
+        else:
+            values.append(v)
     if not values:
         raise ToolError(f"column {key!r} of {path} holds no numbers")
-    return values
+    return values, skipped
 
 
 @tool(args={"path": FILE})
@@ -92,12 +118,17 @@ def count_matches(pattern: str, path: str, *, workspace: Workspace) -> str:
     return _num(sum(1 for line in _text(path, workspace).splitlines() if rx.search(line)))
 
 
-def _column_tool(name: str, fold: Callable[[list[float]], float], what: str) -> Callable[..., str]:
+def _column_tool(name: str, fold: Callable[[list[Decimal]], Decimal], what: str) -> Callable[..., str]:
     """One column tool: `fold` over the column's numbers. One body for the three (sum, max, min), each still its
     own tool named after its question (see the module doc for why one number per tool)."""
 
     def column_tool(path: str, column: str, *, workspace: Workspace) -> str:
-        return _num(fold(_column(path, column, workspace)))
+        values, skipped = _column(path, column, workspace)
+        out = _num(fold(values))
+        if skipped:  # never silently: the answer covers fewer rows than the file has
+            rows = ", ".join(map(str, skipped[:5])) + (" ..." if len(skipped) > 5 else "")
+            out += f" (over {len(values)} of {len(values) + len(skipped)} rows; skipped, not a number: row {rows})"
+        return out
 
     column_tool.__name__ = column_tool.__qualname__ = name
     column_tool.__doc__ = f"""{what} of a column of a CSV file.
