@@ -101,3 +101,15 @@ def test_help_says_how_answers_are_delimited(tiny_dir):
                        timeout=120)
     assert r.returncode == 0 and "--format" in r.stdout and "jsonl" in r.stdout and "--separator" in r.stdout
     assert "ends with one newline" in " ".join(r.stdout.split())
+
+
+def test_a_reply_cut_at_max_tokens_names_the_flag_when_piped_and_the_command_at_a_prompt():
+    import io
+    from sinkchat.apps.render import Renderer
+    from sinkchat.core.events import DoneEvent
+
+    for tty, hint in ((False, "--max-tokens N"), (True, "/set max_tokens N")):
+        out, err = io.StringIO(), io.StringIO()
+        r = Renderer(out, err, tty=tty, live=False)
+        r.end_reply(DoneEvent("length", 20, 0.0, "four"))
+        assert hint in (out.getvalue() + err.getvalue()), tty

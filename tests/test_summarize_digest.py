@@ -170,7 +170,7 @@ def test_unsupported_claim_is_regenerated_with_its_words_banned_then_flagged():
     # nothing of the model's is left: the summary is written by code from the digest, and says so
     assert b["prose"] == "digest" and "failed" not in b["summary"] and b["summary"].endswith(".")
     assert b["summary"].startswith("8 lines from 2025-06-24 14:36:25 to 2025-06-24 14:36:29, of 4 kinds; most "
-                                   'frequent: 3 x "status {half-installed, unpacked, … 3 values} libglvnd-core-dev:amd64 '
+                                   'frequent: 3 x "status {half-installed, unpacked, … 3 in all} libglvnd-core-dev:amd64 '
                                    '1.6.0-1"; ')
     assert "No line shows a severity word (no errors or warnings)." in b["summary"] and not claims_of(b["summary"], "severity")
     from sinkchat.apps.summarize.output import render_block

@@ -426,3 +426,12 @@ def test_what_the_code_writes_passes_the_rule_it_holds_the_model_to():
                 assert problems(sentence, support, Echo("")) == ([], None), sentence
                 checked += 1
     assert checked >= 30
+
+
+def test_a_sentence_cut_by_the_token_limit_is_said_to_be_unfinished_in_the_record():
+    from sinkchat.apps.summarize.factcheck import Support
+    from sinkchat.apps.summarize.guard import guard
+
+    g = guard("libexpat1:amd64 was unpacked. Then gcc:amd64 was", True, Support(DPKG), None)
+    assert g.text == "libexpat1:amd64 was unpacked." and g.why == ["unfinished"]
+

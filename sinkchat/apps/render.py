@@ -192,7 +192,8 @@ class Renderer:
         elif interrupted:
             self.msg.print(Text("^C reply stopped (the partial reply stays in the cache)", style="yellow"))
         elif done is not None and done.reason == "length":
-            self.msg.print(Text(f"[reply cut at max_tokens={done.tokens}; /set max_tokens N to change]", style="dim"))
+            how = "/set max_tokens N" if self.tty else "--max-tokens N"  # piped: there is no prompt to type at
+            self.msg.print(Text(f"[reply cut at max_tokens={done.tokens}; {how} to change]", style="dim"))
 
     def answer(self, record: dict[str, Any]) -> None:
         """The end of one answer: its JSON line (jsonl), or the separator line (text, if one was asked for)."""

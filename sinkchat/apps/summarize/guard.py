@@ -131,7 +131,7 @@ def _quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
 
 def _filled(t: dict[str, Any]) -> str:
     """A template with each `<*>` slot shown as its values: one value as itself, more in braces, past two as the
-    first two and how many ("status {half-installed, unpacked} libfoo:amd64 1.2", "install {a, b, … 8 values}").
+    first two and how many ("status {half-installed, unpacked} libfoo:amd64 1.2", "install {a, b, … 8 in all}").
     Braces and commas, not "/": "unpacked/half-configured" would read back as one name no line holds."""
     params = iter(t.get("params") or [])
 
@@ -142,7 +142,7 @@ def _filled(t: dict[str, Any]) -> str:
         vals, n = [_quote(v, VALUE_CHARS) for v in p["values"]], p.get("distinct", len(p["values"]))
         if n == 1:
             return vals[0]
-        return "{" + ", ".join(vals[:2]) + (f", … {n} values" if n > 2 else "") + "}"
+        return "{" + ", ".join(vals[:2]) + (f", … {n} in all" if n > 2 else "") + "}"
 
     return _quote(re.sub(r"<\*>", slot, t["template"]), TEMPLATE_CHARS + 40)
 
@@ -252,6 +252,8 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
             if last_cut or sentence.endswith("…") or not re.search(r"[A-Za-z]", sentence) \
                     or not re.search(r"[\w)\"']$", sentence):
                 g.dropped.append(sentence)  # cut by the token limit, a lone list number, a "Packages:" header
+                if "unfinished" not in g.why:
+                    g.why.append("unfinished")
                 continue
             sentence += "."  # a list item, or the model stopped (EOS) without a full stop: close the sentence
         claim = _LIST_MARK_RE.sub("", sentence)  # "2." of a numbered list is not a number claim

@@ -60,7 +60,7 @@ def summary_text(b: dict[str, Any]) -> str:
                                                   SHOWN_WORDS else "")
         why = ([f"unsupported by the log: {shown}"] if words else []) + list(b.get("why") or [])
         notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary: "
-                     + ("; ".join(why) if why else "unfinished"))
+                     + ("; ".join(why) if why else "unfinished"))  # records from before `why` held "unfinished"
     elif b.get("unsupported"):
         notes.append("unsupported by the log: " + ", ".join(b["unsupported"]))
     if b.get("prose") == "digest":
