@@ -123,7 +123,12 @@ def machine_logs(n: int) -> dict[str, list[str]]:
 
 
 def _span(r: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return r["input"][b["first_line"] - 1: b["last_line"]]
+    """The input lines a record read: its range, less the backlog a stop skipped (the last lines of a final record
+    after SIGTERM were read but never fed, and its summary speaks only of the rest)."""
+    span = r["input"][b["first_line"] - 1: b["last_line"]]
+    if r.get("mode") == "sigterm" and b.get("final") and b.get("skipped"):
+        span = span[: len(span) - b["skipped"]]
+    return span
 
 
 def unsupported_sentences(r: dict[str, Any], b: dict[str, Any]) -> list[str]:
