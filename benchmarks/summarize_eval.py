@@ -31,7 +31,6 @@ import json
 import logging
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sinkchat.apps.summarize.digest import Digest, severities, split_timestamp  # noqa: E402
-from sinkchat.apps.summarize.factcheck import Support, claims, content_words, stem  # noqa: E402
+from sinkchat.apps.summarize.factcheck import Support, claims, content_words, period_numbers, stem  # noqa: E402
 from sinkchat.apps.summarize.guard import Echo, mentioned, problems, sentences  # noqa: E402
 from eval_runs import MIX_INCIDENTS, journal_lines, run_cli, run_live, run_sigterm  # noqa: E402
 
@@ -133,8 +132,9 @@ def _span(r: dict[str, Any], b: dict[str, Any]) -> list[str]:
 
 def unsupported_sentences(r: dict[str, Any], b: dict[str, Any]) -> list[str]:
     """The printed summary's sentences (code ones too) that the record's own input lines and digest do not back."""
-    support = Support(_span(r, b), b.get("digest"), numbers=f"lines {b['first_line']} to {b['last_line']}, "
-                      f"{b['first_line']}-{b['last_line']}: {b['lines']} lines")
+    support = Support(_span(r, b), b.get("digest"), numbers=period_numbers(
+        b["first_line"], b["last_line"], b["lines"], *(b.get(k, 0) for k in ("summarized", "filtered", "deduped",
+                                                                             "skipped", "binary"))))
     bad = []
     for t, _ in sentences(b["summary"]):
         words, why = problems(t, support, Echo(""))

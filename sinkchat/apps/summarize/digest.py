@@ -157,10 +157,14 @@ class Digest:
     def take(self) -> dict[str, Any]:
         """The record of this period, and a fresh period (the miner and its templates carry on)."""
         rec = self.record()
+        self.reset()
+        return rec
+
+    def reset(self) -> None:
+        """A fresh period, its record already taken with `record()` (the miner and its templates carry on)."""
         self.templates, self.lines, self.binary = {}, 0, 0
         self.first_ts = self.last_ts = None
         self.severity = Counter()
-        return rec
 
 
 def _params(template: str, token_lists: list[tuple[str, ...]], count: int) -> tuple[list[dict[str, Any]], bool]:

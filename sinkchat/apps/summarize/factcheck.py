@@ -97,6 +97,12 @@ class Support:
         return word in self.words or stem(word) in self.stems
 
 
+def period_numbers(first: int, last: int, lines: int, *counts: int) -> str:
+    """A period's own figures as support text: its line range both ways ("lines 120 to 146", "120-146"), its line
+    count and any other counts (summarized, filtered, ...)."""
+    return f"lines {first} to {last}, {first}-{last}: {lines} lines, " + " ".join(map(str, counts))
+
+
 def content_words(sentence: str) -> list[str]:
     """The sentence's words that carry content: letters only (identifiers split at digits and punctuation, as the
     support is), three letters or more, neither a function word nor a summary word, nor a severity word or a

@@ -15,8 +15,8 @@ must not depend on the model noticing it. So, after `ask` (answer.py):
    prose does not name gets a sentence written by code: its count of lines, first line number and timestamp and
    the template of that first line (`added`);
 3. when no model sentence is left, the summary is written by code from the digest alone: line count and time span,
-   the most frequent kinds of lines with their counts and values, then the severity sentences (or "No line has a
-   severity word.").
+   the most frequent kinds of lines with their counts and values, then the severity sentences (or "No line shows
+   a severity word (no errors or warnings).").
 
 The record says which: `prose` is "model", "model+digest" (code sentences appended) or "digest" (code only).
 """

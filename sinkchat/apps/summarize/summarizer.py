@@ -32,7 +32,7 @@ from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask
                                             settle_conversation)
 from sinkchat.apps.summarize.batching import Batcher, Period
 from sinkchat.apps.summarize.digest import render
-from sinkchat.apps.summarize.factcheck import Support
+from sinkchat.apps.summarize.factcheck import Support, period_numbers
 from sinkchat.apps.summarize.output import Output, fill
 from sinkchat.apps.summarize.reader import End, Item, Line, Notice
 
@@ -276,8 +276,8 @@ class Summarizer:
         if p.summarized or (self.stopping and digest["lines"]):
             question = self.question(p, digest)
             t0 = time.perf_counter()
-            support = Support(self.period_text, digest, numbers=f"lines {p.first_line} to {p.last_line}, "
-                              f"{p.first_line}-{p.last_line}: {p.lines} lines, {p.summarized} {p.filtered} {p.deduped} {p.skipped} {p.binary}")
+            support = Support(self.period_text, digest, numbers=period_numbers(
+                p.first_line, p.last_line, p.lines, p.summarized, p.filtered, p.deduped, p.skipped, p.binary))
             ans = ask(self.engine, self._events, question, support, self.max_tokens, retry=self.retry,
                       digest=digest)
             self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
@@ -293,7 +293,7 @@ class Summarizer:
         extra = {"lines_in_full": in_full, "lines_digest_only": max(0, digest["lines"] - p.deduped - in_full),
                  "unsupported": ans.unsupported, "regenerated": ans.regenerated, "summary_cut": ans.cut,
                  "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "why": ans.why, "digest": digest}
-        self.batcher.digest.take()
+        self.batcher.digest.reset()  # its record is in `extra` (computed once, above)
         self.fed_chunks, self.period_text, self.period_tokens = [], [], 0
         if p.binary:
             self.status.notice(f"lines {p.first_line}-{p.last_line}: skipped {p.binary} binary lines")
