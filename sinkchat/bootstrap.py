@@ -127,14 +127,15 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
     # before transformers is imported (importing it fixes inductor's cache dir): compiled decode steps are kept
     # with sinkchat's other caches, not in /tmp where they would be rebuilt after every reboot
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    from sinkchat.model.loader import load, precheck
+    from sinkchat.model.loader import load
 
-    precheck(settings.model.model)  # a truncated or foreign file: one line in well under a second, before torch
+    # load() checks the file before it imports torch (a truncated GGUF: one line in well under a second), so torch
+    # comes in with the decode step, after it
+    loaded = load(settings.model, progress, check_context=settings.cache.resolved)
     from sinkchat import decode
     from sinkchat.core.engine import Engine
     from sinkchat.core.sampling import Sampler
 
-    loaded = load(settings.model, progress, check_context=settings.cache.resolved)
     m = settings.model
     build = [sys.executable, "-m", "sinkchat.decode.build", json.dumps(dataclasses.asdict(m))]
     step = decode.select(loaded.model, m.decoder, loaded.spec, build, loaded.fingerprint)

@@ -72,8 +72,8 @@ def bundled_gguf() -> Path:
 
 def precheck(name: str | None) -> None:
     """Refuse a GGUF that is not one, is cut inside its header or whose tensors run past its end (GGUFError, one
-    line), before anything heavy is imported: the header scan takes ~0.02 s, importing torch ~2 s. For callers that
-    import torch before `load` (the bootstrap's engine); `load` itself checks before it imports torch."""
+    line), before anything heavy is imported: the header scan takes ~0.02 s, importing torch ~2 s. `load` calls it
+    first, before it imports torch."""
     if name and name.endswith(".gguf") and Path(name).expanduser().is_file():
         gguf_file.scan(Path(name).expanduser())
 
