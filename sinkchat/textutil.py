@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` encodes as UTF-8: it holds no lone surrogate (an undecodable byte read with surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def utf8_safe(text: str) -> str:
     """`text` with lone surrogates (undecodable input bytes read with surrogateescape) replaced by U+FFFD, so
     tokenizers and SQLite, which take only valid UTF-8, never raise on it."""
-    try:
-        text.encode("utf-8")
+    if is_utf8(text):
         return text
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")

@@ -47,6 +47,7 @@ from typing import Any
 from sinkchat.apps.agent.larkgen import reply_lark
 from sinkchat.apps.agent.patterns import PATH, grounded_pattern
 from sinkchat.apps.agent.tools.schema import Param, Tool
+from sinkchat.textutil import is_utf8
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +97,6 @@ class TaskContext:
 _HEADERS: dict[tuple[str, int, int], tuple[tuple[str, ...], tuple[str, ...]] | None] = {}
 
 
-def _utf8(name: str) -> bool:
-    """Whether a file name (undecodable bytes kept as surrogates) encodes as UTF-8: one that does not cannot be put
-    in a grammar (UnicodeEncodeError), nor written by the model, so the grammar does not offer it."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
 
 def scan_workspace(root: Path | None, limit: int = MAX_PATHS) -> WorkspaceView | None:
     """The files and folders under `root` as the tools would resolve them, or None (no root, or past `limit`)."""
@@ -114,9 +106,10 @@ def scan_workspace(root: Path | None, limit: int = MAX_PATHS) -> WorkspaceView |
     files: list[str] = []
     dirs = ["."]
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if _utf8(d))  # llguidance takes UTF-8 only: skip the rest
+        # a name that is no UTF-8 cannot be put in a grammar (llguidance raises), nor written by the model: skipped
+        dirnames[:] = sorted(d for d in dirnames if is_utf8(d))
         rel = os.path.relpath(dirpath, root)
-        for name in dirnames + sorted(f for f in filenames if _utf8(f)):
+        for name in dirnames + sorted(f for f in filenames if is_utf8(f)):
             path = name if rel == "." else f"{rel}/{name}"
             real = os.path.realpath(os.path.join(dirpath, name))
             if real != real_root and not real.startswith(real_root + os.sep):
