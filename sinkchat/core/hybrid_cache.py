@@ -255,16 +255,21 @@ class HybridKVCache(SinkKVCache):
             if isinstance(layer, WindowLayer):
                 layer.restored(self.length)
 
-    def layout(self) -> str:
-        """For status lines: "global 6 layers 1024/1024, local 20 layers 511/511" (a ring's visible tokens out of
-        window - 1), or "..., local 20 layers shared" when the window cannot bite inside the cache."""
+    def layout(self, length: int | None = None, stream: int | None = None) -> str:
+        """For status lines: "global 6 layers 1024/1024, local 20 layers 511/511" (a ring's held tokens out of
+        window - 1), or "..., local 20 layers shared" when the window cannot bite inside the cache. `length` /
+        `stream` (tokens in the cache / fed since the stream began) from a ledger reading: the layers' own lengths
+        run ahead of the ledger while a chunk is computed, one layer after another."""
         def layers(n: int) -> str:
             return f"{n} layer{'s' if n != 1 else ''}"
 
-        g = f"global {layers(len(self.global_idx))} {self.length}/{self.capacity}"
+        length = self.length if length is None else length
+        g = f"global {layers(len(self.global_idx))} {length}/{self.capacity}"
         ring = next((layer for layer in self.layers if isinstance(layer, WindowLayer)), None)
-        local = "shared" if ring is None else f"{ring.visible}/{ring.keep}"
-        return f"{g}, local {layers(len(self.local_idx))} {local}"
+        if ring is None:
+            return f"{g}, local {layers(len(self.local_idx))} shared"
+        seen = ring.visible if stream is None else min(ring.visible, stream)
+        return f"{g}, local {layers(len(self.local_idx))} {min(seen, ring.keep)}/{ring.keep}"
 
 
 def local_layout(spec: ModelSpec, capacity: int) -> str:

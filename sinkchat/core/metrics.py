@@ -274,25 +274,10 @@ def torch_bits(dtype: Any) -> int:
 
 
 def kv_layout(cache: Any, length: int | None = None, stream: int | None = None) -> str:
-    """How a hybrid cache holds its two kinds of layers ("global 6 layers 1024/1024, local 20 layers 511/511", a
-    ring's held tokens out of window - 1, or "shared"), or "" for a one-kind cache. `length` / `stream` (tokens in
-    the cache / fed since the stream began) come from a `ledger_view`: the layers' own lengths run ahead of the
-    ledger while a chunk is computed, one layer after another."""
-    glob, local = getattr(cache, "global_idx", None), getattr(cache, "local_idx", None)
-    if glob is None or local is None:
-        return ""
-    length = cache.length if length is None else length
-    ring = next((cache.layers[i] for i in local if hasattr(cache.layers[i], "keep")), None)
-    if ring is None:
-        held = "shared"
-    else:
-        seen = ring.visible if stream is None else min(ring.visible, stream)
-        held = f"{min(seen, ring.keep)}/{ring.keep}"
-    return f"global {_layers(len(glob))} {length}/{cache.capacity}, local {_layers(len(local))} {held}"
-
-
-def _layers(n: int) -> str:
-    return f"{n} layer{'s' if n != 1 else ''}"
+    """How a hybrid cache holds its two kinds of layers (`HybridKVCache.layout`), or "" for a one-kind cache.
+    `length` / `stream` come from a `ledger_view` (see there)."""
+    layout = getattr(cache, "layout", None)
+    return layout(length, stream) if callable(layout) else ""
 
 
 def human_bytes(n: float) -> str:
