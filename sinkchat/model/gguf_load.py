@@ -217,7 +217,7 @@ def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arc
     """Fill the meta-device `model` from the GGUF; returns the share of decoder linear weights in 4/8 bits (every
     one is packed, float types too: 1.0, or 0.0 for a file without linears)."""
     biases: dict[str, torch.Tensor] = {}
-    total = 0
+    linears = False
     with open(gguf, "rb") as f:
         for t, hf in _mapped(table, arch, gguf, long_rope=False):
             if hf == "model.embed_tokens.weight":
@@ -227,7 +227,7 @@ def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arc
                 _put(model, "lm_head", int4.Int8Head(head) if isinstance(head, int4.Int8Table) else head)
             elif len(t.shape) == 2:
                 _put(model, hf.removesuffix(".weight"), module_of(f, t, kernels, heads=_heads(hf, model.config, arch)))
-                total += t.shape[0] * t.shape[1]
+                linears = True
             elif hf.endswith(".bias"):
                 biases[hf] = torch.from_numpy(gguf_blocks.to_float(t.qtype, read_raw(f, t)).reshape(-1).copy())
             else:
@@ -239,7 +239,7 @@ def load_weights(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arc
             b = torch.from_numpy(_unpermute(b.numpy(), heads).copy())
         mod.bias = nn.Parameter(b.float(), requires_grad=False)
     _check_filled(model, gguf)
-    return 1.0 if total else 0.0
+    return 1.0 if linears else 0.0
 
 
 def load_float(model: nn.Module, gguf: Path, table: dict[str, TensorInfo], arch: str) -> None:
