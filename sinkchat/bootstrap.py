@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sinkchat.config import (DECODERS, DEVICES, DTYPES, KV_DTYPES, PINS, POLICIES, QUANTS, ConfigError, Settings,
-                             settings_from_env)
+from sinkchat.config import (DECODERS, DEVICES, DTYPES, KV_DTYPES, MEMORY_MODES, PINS, POLICIES, QUANTS, ConfigError,
+                             Settings, settings_from_env)
 from sinkchat.errors import UserError
 
 PROMPTS_PACKAGE = "sinkchat.prompts"  # the checkout's top-level prompts/ folder as a package (see pyproject.toml)
@@ -36,10 +36,16 @@ COMMON = [
     click.option("--temperature", type=click.FloatRange(0, 10), default=None, help="[env SINKCHAT_TEMPERATURE; default 0.7; 0 = greedy]"),
     click.option("--max-tokens", type=click.IntRange(1, None), default=None, help="max tokens per reply [env SINKCHAT_MAX_TOKENS; default 512]"),
     click.option("--seed", type=int, default=None, help="random seed [env SINKCHAT_SEED]"),
+    click.option("--memory", type=click.Choice(MEMORY_MODES), default=None, help="recall memory: on = tokens evicted from the window are kept in blocks on disk and the blocks a query needs are attended again (nothing forgotten without a 'forgotten' event) [env SINKCHAT_MEMORY; default off]"),
+    click.option("--memory-budget", type=click.IntRange(1, None), default=None, help="disk budget of the session's recall memory in MB; past it the oldest blocks are forgotten [env SINKCHAT_MEMORY_BUDGET; default 1024]"),
+    click.option("--memory-block", type=click.IntRange(8, 1024), default=None, help="tokens per recall-memory block [env SINKCHAT_MEMORY_BLOCK; default 64]"),
+    click.option("--memory-topk", type=click.IntRange(1, 64), default=None, help="recall-memory blocks each layer attends to [env SINKCHAT_MEMORY_TOPK; default 4]"),
     click.option("-v", "--verbose", count=True, help="log more (-vv for debug)"),
 ]
 COMMON_KEYS = ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads", "policy", "sinks", "pin", "cache_size", "evict_chunk",
-               "temperature", "max_tokens", "seed", "verbose")
+               "temperature", "max_tokens", "seed", "memory", "memory_budget", "memory_block", "memory_topk", "verbose")
+# what `build_settings` takes besides COMMON_KEYS (settings without a shared flag)
+EXTRA_KEYS = ("top_p", "top_k", "repetition_penalty", "gauge_every", "memory_ram")
 
 
 def common_options(f: Callable[..., Any] | None = None, *, exclude: tuple[str, ...] = ()) -> Any:
@@ -68,7 +74,16 @@ def pop_common(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_settings(opts: dict[str, Any]) -> Settings:
-    """Flags (non-None values in `opts`) over environment / .env over defaults."""
+    """Flags (non-None values in `opts`) over environment / .env over defaults. A key that names no setting is a
+    ConfigError naming it (a misspelled `{"memroy": "on"}` must not be silently ignored)."""
+    unknown = sorted(set(opts) - set(COMMON_KEYS) - set(EXTRA_KEYS))
+    if unknown:
+        import difflib
+
+        known = sorted(COMMON_KEYS + EXTRA_KEYS)
+        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else "")
+                 for k in unknown]
+        raise ConfigError(f"unknown setting {', '.join(hints)}; settings: {', '.join(known)}")
     base = settings_from_env()
     m = base.model
     m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads") if opts.get(k) is not None})
@@ -77,9 +92,14 @@ def build_settings(opts: dict[str, Any]) -> Settings:
                      "evict_chunk": opts.get("evict_chunk"), "pin": opts.get("pin")}
     c = replace(c, **{k: v for k, v in cache_changes.items() if v is not None})
     s = base.sampling
-    samp = {k: opts.get(k) for k in ("temperature", "max_tokens", "seed")}
+    samp = {k: opts.get(k) for k in ("temperature", "max_tokens", "seed", "top_p", "top_k", "repetition_penalty")}
     s = replace(s, **{k: v for k, v in samp.items() if v is not None})
-    return replace(base, model=m, cache=c, sampling=s)
+    mem = {"mode": opts.get("memory"), "budget_mb": opts.get("memory_budget"), "block": opts.get("memory_block"),
+           "topk": opts.get("memory_topk"), "ram_mb": opts.get("memory_ram")}
+    mc = replace(base.memory, **{k: v for k, v in mem.items() if v is not None})
+    gauge = opts.get("gauge_every")
+    return replace(base, model=m, cache=c, sampling=s, memory=mc,
+                   gauge_every=base.gauge_every if gauge is None else gauge)
 
 
 def setup_logging(verbose: int) -> None:

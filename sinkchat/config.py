@@ -58,7 +58,15 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_HOME": ("", "data dir for history, logs, snapshots (empty = XDG user data dir)"),
     "SINKCHAT_CACHE_DIR": ("", "dir for converted models (empty = XDG user cache dir)"),
     "SINKCHAT_GAUGE_EVERY": ("4", "compute the sink-attention gauge every N decode steps (0 = off)"),
+    "SINKCHAT_MEMORY": ("off", "recall memory: on (tokens evicted from the window go to an on-disk block store and "
+                        "the blocks a query needs join attention again) or off (evicted tokens are dropped)"),
+    "SINKCHAT_MEMORY_BUDGET": ("1024", "disk budget of a session's recall memory in MB (past it the oldest blocks "
+                               "are forgotten, and that is reported)"),
+    "SINKCHAT_MEMORY_BLOCK": ("64", "tokens per recall-memory block"),
+    "SINKCHAT_MEMORY_TOPK": ("4", "recall-memory blocks each layer attends to at a time"),
+    "SINKCHAT_MEMORY_RAM": ("64", "MB of recalled blocks kept in RAM (least recently used go first)"),
 }
+MEMORY_MODES = ("on", "off")
 
 
 class ConfigError(UsageError, ValueError):
@@ -241,11 +249,40 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """The recall memory (`sinkchat.memory`): evicted tokens kept in blocks on disk, the top-k blocks per layer
+    attended again. `budget_mb`: the store's disk budget; `ram_mb`: recalled blocks cached in RAM."""
+
+    mode: str = "off"
+    budget_mb: int = 1024
+    block: int = 64
+    topk: int = 4
+    ram_mb: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in MEMORY_MODES:
+            raise ConfigError(f"--memory must be on or off, not {self.mode!r}")
+        if self.budget_mb < 1:
+            raise ConfigError("--memory-budget must be at least 1 (MB)")
+        if not 8 <= self.block <= 1024:
+            raise ConfigError("--memory-block must be between 8 and 1024 tokens")
+        if not 1 <= self.topk <= 64:
+            raise ConfigError("--memory-topk must be between 1 and 64")
+        if self.ram_mb < 1:
+            raise ConfigError("--memory-ram must be at least 1 (MB)")
+
+    @property
+    def on(self) -> bool:
+        return self.mode == "on"
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     gauge_every: int = 4
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 def prefill_mode() -> str:
@@ -285,6 +322,13 @@ def settings_from_env() -> Settings:
             seed=env("SINKCHAT_SEED", opt_int),
         ),
         gauge_every=env("SINKCHAT_GAUGE_EVERY", int),
+        memory=MemoryConfig(
+            mode=env("SINKCHAT_MEMORY"),
+            budget_mb=env("SINKCHAT_MEMORY_BUDGET", int),
+            block=env("SINKCHAT_MEMORY_BLOCK", int),
+            topk=env("SINKCHAT_MEMORY_TOPK", int),
+            ram_mb=env("SINKCHAT_MEMORY_RAM", int),
+        ),
     )
 
 

@@ -67,3 +67,17 @@ def test_chat_options_work_without_the_chat_word():
     assert res.exit_code == 0 and "--snapshot-every" in res.output  # chat's help: routed to chat
     res = CliRunner().invoke(main, ["logs", "--mode", "bogus"])
     assert res.exit_code == 2 and "bogus" in res.output
+
+
+def test_unknown_setting_is_named_with_a_hint():
+    with pytest.raises(ConfigError, match=r"unknown setting 'memroy' \(did you mean 'memory'\?\)"):
+        build_settings({"memroy": "on"})
+
+
+def test_memory_settings_from_flags_and_env(monkeypatch):
+    monkeypatch.setenv("SINKCHAT_MEMORY_TOPK", "6")
+    s = build_settings({"memory": "on", "memory_budget": 5, "memory_ram": 3})
+    assert (s.memory.mode, s.memory.budget_mb, s.memory.topk, s.memory.ram_mb, s.memory.on) == ("on", 5, 6, 3, True)
+    monkeypatch.setenv("SINKCHAT_MEMORY", "maybe")
+    with pytest.raises(ConfigError, match="--memory must be on or off"):
+        build_settings({})

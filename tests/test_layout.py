@@ -17,11 +17,14 @@ LAYERS = {
     "sinkchat.config": 1,
     "sinkchat.kernels": 2,
     "sinkchat.model": 3, "sinkchat.store": 3,
+    "sinkchat.memory": 3.5,  # the recall memory: below the Engine that it is injected into
     "sinkchat.core": 4,
     "sinkchat.decode": 5,
     "sinkchat.bootstrap": 6,
+    "sinkchat.api": 6.5,  # the Python API (`sinkchat.load`): over the bootstrap, under the apps that use it
     "sinkchat.apps": 7,  # what the apps share: rendering, the session-log recorder, the logs command
     "sinkchat.apps.chat": 8, "sinkchat.apps.agent": 8, "sinkchat.apps.summarize": 8, "sinkchat.apps.evals": 8,
+    "sinkchat.apps.serve": 8,
     "sinkchat.apps.soak": 9,  # soak drives the agent and summarize apps
     "sinkchat.cli": 10, "sinkchat.__main__": 11,
 }
