@@ -161,4 +161,27 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
     step = decode.select(loaded.model, m.decoder, loaded.spec, build, loaded.fingerprint)
     return Engine(loaded.model, loaded.tokenizer, settings.cache, spec=loaded.spec, step=step,
                   sampler=Sampler(settings.sampling), loaded=loaded, system=system,
-                  gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype)
+                  gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, memory=open_memory(settings, loaded.spec))
+
+
+def open_memory(settings: Settings, spec: Any) -> Any:
+    """The recall memory the settings ask for (None: off): its store in a folder of its own under the data dir,
+    readable by the user alone and removed when the process ends (the session's memory goes with it)."""
+    if not settings.memory.on:
+        return None
+    import atexit
+    import os
+    import time
+
+    from sinkchat.config import data_dir
+    from sinkchat.memory.recall import RecallMemory
+
+    if settings.cache.policy != "sink":
+        raise ConfigError("--memory on keeps what the sink policy evicts: use --policy sink")
+    root = data_dir() / "memory" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    try:
+        memory = RecallMemory.for_spec(settings.memory, spec, root)
+    except OSError as e:
+        raise ConfigError(f"cannot create the memory store under {root.parent}: {e.strerror}") from None
+    atexit.register(memory.close)
+    return memory

@@ -17,7 +17,8 @@ import torch
 
 from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
-from sinkchat.core.events import DoneEvent, EvictionEvent, Event, GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
+                                  TokenEvent)
 from sinkchat.core.gauge import SinkGauge
 from sinkchat.core.interrupts import deferred_sigint
 from sinkchat.core.hybrid_cache import local_layout, make_cache
@@ -31,6 +32,7 @@ from sinkchat.core.turns import Conversation
 from sinkchat.model.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from sinkchat.memory.recall import RecallMemory
     from sinkchat.model.loader import Loaded
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,12 @@ class Engine:
         prefill_chunk: int = PREFILL_CHUNK,
         rerotate: bool = True,
         kv_dtype: str = "auto",
+        memory: RecallMemory | None = None,
     ) -> None:
         """`sampling` is used only without a `sampler`. `kv_dtype`: what the cache stores (auto, float32, bfloat16;
         a snapshot's is converted to it). `loaded`: what the loader reports about the weights (source, quant,
-        fingerprint), for logs and snapshots; None for a model built in a test."""
+        fingerprint), for logs and snapshots; None for a model built in a test. `memory`: the recall memory
+        (`sinkchat.memory`), or None: evicted tokens are dropped."""
         self.model, self.tokenizer = model, tokenizer
         self.spec = (spec or ModelSpec.from_model(model)).check()
         self.loaded = loaded
@@ -75,10 +79,12 @@ class Engine:
         self.n_layers = self.spec.n_layers
         self.step = step
         self.kv_store = resolve_kv_dtype(kv_dtype, step is not None, model)  # what the buffers hold
+        self.memory = memory
         self.cache = self.new_cache(self.cache_cfg.capacity)
         self.ledger = Ledger()
         self.conv = Conversation(tokenizer, system)
         self.gauge = SinkGauge(model, self.spec)
+        self.gauge.capture = memory is not None  # transformers' forward hands the memory its last queries
         self.gauge_every = gauge_every
         self.prefill_chunk = prefill_chunk
         self.device = next(model.parameters()).device
@@ -89,6 +95,7 @@ class Engine:
         self.plain = PlainCompletion.detect(tokenizer, self.stop_ids)  # no chat template: says so once (stderr)
         self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
         self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
+        self._forgotten: list[ForgottenEvent] = []  # what the memory forgot, yielded after the eviction that caused it
         self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
         self._pinned_prefix()  # a system prompt too large to pin: one line now, not at the first message
 
@@ -139,41 +146,76 @@ class Engine:
 
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         """One model call: the fast step for a single token when the model allows it, the step's chunk path for
-        several, else transformers."""
-        if self.step is not None and len(ids) == 1:
-            keys, values = self.cache.buffers(self.step.n_kv, self.step.head_dim, self.device, self.kv_store)
+        several, else transformers. With the recall memory, its region is filled first (`_recall`) and the call's
+        last queries handed back to it."""
+        base, used = self._recall()
+        step = self.step if not base or getattr(self.step, "memory_region", False) else None
+        if step is not None and len(ids) == 1:
+            keys, values = self.cache.buffers(step.n_kv, step.head_dim, self.device, self.kv_store)
             self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
-            logits, queries, shares = self.step(ids[0], L, keys, values, self.gauge_n)  # [1, V], [L, H*D], [L, 2]
-            self.gauge.record(queries, self.gauge_n, shares)
+            extra = {"base": base, "used": used} if base else {}
+            logits, queries, shares = step(ids[0], L, keys, values, self.gauge_n, **extra)  # [1, V], [L, H*D], [L, 2]
+            self.gauge.record(queries, self.gauge_n, None if used else shares)  # C's first slots: memory's
+            self._observe(queries, L)
             return logits
         self.gauge.discard_shares()  # shares of an earlier fast step must not stand for this forward's attention
-        prefill = getattr(self.step, "prefill", None)  # the step's chunk path (native: one C call), if it has one
+        prefill = getattr(step, "prefill", None)  # the step's chunk path (native: one C call), if it has one
         if prefill is not None and not self.gauge.armed:  # armed: the gauge hooks want transformers' queries
-            keys, values = self.cache.buffers(self.step.n_kv, self.step.head_dim, self.device, self.kv_store)
+            keys, values = self.cache.buffers(step.n_kv, step.head_dim, self.device, self.kv_store)
             self.cache.advance(len(ids))  # as for the step: an interrupted chunk is truncated back to L by the caller
-            return prefill(ids, L, keys, values, all_logits)  # [q or 1, V]
+            if not base:
+                return prefill(ids, L, keys, values, all_logits)  # [q or 1, V]
+            queries = torch.empty(self.n_layers, self.spec.n_heads * self.spec.head_dim)  # [L, H*D]
+            logits = prefill(ids, L, keys, values, all_logits, base=base, used=used, queries=queries)
+            self._observe(queries, L + len(ids) - 1)
+            return logits
         x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
         pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
         out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
                          logits_to_keep=0 if all_logits else 1)
+        if self.memory is not None:
+            self._observe(self.gauge.captured_queries(), L + len(ids) - 1)
         return out.logits[0]
 
-    def _make_room(self, incoming: int) -> Iterator[EvictionEvent]:
+    def _recall(self) -> tuple[int, int]:
+        """Fill the recall memory's region for the next call: (slots reserved in front of the stream, slots of
+        them attended). Blocks that failed to read back are reported with the next eviction's events."""
+        if self.memory is None:
+            return 0, 0
+        used, lost = self.memory.prepare(self.cache, self.memory.position(self.pinned_slots(), self.cache.length))
+        self._forgotten += lost
+        return self.memory.region, used
+
+    def _observe(self, queries: torch.Tensor | None, position: int) -> None:
+        """Hand the memory the queries [L, H*D] of the call's last token (at in-cache `position`)."""
+        if self.memory is not None and queries is not None:
+            self.memory.observe(queries, position)
+
+    def _make_room(self, incoming: int) -> Iterator[EvictionEvent | ForgottenEvent]:
         """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
         c = self.cache_cfg
         ev = plan_eviction(c.policy, self.pinned_slots(), c.capacity, c.evict_chunk, self.cache.length, incoming)
         if ev is not None:
             yield from self._evict(ev)
 
-    def _evict(self, ev: Eviction) -> list[EvictionEvent]:
+    def _evict(self, ev: Eviction) -> list[EvictionEvent | ForgottenEvent]:
         """Drop the slots of `ev`: one event per run of consecutive stream positions, so that a block spanning a gap
         (the old sinks plus the oldest window tokens, right after switching sink -> window) never shows as one
-        range that claims everything in between."""
-        return [self._evict_run(run) for run in eviction_runs(self.ledger.abs_index, ev)]
+        range that claims everything in between. With the recall memory, what it had to forget follows."""
+        events: list[EvictionEvent | ForgottenEvent] = []
+        for run in eviction_runs(self.ledger.abs_index, ev):
+            events.append(self._evict_run(run))
+            events += self._forgotten
+            self._forgotten = []
+        return events
 
     def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
         with deferred_sigint():
+            if self.memory is not None:  # the tokens go to the memory (copied) before their slots are reused
+                end = ev.start + ev.count
+                self._forgotten += self.memory.absorb(self.cache, ev.start, ev.count, self.ledger.ids[ev.start : end],
+                                                      self.ledger.abs_index[ev.start : end])
             self.cache.evict(ev)
             dropped, first, last = self.ledger.evict(ev)
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
@@ -183,9 +225,12 @@ class Engine:
 
     def _step(
         self, ids: list[int], all_logits: bool = False, record: list[int] | None = None
-    ) -> Iterator[EvictionEvent | torch.Tensor]:
+    ) -> Iterator[EvictionEvent | ForgottenEvent | torch.Tensor]:
         yield from self._make_room(len(ids))
-        yield self._forward(ids, all_logits, record)
+        logits = self._forward(ids, all_logits, record)
+        yield from self._forgotten  # blocks the memory could not read back for this call
+        self._forgotten = []
+        yield logits
 
     # ----------------------------------------------------------------------------------------------- public API
     @property
@@ -227,7 +272,10 @@ class Engine:
         """Prefill `ids` in chunks, evicting between chunks; with all_logits also yields each chunk's logits."""
         ids = list(ids)
         pos, self.reply_turn = 0, False
-        for n in chunk_sizes(len(ids), self.max_chunk):
+        sizes = chunk_sizes(len(ids), self.max_chunk)
+        if self.memory is not None and sizes and sizes[-1] > 1:  # the last token on its own: it recalls with the
+            sizes[-1:] = [sizes[-1] - 1, 1]  # queries of the one before it, not of the previous chunk's end
+        for n in sizes:
             t0 = time.perf_counter()
             for item in self._step(ids[pos : pos + n], all_logits):
                 if isinstance(item, torch.Tensor):
@@ -296,7 +344,7 @@ class Engine:
             self.gauge.armed = gauge_now
             try:
                 for item in self._step([tok], record=ids):  # ids gains tok together with the cache
-                    if isinstance(item, EvictionEvent):
+                    if isinstance(item, (EvictionEvent, ForgottenEvent)):
                         yield item
             finally:
                 self.gauge.armed = False
@@ -349,6 +397,8 @@ class Engine:
             self.ledger.clear()
             self.conv.reset()
             self.last_logits = None
+            if self.memory is not None:
+                self.memory.clear(self.cache)
 
     def reconfigure(self, **changes: Any) -> list[EvictionEvent]:
         """Change policy / n_sink / capacity / evict_chunk live. Shrinking evicts now; growing reallocates."""
@@ -391,7 +441,10 @@ class Engine:
     def new_cache(self, capacity: int) -> SinkKVCache:
         if self.step is not None:
             self.step.warm_up(self.kv_store)
-        return make_cache(self.spec, capacity, self.rerotate, self.kv_store)
+        cache = make_cache(self.spec, capacity, self.rerotate, self.kv_store)
+        if self.memory is not None:
+            self.memory.attach(cache)
+        return cache
 
     def set_sampling(self, **changes: Any) -> None:
         self.sampler.reconfigure(**changes)

@@ -46,6 +46,8 @@ class SinkGauge:
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
         self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
         self.armed = False
+        self.capture = False  # keep every forward's last queries (`captured_queries`: the recall memory's)
+        self.captured: list[torch.Tensor | None] = [None] * len(self.attn)
         self._handles = []
         # Phi-3 fuses q, k, v into qkv_proj (q first). Qwen3 / Gemma 3 RMS-normalize each head's q after q_proj:
         # the hook applies the layer's own q_norm to the captured row (hooking q_norm itself would need its input
@@ -60,21 +62,34 @@ class SinkGauge:
         width = self.n_heads * self.head_dim
 
         def hook(module: Any, args: Any, out: torch.Tensor) -> None:
-            if self.armed:
+            if self.armed or self.capture:
                 q = out[:, -1:].detach()  # [B, 1, H*D] (or [B, 1, (H+2Hkv)*D] fused)
                 q = q[..., :width] if fused else q
                 if norm is not None:
                     with torch.no_grad():
                         q = norm(q.reshape(q.shape[0], 1, self.n_heads, self.head_dim))  # [B, 1, H, D]
-                self.queries[i] = q
+                if self.armed:
+                    self.queries[i] = q
+                if self.capture:
+                    self.captured[i] = q
 
         return hook
 
-    def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
-        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots."""
+    def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor | None) -> None:
+        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots (None: the
+        step's first slots were recalled memory, not the sinks: `measure` recomputes from the queries)."""
         if self.armed:
             self.queries = list(queries[list(self.measured), None])
-            self.shares = (n, shares[list(self.measured)])  # a ring's slots run oldest first: its window's start
+            # a ring's slots run oldest first: its window's start
+            self.shares = None if shares is None else (n, shares[list(self.measured)])
+
+    def captured_queries(self) -> torch.Tensor | None:
+        """The last forward's last-token pre-RoPE queries [L, H*D] in layer order (None: not captured)."""
+        if not self.capture or any(q is None for q in self.captured):
+            return None
+        rows = {layer: q.reshape(-1) for layer, q in zip(self.measured, self.captured)}
+        self.captured = [None] * len(self.attn)
+        return torch.stack([rows[i] for i in sorted(rows)])
 
     def discard_shares(self) -> None:
         """Before a transformers forward: an earlier step's shares must not stand for this forward's attention."""
@@ -87,10 +102,11 @@ class SinkGauge:
     @staticmethod
     def attended_keys(layer: Any, length: int) -> torch.Tensor:
         """The cached keys [B, H_kv, n, D] the last token fed attended to, oldest first: a local layer's ring holds
-        its window (the token itself and the W - 1 before it), any other layer the slots 0..length-1."""
+        its window (the token itself and the W - 1 before it), any other layer the recalled memory slots it attended
+        (`layer.used`, first) and the slots 0..length-1."""
         if isinstance(layer, WindowLayer):
             return layer.keys[:, :, max(layer.floor, layer.end - layer.window) : layer.end]
-        return layer.keys[:, :, :length]
+        return layer.keys[:, :, layer.base - layer.used : layer.base + length]
 
     def probs(self, cache: SinkKVCache, i: int) -> torch.Tensor:
         """The i-th measured layer's attention probabilities [B, H_kv, G, n] of the captured query, rotated to its
@@ -113,19 +129,23 @@ class SinkGauge:
         if L == 0 or any(q is None for q in self.queries):
             return None
         g = len(self.layers)
+        recalled: list[float] = []
         if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
             first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
         else:
             first, last = [], []
             for i in range(len(self.attn)):
-                probs = self.probs(cache, i)  # [B, H_kv, G, n_i]
-                first.append(float(probs[..., :n].sum(-1).mean()))
+                probs = self.probs(cache, i)  # [B, H_kv, G, used_i + n_i]: recalled slots first
+                used = getattr(cache.layers[self.measured[i]], "used", 0)
+                first.append(float(probs[..., used : used + n].sum(-1).mean()))
                 if i < g:  # the newest slots' share: the global layers' only (status line's "recent")
                     last.append(float(probs[..., -n:].sum(-1).mean()))
+                    recalled.append(float(probs[..., :used].sum(-1).mean()))
         self.queries = [None] * len(self.attn)
         n, local = min(n, L), tuple(first[g:])
         window = self.attended_keys(cache.layers[self.local_layers[0]], L).shape[-2] if self.local_layers else 0
         return GaugeEvent(share=sum(first[:g]) / g, per_layer=tuple(first[:g]), recent=sum(last[:g]) / g,
                           uniform=n / L, n=n, holds_start=holds_start,
                           local=sum(local) / len(local) if local else None, local_per_layer=local,
-                          local_uniform=min(n, window) / window if window else None)
+                          local_uniform=min(n, window) / window if window else None,
+                          recalled=sum(recalled) / g if recalled else None)

@@ -56,15 +56,27 @@ class SinkLayer(CacheLayerMixin):
         self.capacity = capacity
         self.length = 0
         self.store_dtype = dtype
+        self.base = 0  # slots reserved in front of the stream for recalled memory (`reserve`); slot i is at base + i
+        self.used = 0  # of those, how many (the last `used` before the stream) the next forward attends to
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
         dt = self.store_dtype or key_states.dtype
-        self.keys = key_states.new_zeros(b, h, self.capacity, dk, dtype=dt)  # [B, H_kv, cap, D]
-        self.values = value_states.new_zeros(b, h, self.capacity, dv, dtype=dt)
+        self.keys = key_states.new_zeros(b, h, self.base + self.capacity, dk, dtype=dt)  # [B, H_kv, base + cap, D]
+        self.values = value_states.new_zeros(b, h, self.base + self.capacity, dv, dtype=dt)
         self.is_initialized = True
+
+    def reserve(self, slots: int) -> None:
+        """Keep `slots` in front of the stream for recalled memory (before the buffers exist: a fresh cache)."""
+        if self.is_initialized:
+            raise RuntimeError("reserve memory slots before the cache is first written")
+        self.base = slots
+
+    def region(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recalled-memory slots the next forward attends to: views [B, H_kv, used, D] just before the stream."""
+        return self.keys[:, :, self.base - self.used : self.base], self.values[:, :, self.base - self.used : self.base]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -76,16 +88,18 @@ class SinkLayer(CacheLayerMixin):
         end = self.length + q
         if end > self.capacity:
             raise RuntimeError(f"KV cache overflow ({end} > {self.capacity}): evict before the forward pass")
-        self.keys[:, :, self.length : end] = key_states
-        self.values[:, :, self.length : end] = value_states
+        b0 = self.base
+        self.keys[:, :, b0 + self.length : b0 + end] = key_states
+        self.values[:, :, b0 + self.length : b0 + end] = value_states
         self.length = end
-        k, v = self.keys[:, :, :end], self.values[:, :, :end]
+        k, v = self.keys[:, :, b0 - self.used : b0 + end], self.values[:, :, b0 - self.used : b0 + end]
         if k.dtype != key_states.dtype:  # a bf16 cache under an fp32 model: attention computes in the model's dtype
             k, v = k.to(key_states.dtype), v.to(value_states.dtype)
         return k, v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        """Recalled slots come first in what `update` returns, at mask indices -used..-1: before every query."""
+        return self.used + self.length + query_length, -self.used
 
     def get_seq_length(self) -> int:
         return self.length
@@ -103,6 +117,7 @@ class SinkLayer(CacheLayerMixin):
         src, n = start + count, self.length - start - count
         if n < 0:
             raise ValueError(f"cannot evict {count} slots from {start} with {self.length} live")
+        start, src = start + self.base, src + self.base
         cs = None if rope is None else rope.cos_sin(-count, self.keys.device)
         if n and not native.kv_evict(self.keys, self.values, start, count, n, cs):  # type: ignore[arg-type]
             scratch = scratch or Scratch()
@@ -142,12 +157,14 @@ class SinkLayer(CacheLayerMixin):
 
     @property
     def used_nbytes(self) -> int:
-        """Bytes of the live slots only."""
-        return self.nbytes * self.length // self.capacity if self.capacity else 0
+        """Bytes of the live slots only (recalled slots in use included)."""
+        total = self.base + self.capacity
+        return self.nbytes * (self.used + self.length) // total if total else 0
 
     def live(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the live keys and values [B, H_kv, length, D]."""
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        b0 = self.base
+        return self.keys[:, :, b0 : b0 + self.length], self.values[:, :, b0 : b0 + self.length]
 
 
 class SinkKVCache(Cache):

@@ -76,19 +76,33 @@ class NativePrefill:
         return self._kv[1], self._kv[2]
 
     def __call__(self, ids: list[int], pos: int, keys: list[torch.Tensor], values: list[torch.Tensor],
-                 all_logits: bool = False) -> torch.Tensor:
+                 all_logits: bool = False, base: int = 0, used: int = 0, queries: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """`base`: slots in front of the stream in every buffer (the recall memory's region), of which the last
+        `used` hold recalled keys the chunk attends to (stream slot i is buffer slot base + i; RoPE position i).
+        `queries` (fp32 [L, H*D], or None): gets the last row's pre-RoPE queries."""
         step, t = self.step, len(ids)
         cap = keys[0].shape[2]
-        if t < 1 or pos < 0 or pos + t > cap:
-            raise ValueError(f"slots [{pos}, {pos + t}) outside the cache (capacity {cap})")
+        if t < 1 or pos < 0 or not 0 <= used <= base or base + pos + t > cap:
+            raise ValueError(f"slots [{pos}, {pos + t}) outside the cache (capacity {cap - base})")
         kp, vp = self._pointers(keys, values)
+        if base - used:  # every layer's buffer from its first attended slot on (the heads stay cap slots apart)
+            skip = (base - used) * step.head_dim * keys[0].element_size()
+            kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() + skip for b in keys])
+            vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() + skip for b in values])
         m = step._m
         m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)  # the struct is the step's: say what these buffers hold
         with torch.no_grad():
             x = step.embed(torch.tensor(ids)).float().contiguous()  # [T, C]
         n_out = t if all_logits else 1
         out = torch.empty(n_out, step._out)
-        rc = native.sc_prefill(m, x.data_ptr(), t, pos, n_out, kp, vp, cap, out.data_ptr())
+        q_ptr = None
+        if queries is not None:
+            if queries.shape != (step.n_layers, step.n_heads * step.head_dim) or queries.dtype != torch.float32 \
+                    or not queries.is_contiguous():
+                raise ValueError(f"queries {tuple(queries.shape)} {queries.dtype}: want fp32 [L, H*D]")
+            q_ptr = queries.data_ptr()
+        rc = native.sc_prefill(m, x.data_ptr(), t, pos, n_out, kp, vp, cap, out.data_ptr(), used, q_ptr)
         if rc == -1:
             raise MemoryError("the native prefill ran out of memory")
         if rc:

@@ -179,6 +179,7 @@ class NativeStep:
         self._layers = (self._per_layer(model.model.layers, spec, attn_out, mlp_out)
                         if spec.model_type in GEMMA_TYPES else None)
         self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
+        self.memory_region = self._layers is None  # attends a recall region (`base`, `used`): non-hybrid models
         # what status lines show: which kernels' library runs the step, and which path feeds chunks
         self.status = f"native ({native.variant()}; prefill {'native' if self.prefill is not None else 'hf'})"
 
@@ -265,11 +266,14 @@ class NativeStep:
             return None
         return cls(model, spec)
 
-    def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4,
+                 base: int = 0, used: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2].
         Gemma: a layer's buffer may be a view shorter than its buffer (a local ring's window, the token's slot last:
-        `HybridKVCache.buffers`)."""
+        `HybridKVCache.buffers`). `base`: slots in front of the stream in every buffer (the recall memory's), the
+        last `used` of them attended too (stream slot i is buffer slot base + i, at RoPE position i)."""
+        if base:
+            return self._call_region(tok, pos, keys, values, n_gauge, base, used)
         if self._layers is not None:
             return self._call_layers(tok, pos, keys, values, n_gauge)
         k0 = keys[0]
@@ -320,6 +324,34 @@ class NativeStep:
         gauge = torch.empty(self.n_layers, 2)
         rc = native.sc_step_layers(self._m, self._layers, x.data_ptr(), pos, n_gauge, kp, vp,
                                    (ctypes.c_int * len(caps))(*caps), (ctypes.c_int * len(ns))(*ns), max(ns),
+                                   out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
+        if rc:
+            raise MemoryError("the native decode step ran out of memory") if rc == -1 else ValueError(
+                f"the native decode step refused its cache slices ({rc})")
+        return self._logits(out), queries, gauge
+
+    def _call_region(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int,
+                     base: int, used: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`__call__` over buffers with a recall region (non-hybrid models): sc_step_layers with every layer's
+        pointer at its first attended slot (base - used), attending `used` + pos + 1 slots, the token written last."""
+        if self._layers is not None:
+            raise ValueError("recalled memory on a hybrid model's native step")
+        self._check_buffers(keys, values)
+        cap = keys[0].shape[2]
+        if not 0 <= used <= base or not 0 <= base + pos < cap:
+            raise ValueError(f"slot {pos} (memory {used} of {base}) outside the cache (capacity {cap - base})")
+        skip = (base - used) * self.head_dim * keys[0].element_size()
+        kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() + skip for b in keys])
+        vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() + skip for b in values])
+        self._m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)
+        with torch.no_grad():
+            x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
+        out = torch.empty(self._out)
+        queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
+        gauge = torch.empty(self.n_layers, 2)
+        caps = (ctypes.c_int * self.n_layers)(*[cap] * self.n_layers)
+        ns = (ctypes.c_int * self.n_layers)(*[used + pos + 1] * self.n_layers)
+        rc = native.sc_step_layers(self._m, None, x.data_ptr(), pos, n_gauge, kp, vp, caps, ns, used + pos + 1,
                                    out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
         if rc:
             raise MemoryError("the native decode step ran out of memory") if rc == -1 else ValueError(

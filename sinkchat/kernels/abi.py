@@ -29,10 +29,11 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 8  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+ABI = 9  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
 #          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap;
-#          7: sc_silu, the MLP activation on its own exp; 8: Model.head / head_type, the head as any linear)
+#          7: sc_silu, the MLP activation on its own exp; 8: Model.head / head_type, the head as any linear;
+#          9: sc_prefill's off (recalled memory slots before the stream) and last-row queries)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
 SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
@@ -121,8 +122,8 @@ API: dict[str, tuple[Any, list[Any]]] = {
     #                                                  values, caps, ns, out, queries, gauge, work, work_size)
     "sc_silu": (I, [P, P, Z]),  # (g, u, n): g = silu(g) * u
     "sc_prefill_work": (Z, [P, I, I]),  # (model, T, cap)
-    "sc_prefill": (I, [P, P, I, I, I, P, P, I, P, P, Z]),  # (model, x, T, pos, n_out, keys, values, cap, out, work,
-    #                                                         work_size)
+    "sc_prefill": (I, [P, P, I, I, I, I, P, P, I, P, P, P, Z]),  # (model, x, T, pos, off, n_out, keys, values,
+    #                                                               cap, out, queries, work, work_size)
 }
 # The handshake's own declarations (what SC_ABI_VERSION promises about them).
 _HANDSHAKE: dict[str, tuple[Any, list[Any]]] = {

@@ -249,22 +249,25 @@ def sc_step(m: StepModel, x: int, pos: int, n_gauge: int, keys: Any, values: Any
     return lib.sc_step(ctypes.byref(m), x, pos, n_gauge, keys, values, cap, out, queries, gauge, ptr, size)
 
 
-def sc_step_layers(m: StepModel, layers: StepLayers, x: int, pos: int, n_gauge: int, keys: Any, values: Any,
+def sc_step_layers(m: StepModel, layers: StepLayers | None, x: int, pos: int, n_gauge: int, keys: Any, values: Any,
                    caps: Any, ns: Any, most: int, out: int, queries: int, gauge: int) -> int:
-    """`sc_step` with per-layer extras and cache slices (caps / ns: int arrays [L]; most = max ns); 0, or nonzero
-    (-1: out of memory, -3: a slice outside its buffer)."""
+    """`sc_step` with per-layer extras (None: the model's own, as sc_step) and cache slices (caps / ns: int arrays
+    [L]; most = max ns); 0, or nonzero (-1: out of memory, -3: a slice outside its buffer)."""
     lib = _lib()
     ptr, size = work_buffer(lib.sc_step_work(ctypes.byref(m), most))
-    return lib.sc_step_layers(ctypes.byref(m), ctypes.byref(layers), x, pos, n_gauge, keys, values, caps, ns, out,
+    return lib.sc_step_layers(ctypes.byref(m), None if layers is None else ctypes.byref(layers), x, pos, n_gauge, keys, values, caps, ns, out,
                               queries, gauge, ptr, size)
 
 
-def sc_prefill(m: StepModel, x: int, t: int, pos: int, n_out: int, keys: Any, values: Any, cap: int, out: int) -> int:
-    """T tokens at slots pos..pos+T-1 through csrc/prefill.c (see `sinkchat.decode.native_prefill`), in this
-    thread's work buffer; 0, or nonzero (-1: out of memory, -3: rows outside the cache)."""
+def sc_prefill(m: StepModel, x: int, t: int, pos: int, n_out: int, keys: Any, values: Any, cap: int, out: int,
+               off: int = 0, queries: int | None = None) -> int:
+    """T tokens at positions pos..pos+T-1 (slots off+pos..: `off` recalled-memory slots come first) through
+    csrc/prefill.c (see `sinkchat.decode.native_prefill`), in this thread's work buffer; `queries` (an address, or
+    None) gets the last row's pre-RoPE queries [L, H*D]. 0, or nonzero (-1: out of memory, -3: rows outside the
+    cache)."""
     lib = _lib()
     ptr, size = work_buffer(lib.sc_prefill_work(ctypes.byref(m), t, cap))
-    return lib.sc_prefill(ctypes.byref(m), x, t, pos, n_out, keys, values, cap, out, ptr, size)
+    return lib.sc_prefill(ctypes.byref(m), x, t, pos, off, n_out, keys, values, cap, out, queries, ptr, size)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -16,7 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 8
+#define SC_ABI_VERSION 9
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -288,8 +288,8 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
       const int*, const int*, float*, float*, float*, void*, size_t)                                                 \
     X(int, sc_silu, float*, const float*, size_t)                                                                      \
     X(size_t, sc_prefill_work, const Model*, int, int)                                                                 \
-    X(int, sc_prefill, const Model*, const float*, int, int, int, void* const*, void* const*, int, float*, void*,     \
-      size_t)
+    X(int, sc_prefill, const Model*, const float*, int, int, int, int, void* const*, void* const*, int, float*,       \
+      float*, void*, size_t)
 
 #define SC_PROTO(ret, name, ...) SC_API ret name(__VA_ARGS__);
 SC_EXPORTS(SC_PROTO)

@@ -138,29 +138,30 @@ static void att_task(void* ctx, int lo, int hi, int slot) {
 
 // The attention half of layer l over T rows at slots pos..pos+T-1: x += o(attention(rope(q), rope(k) and v written
 // into the cache)). q/k norms (Qwen3) act on each head after its projection and before RoPE, as in sc_step.
-static void attention_block(const Model* m, PrefillBufs* b, int l, int T, int pos, void* const* keys,
-                            void* const* values, int cap) {
+static void attention_block(const Model* m, PrefillBufs* b, int l, int T, int pos, int off, void* const* keys,
+                            void* const* values, int cap, float* queries) {
     int C = m->dim, H = m->n_heads, Hkv = m->n_kv, D = m->head_dim, R = rot_dims(m);
     rms_rows(b->x, m->norm_in + (size_t)l * C, T, C, m->eps, b->h);
     sc_lin qkv[3] = {lin_at(m, l, LQ, H * D, b->q), lin_at(m, l, LK, Hkv * D, b->k), lin_at(m, l, LV, Hkv * D, b->v)};
     run_lins(b, qkv, 3, b->h, T, C);
     if (m->q_norm) rms_rows(b->q, m->q_norm + (size_t)l * D, T * H, D, m->eps, b->q);
     if (m->k_norm) rms_rows(b->k, m->k_norm + (size_t)l * D, T * Hkv, D, m->eps, b->k);
+    if (queries) memcpy(queries + (size_t)l * H * D, b->q + (size_t)(T - 1) * H * D, sizeof(float) * H * D);
     for (int t = 0; t < T; t++) {
         const float *cs = b->cs + (size_t)t * R, *sn = b->sn + (size_t)t * R;
         for (int i = 0; i < H; i++) sc_rot_row(b->q + ((size_t)t * H + i) * D, b->q + ((size_t)t * H + i) * D, cs, sn, R, D);
         for (int i = 0; i < Hkv; i++) {
             float *k = b->k + ((size_t)t * Hkv + i) * D, *v = b->v + ((size_t)t * Hkv + i) * D;
             sc_rot_row(k, k, cs, sn, R, D);
-            store_kv(keys[l], ((size_t)i * cap + pos + t) * D, k, D, m->kv_bf16);
-            store_kv(values[l], ((size_t)i * cap + pos + t) * D, v, D, m->kv_bf16);
+            store_kv(keys[l], ((size_t)i * cap + off + pos + t) * D, k, D, m->kv_bf16);
+            store_kv(values[l], ((size_t)i * cap + off + pos + t) * D, v, D, m->kv_bf16);
         }
     }
     int blocks = (T + tile_rows(m) - 1) / tile_rows(m), busy = (2 * b->slots + Hkv - 1) / Hkv;
     blocks = blocks < busy ? (busy < T ? busy : T) : blocks;  // two tiles a thread at least, where the rows allow
     // row blocks of even size (36 rows, 10 a tile: 4 of 9)
-    AttJob j = {m, b->q, keys[l], values[l], cap, pos, T, (T + blocks - 1) / blocks, b->scores, b->kv, b->att};
-    size_t bytes = (size_t)H * T * (pos + T) * D * (m->kv_bf16 ? 2 : 4);  // about the K/V rows read
+    AttJob j = {m, b->q, keys[l], values[l], cap, off + pos, T, (T + blocks - 1) / blocks, b->scores, b->kv, b->att};
+    size_t bytes = (size_t)H * T * (off + pos + T) * D * (m->kv_bf16 ? 2 : 4);  // about the K/V rows read
     sc_parallel(att_task, &j, (T + j.rows - 1) / j.rows * Hkv, b->slots, bytes);
     sc_lin o = lin_at(m, l, LO, C, b->t);
     run_lins(b, &o, 1, b->att, T, H * D);
@@ -193,18 +194,20 @@ static void mlp_block(const Model* m, PrefillBufs* b, int l, int T) {
     add_rows(b->x, b->t, (size_t)T * C);
 }
 
-// T tokens whose embeddings are x_in [T][C], at in-cache slots pos..pos+T-1 (pos + T <= cap): writes their k/v into
-// those slots of keys[i] / values[i] ([H_kv][cap][D], fp32 or bf16 as Model.kv_bf16 says) and attends causally over
-// slots <= each row's own. Output for the last n_out rows (1 <= n_out <= T): out [n_out][vocab padded to 16] logits
-// when the model has a head (a table or Model.head), else the final normed hidden states [n_out][C].
+// T tokens whose embeddings are x_in [T][C], at in-cache positions pos..pos+T-1 (off + pos + T <= cap): writes their
+// k/v into slots off+pos.. of keys[i] / values[i] ([H_kv][cap][D], fp32 or bf16 as Model.kv_bf16 says) and attends
+// causally over slots <= each row's own: the `off` slots in front (recalled memory, rotated by the caller) and the
+// stream's. Output for the last n_out rows (1 <= n_out <= T): out [n_out][vocab padded to 16] logits when the model
+// has a head (a table or Model.head), else the final normed hidden states [n_out][C]; queries (or NULL) [L][H*D] the
+// last row's pre-RoPE queries, as sc_step returns them.
 // work: sc_prefill_work(m, T, cap) bytes (or NULL: allocated here).
-int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, void* const* keys, void* const* values,
-               int cap, float* out, void* work, size_t work_size) {
+int sc_prefill(const Model* m, const float* x_in, int T, int pos, int off, int n_out, void* const* keys,
+               void* const* values, int cap, float* out, float* queries, void* work, size_t work_size) {
     int C = m->dim, half = rot_dims(m) / 2, R = rot_dims(m), rc;
     sc_arena a;
     void* own;
     PrefillBufs b;
-    if (T < 1 || n_out < 1 || n_out > T || pos < 0 || pos + T > cap || sc_head_bad(m)) return SC_EARG;
+    if (T < 1 || n_out < 1 || n_out > T || pos < 0 || off < 0 || off + pos + T > cap || sc_head_bad(m)) return SC_EARG;
     if ((rc = sc_work_open(work, work_size, sc_prefill_work(m, T, cap), &a, &own)) ||
         (rc = take_prefill(&a, m, T, cap, &b)))
         goto done;
@@ -216,7 +219,7 @@ int sc_prefill(const Model* m, const float* x_in, int T, int pos, int n_out, voi
             b.sn[t * R + i] = b.sn[t * R + i + half] = sinf(ang) * m->rope_scale;
         }
     for (int l = 0; l < m->n_layers; l++) {
-        attention_block(m, &b, l, T, pos, keys, values, cap);
+        attention_block(m, &b, l, T, pos, off, keys, values, cap, queries);
         mlp_block(m, &b, l, T);
     }
     const float* last = b.x + (size_t)(T - n_out) * C;

@@ -1,0 +1,161 @@
+#!/usr/bin/env python
+"""Passkey retrieval through the sink cache: recall memory on, off, and a dense cache as the model's own ceiling.
+
+The Landmark / InfLLM format: an instruction, filler ("The grass is green. The sky is blue. The sun is yellow. Here
+we go. There and back again." repeated), the needle "The pass key is K. Remember it. K is the pass key." at an even
+spread of depths, more filler, then "What is the pass key? The pass key is". A trial is right when the greedy reply's
+first number is K. Each length's trials use the same keys and depths in every mode (seeded), fed as one document
+through the Engine (`Engine.feed_ids`, the BOS first), as `ppl` feeds a text.
+
+Retrieval is reported apart from answering: for memory-on trials, whether the needle's block was among the blocks
+the last prompt token recalled, in how many of the memory layers.
+
+Usage: python benchmarks/passkey.py [--lengths 4096,16384] [--trials 20] [--cache 1024] [--modes off,on,dense]
+                                    [--haystack filler|prose] [--out DIR] [--model M]
+Writes DIR/passkey.json (every trial) and prints the table (right / trials per length and mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
+         "you about the important information there.\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def needle(key: int) -> str:
+    return f"The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+def haystack_units(kind: str) -> list[str]:
+    """The text the needle hides in, as sentence-sized units: the filler, or real prose (a public-domain text)."""
+    if kind == "filler":
+        return [FILLER]
+    from long_stream import default_text  # type: ignore[import-not-found]
+
+    text = Path(default_text()).read_text(encoding="utf-8", errors="replace")
+    return [u.strip() + " " for u in re.split(r"(?<=[.!?])\s+", text) if u.strip()]
+
+
+def build(engine: Any, units: list[str], length: int, depth: float, key: int) -> tuple[list[int], int]:
+    """Token ids of one trial near `length` tokens and the stream index where the needle starts."""
+    enc = engine.encode
+    head, q, nd = enc(INTRO), enc(QUESTION), enc(needle(key))
+    body_len = max(0, length - len(head) - len(q) - len(nd) - 1)
+    body: list[int] = []
+    i = 0
+    while len(body) < body_len:
+        body += enc(units[i % len(units)])
+        i += 1
+    body = body[:body_len]
+    at = int(body_len * depth)
+    ids = engine.encode_document("")[:1] if engine.encode_document("") else []
+    ids = ids + head + body[:at] + nd + body[at:] + q
+    return ids, len(ids) - len(q) - len(body) + at - len(nd)
+
+
+def answer(engine: Any, ids: list[int], start: int, n: int, max_tokens: int = 10) -> tuple[str, int | None]:
+    """The greedy reply, and in how many memory layers the last prompt token recalled the needle (None: off)."""
+    engine.clear()
+    for _ in engine.feed_ids(ids):
+        pass
+    hits = needle_layers(engine, start, n) if engine.memory is not None else None
+    text = ""
+    for ev in engine.generate(max_tokens=max_tokens):
+        text = getattr(ev, "text", text) if type(ev).__name__ == "DoneEvent" else text
+    return text, hits
+
+
+def needle_layers(engine: Any, start: int, n: int) -> int:
+    """In how many memory layers the last prompt token's recall held a block overlapping the needle."""
+    mem = engine.memory
+    where = mem.store.where
+    start += engine.ledger.start  # stream indices run on across clears
+    hits = 0
+    for c in mem.chosen:
+        if any(b in where and where[b].first < start + n and where[b].last > start for b in c):
+            hits += 1
+    return hits
+
+
+def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, block: int) -> Any:
+    from sinkchat.bootstrap import build_settings, open_engine
+
+    opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block}
+    if mode == "dense":
+        opts.update(policy="dense", cache_size=length + 64)
+    else:
+        opts.update(policy="sink", cache_size=cache, memory=mode)
+    return open_engine(build_settings(opts), system=None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    results: dict[str, Any] = {"args": vars(args), "trials": []}
+    units_cache: list[str] | None = None
+    for length in args.lengths:
+        keys = [rng.randint(10000, 99999) for _ in range(args.trials)]
+        depths = [(i + 0.5) / args.trials for i in range(args.trials)]
+        for mode in args.modes:
+            try:
+                engine = open_mode(mode, args.cache, length, args.model, args.topk, args.block)
+            except Exception as e:  # noqa: BLE001 - a dense cache past the model's context: say so, go on
+                print(f"{length:>7} {mode:>5}: not run ({e})", file=sys.stderr)
+                continue
+            units_cache = units_cache or haystack_units(args.haystack)
+            right = 0
+            for key, depth in zip(keys, depths):
+                ids, at = build(engine, units_cache, length, depth, key)
+                t0 = time.perf_counter()
+                engine.memory and setattr(engine.memory, "positions", args.positions)
+                engine.memory and setattr(engine.memory, "distance", args.distance)
+                text, hits = answer(engine, ids, at, len(engine.encode(needle(key))))
+                found = re.search(r"\d+", text)
+                ok = bool(found and found.group() == str(key))
+                right += ok
+                results["trials"].append({"length": len(ids), "target": length, "mode": mode, "depth": depth,
+                                          "key": key, "reply": text, "right": ok, "needle_layers": hits,
+                                          "layers": len(engine.memory.layers) if engine.memory else None,
+                                          "seconds": round(time.perf_counter() - t0, 2)})
+                print(f"{length:>7} {mode:>5} depth {depth:.2f}: {'right' if ok else 'WRONG'} {text.strip()[:24]!r}"
+                      + (f" needle in {hits} layers" if hits is not None else ""), file=sys.stderr, flush=True)
+            if engine.memory is not None:
+                engine.memory.close()
+            print(f"{length:>7} {mode:>5}: {right}/{len(keys)}", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--cache", type=int, default=1024)
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on", "dense"])
+    ap.add_argument("--haystack", choices=("filler", "prose"), default="filler")
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--distance", type=int, default=None)
+    ap.add_argument("--positions", choices=("one", "ordered"), default="one")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sinkchat" / "passkey")
+    args = ap.parse_args()
+    res = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    res["args"] = {k: str(v) for k, v in vars(args).items()}
+    (args.out / "passkey.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

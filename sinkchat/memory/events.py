@@ -1,0 +1,26 @@
+"""What the recall memory reports; `sinkchat.core.events` re-exports these with the Engine's own events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ForgottenEvent:
+    """`count` tokens, stream indices [first, last), left the recall memory for good: over its disk budget, or a
+    write that failed (disk full). Like an eviction, but from the memory: nothing recalls them any more."""
+
+    count: int
+    first: int
+    last: int
+    reason: str  # "budget" | "disk" (the write failed) | "damaged" (a block failed its checksum when read back)
+
+
+@dataclass(frozen=True)
+class RecallEvent:
+    """What the last model call's attention read from the recall memory: per layer the blocks it chose; `spans`
+    the stream ranges [first, last) of every block recalled by some layer, oldest first."""
+
+    blocks: int
+    tokens: int
+    spans: tuple[tuple[int, int], ...]

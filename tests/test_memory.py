@@ -1,0 +1,306 @@
+"""The recall memory (sinkchat/memory) against references of its rule.
+
+- The rule itself, in fp64: a 1-layer model's logits with memory equal a fresh forward over exactly the tokens the
+  last query attends (the sinks at slots 0..3, every recalled token at the memory's one position, the window at its
+  in-cache positions), computed by transformers with explicit position ids. With one layer a token's K/V depend only
+  on the token and its position, so that forward is the rule, computed another way.
+- The choice of blocks: an independent fp64 scoring (un-rotate the stored keys, pick representatives, rotate the
+  query to the recall distance) chooses the same blocks in every layer.
+- The native step and prefill with memory against transformers' forward with memory (same packed weights), and with
+  memory on but nothing recalled, bit-identical to memory off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fakes import WordTokenizer, tiny_model
+from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
+from sinkchat.core.engine import Engine
+from sinkchat.core.events import ForgottenEvent
+from sinkchat.decode import select
+from sinkchat.kernels import native
+from sinkchat.memory.recall import RecallMemory
+from sinkchat.model.spec import ModelSpec
+
+IDS = [(37 * i + 3) % 120 + 1 for i in range(150)]  # 150 tokens through a 40-slot cache: ~110 evicted
+
+
+def memory(model: Any, root: Path, block: int = 8, topk: int = 2, budget_mb: int = 64) -> RecallMemory:
+    return RecallMemory.for_spec(MemoryConfig("on", budget_mb, block, topk, 64), ModelSpec.from_model(model), root)
+
+
+def engine(model: Any, mem: RecallMemory | None, chunk: int = 16, step: Any = None, kv: str = "auto") -> Engine:
+    return Engine(model, WordTokenizer(), CacheConfig("sink", 4, 40, 5), SamplingConfig(temperature=0), step=step,
+                  prefill_chunk=chunk, memory=mem, kv_dtype=kv)
+
+
+def attended(eng: Engine) -> tuple[list[int], list[int]]:
+    """(token ids, RoPE positions) of what the next query attends in layer 0, in the memory's own terms: the sinks
+    and window at their slots, the queue and the chosen blocks at the memory's position."""
+    mem = eng.memory
+    pos = mem.position(eng.pinned_slots(), eng.cache.length)
+    ids = [t for e in mem.queue for t in e[2]]
+    for bid in mem.chosen[0]:
+        ids += mem.store.read(bid).ids.tolist()
+    return ids + eng.ledger.ids, [pos] * len(ids) + list(range(len(eng.ledger.ids)))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_one_layer_memory_equals_a_fresh_forward_over_what_it_attends(kind: str, tmp_path: Path) -> None:
+    model = tiny_model(kind, layers=1, score_std=3.0).double()
+    eng = engine(model, memory(model, tmp_path / "m"))
+    plain = engine(model, None)
+    worst, recalled, differs = 0.0, 0, 0.0
+    for i, tok in enumerate(IDS):
+        list(eng.feed_ids([tok]))
+        list(plain.feed_ids([tok]))
+        if eng.memory.blocks == 0:
+            continue
+        ids, pos = attended(eng)  # what the call that consumed `tok` attended: chosen before it, from the previous
+        # call's queries; replay it: the last token at its slot attends everything before it (the explicit mask
+        # stops transformers from reading the positions' drop back to 0 as a second packed sequence)
+        with torch.no_grad():
+            ref = model(torch.tensor([ids]), position_ids=torch.tensor([pos]), attention_mask=torch.ones(1, len(ids)),
+                        use_cache=False).logits[0, -1]
+        worst = max(worst, float((eng.last_logits.double() - ref).abs().max()))
+        recalled += len(eng.memory.chosen[0])
+        differs = max(differs, float((eng.last_logits - plain.last_logits).abs().max()))
+    assert recalled > 100 and eng.memory.blocks >= 10
+    assert differs > 0.05  # the recalled tokens matter: a memory that attends nothing would fail here
+    assert worst < 1e-6  # transformers rotates an fp64 model's keys with fp32 cos / sin: ~1e-8 seen
+
+
+def reference_choice(mem: RecallMemory, position: int) -> list[list[int]]:
+    """The blocks each layer should recall, computed from the stored blocks in fp64 (not from the index)."""
+    q = mem.queries.double()  # [M, H, D]
+    g = mem.n_heads // mem.n_kv
+    out = []
+    for i, f in enumerate(mem.inv_freqs):
+        inv = f.double()
+        ang = (mem.q_pos - position) * inv
+        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
+        half = inv.numel()
+        qi = q[i]
+        r = 2 * half
+        rot = qi.clone()
+        rot[:, :half] = qi[:, :half] * cos[:half] - qi[:, half:r] * sin[:half]
+        rot[:, half:r] = qi[:, half:r] * cos[half:] + qi[:, :half] * sin[half:]
+        qg = rot.reshape(mem.n_kv, g, -1).sum(1)  # [H_kv, D]
+        scores = []
+        for bid in mem.index_ids:
+            b = mem.store.read(bid)
+            k = b.keys[i].double()  # [H_kv, n, D], rotated at b.slots
+            a = -torch.from_numpy(b.slots.astype(np.int64)).double()[:, None] * inv[None]  # [n, R/2]
+            c, s = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
+            un = k.clone()
+            un[..., :half] = k[..., :half] * c[:, :half] - k[..., half:r] * s[:, :half]
+            un[..., half:r] = k[..., half:r] * c[:, half:] + k[..., :half] * s[:, half:]
+            spread = (un - un.mean(1, keepdim=True)).norm(dim=-1)  # [H_kv, n]
+            reps = torch.gather(un, 1, spread.topk(mem.reps, -1).indices[..., None].expand(-1, -1, un.shape[-1]))
+            scores.append(float(torch.einsum("kd,krd->kr", qg, reps).amax(-1).sum()))
+        top = sorted(np.argsort(scores)[::-1][: mem.topk].tolist())
+        out.append([mem.index_ids[j] for j in top])
+    return out
+
+
+def test_every_layer_recalls_the_blocks_an_fp64_scoring_picks(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=3, score_std=3.0).double()
+    eng = engine(model, memory(model, tmp_path / "m", topk=3))
+    checked, distinct = 0, set()
+    for i, tok in enumerate(IDS):
+        list(eng.feed_ids([tok]))
+        mem = eng.memory
+        if mem.blocks > mem.topk and i % 7 == 0:
+            pos = mem.position(eng.pinned_slots(), eng.cache.length)
+            got = mem.choose(pos)
+            assert got == reference_choice(mem, pos)
+            distinct.add(tuple(map(tuple, got)))
+            checked += 1
+    assert checked >= 8
+    assert any(len({tuple(c) for c in choice}) > 1 for choice in distinct)  # layers do choose differently
+
+
+def test_accounting_every_token_in_one_place_and_the_budget_holds(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=2)
+    mem = memory(model, tmp_path / "m", block=8, budget_mb=1)
+    mem.store.budget = 6 * 2000  # a few blocks' worth: each record here is ~2 KB
+    mem.store.segment_bytes = 2 * 2000
+    eng = engine(model, mem)
+    forgotten: list[ForgottenEvent] = []
+    for tok in IDS * 2:
+        forgotten += [e for e in eng.feed_ids([tok]) if isinstance(e, ForgottenEvent)]
+        assert mem.disk_bytes <= mem.store.budget
+        assert eng.ledger.evicted == mem.tokens + mem.forgotten
+    assert forgotten and sum(e.count for e in forgotten) == mem.forgotten
+    assert all(e.reason == "budget" for e in forgotten)
+    firsts = [e.first for e in forgotten]
+    assert firsts == sorted(firsts)  # the oldest go first
+    assert eng.ledger.seen == len(eng.ledger.ids) + mem.tokens + mem.forgotten
+
+
+def test_a_full_disk_forgets_blocks_and_the_session_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    model = tiny_model("llama", layers=1)
+    eng = engine(model, memory(model, tmp_path / "m"))
+    real = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        if len(data) > 1000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    events = [e for tok in IDS for e in eng.feed_ids([tok]) if isinstance(e, ForgottenEvent)]
+    assert events and all(e.reason == "disk" for e in events)
+    assert eng.memory.blocks == 0 and eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+    out = list(eng.generate(max_tokens=3))  # the session goes on
+    assert out[-1].tokens == 3
+
+
+def _packed(layers: int = 2) -> Any:
+    from sinkchat.model import int4
+
+    model = tiny_model("llama", layers=layers, score_std=3.0)
+    int4.quantize_model(model.model.layers, kernels="native")
+    return model
+
+
+needs_native = pytest.mark.skipif(native.unsupported("ref") is not None,
+                                  reason=f"native kernels: {native.unsupported('ref')}")
+
+
+@needs_native
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_native_step_and_prefill_with_memory_match_the_transformers_forward(kv: str, tmp_path: Path) -> None:
+    """Chunks through the C prefill and tokens through the C step, each attending the recall region, against the
+    same calls through transformers' forward (same packed weights, same memory rule): the same blocks chosen in
+    every layer at every call, and the same logits."""
+    model = _packed()
+    ref = engine(model, memory(model, tmp_path / "r"), chunk=12, kv=kv)
+    fast = engine(model, memory(model, tmp_path / "f"), chunk=12, step=select(model, "native"), kv=kv)
+    assert fast.step.prefill is not None and fast.step.memory_region
+    worst, calls = 0.0, 0
+    for at in range(0, len(IDS), 15):  # 15 tokens a feed: a chunk of 11, then 1 (the memory's split), ...
+        for eng in (ref, fast):
+            list(eng.feed_ids(IDS[at : at + 15]))
+        out = [list(eng.generate(max_tokens=2)) for eng in (ref, fast)]  # two decode steps each
+        assert ref.memory.chosen == fast.memory.chosen
+        assert ref.last_reply_ids == fast.last_reply_ids
+        worst = max(worst, float((ref.last_logits - fast.last_logits).abs().max()))
+        calls += bool(fast.memory.chosen[0])
+        assert out[0][-1].tokens == out[1][-1].tokens == 2
+    assert calls >= 5 and fast.memory.blocks >= 8 and fast.cache.layers[0].used > 0
+    assert worst < (2e-2 if kv == "bfloat16" else 5e-3)
+
+
+@needs_native
+def test_memory_on_with_nothing_recalled_is_bit_identical_to_off(tmp_path: Path) -> None:
+    """The region path (sc_step_layers with every buffer `base` slots in, sc_prefill with `off`) computes what
+    the plain path computes when nothing is recalled: bit for bit."""
+    model = _packed()
+    a = engine(model, memory(model, tmp_path / "m"), step=select(model, "native"))
+    b = engine(model, None, step=select(model, "native"))
+    for tok in IDS[:30]:
+        list(a.feed_ids([tok]))
+        list(b.feed_ids([tok]))
+        assert torch.equal(a.last_logits, b.last_logits)
+    assert a.memory.blocks == 0 and not a.memory.queue and a.cache.layers[0].base > 0
+    for eng in (a, b):
+        eng.cache.truncate(20)
+        eng.ledger.truncate(20)
+        ids = IDS[20:30]
+        keys, values = eng.cache.buffers(eng.step.n_kv, eng.step.head_dim, eng.device, eng.kv_store)
+        eng.cache.advance(len(ids))
+        extra = {"base": eng.memory.region, "used": 0} if eng.memory else {}
+        eng.last_logits = eng.step.prefill(ids, 20, keys, values, True, **extra)
+    assert torch.equal(a.last_logits, b.last_logits)
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert torch.equal(la.live()[0], lb.live()[0]) and torch.equal(la.live()[1], lb.live()[1])
+
+
+def _blocks(n: int, start: int = 0) -> list[Any]:
+    from sinkchat.memory.blocks import Block
+
+    g = torch.Generator().manual_seed(start)
+    return [Block(start + i, np.arange(8 * i, 8 * i + 8), np.arange(8, dtype=np.int32), np.arange(4, 12, dtype=np.int32),
+                  torch.randn(2, 2, 8, 16, generator=g).bfloat16(), torch.randn(2, 2, 8, 16, generator=g).bfloat16())
+            for i in range(n)]
+
+
+def test_store_round_trip_cut_tail_and_bad_checksum_are_reported(tmp_path: Path) -> None:
+    from sinkchat.memory.store import BlockStore, StoreError, scan
+
+    store = BlockStore(tmp_path / "s", 1 << 20)
+    blocks = _blocks(5)
+    for b in blocks:
+        store.append(b)
+    assert oct((tmp_path / "s").stat().st_mode & 0o777) == "0o700"
+    seg = next((tmp_path / "s").glob("seg-*.mem"))
+    assert oct(seg.stat().st_mode & 0o777) == "0o600"
+    back = store.read(3)
+    assert torch.equal(back.keys, blocks[3].keys) and (back.abs_index == blocks[3].abs_index).all()
+    got, note = scan(tmp_path / "s")
+    assert [b.id for b in got] == [0, 1, 2, 3, 4] and note is None
+    data = seg.read_bytes()
+    seg.write_bytes(data[:-100])  # killed in the middle of the last record
+    got, note = scan(tmp_path / "s")
+    assert [b.id for b in got] == [0, 1, 2, 3] and "cut short" in note and "\n" not in note
+    with pytest.raises(StoreError, match="short"):
+        store.read(4)
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF  # one bit flipped inside a record
+    seg.write_bytes(bytes(flipped))
+    got, note = scan(tmp_path / "s")
+    assert len(got) < 5 and "checksum" in note
+    store.close()
+    assert not (tmp_path / "s").exists()  # the session's memory goes with it
+
+
+def test_a_store_killed_mid_write_loses_at_most_its_last_block(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from sinkchat.memory.store import scan
+
+    code = ("import sys, torch, numpy as np\nsys.path.insert(0, 'tests')\nfrom test_memory import _blocks\n"
+            "from sinkchat.memory.store import BlockStore\n"
+            f"s = BlockStore(__import__('pathlib').Path({str(tmp_path / 's')!r}), 1 << 40)\n"
+            "i = 0\nwhile True:\n    [s.append(b) for b in _blocks(50, i)]\n    i += 50\n    print(i, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+    written = int(proc.stdout.readline())  # at least 50 blocks are out
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    got, note = scan(tmp_path / "s")
+    ids = [b.id for b in got]
+    assert len(ids) >= written and ids == list(range(len(ids)))  # every block before the cut, in order
+    assert note is None or "\n" not in note  # a cut record, if the kill landed in one: one line
+
+
+def test_a_block_that_fails_its_checksum_is_reported_forgotten(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m", topk=2))
+    list(eng.feed_ids(IDS[:70]))
+    mem = eng.memory
+    assert mem.blocks >= 3
+    mem.lru.clear()
+    mem.placed = [() for _ in mem.layers]
+    for seg in (tmp_path / "m").glob("seg-*.mem"):  # damage every record's payload
+        data = bytearray(seg.read_bytes())
+        for w in mem.store.where.values():
+            data[w.offset + 60] ^= 0xFF
+        seg.write_bytes(bytes(data))
+    events = [e for e in eng.feed_ids(IDS[70:72]) if isinstance(e, ForgottenEvent)]
+    assert events and all(e.reason == "damaged" for e in events)
+    assert eng.ledger.evicted == mem.tokens + mem.forgotten
