@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "summarize": ("sinkchat.apps.summarize.command", "summarize_command"),
     "agent": ("sinkchat.apps.agent.command", "agent_command"),
     "soak": ("sinkchat.apps.soak.command", "soak_command"),
+    "serve": ("sinkchat.apps.serve.command", "serve_command"),
     "logs": ("sinkchat.apps.logs", "logs_command"),
     "cache": ("sinkchat.apps.cache", "cache_command"),
 }

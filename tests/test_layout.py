@@ -30,6 +30,12 @@ LAYERS = {
 }
 
 
+# The only upward imports allowed: (importing module, imported module). `sinkchat.load` is the Python API's entry
+# point (issue 31), imported lazily inside the package's module `__getattr__` (PEP 562), so `import sinkchat` still
+# loads no torch; it is an upward import all the same and is named here rather than hidden behind importlib.
+LAZY_EXCEPTIONS = {("sinkchat", "sinkchat.api")}
+
+
 def unit(module: str) -> str:
     """The layer unit a module belongs to: its longest prefix in LAYERS."""
     parts = module.split(".")
@@ -75,7 +81,7 @@ def imports() -> list[tuple[str, str, int]]:
 def test_every_import_points_down_or_stays_in_its_package():
     bad = []
     for mod, target, line in imports():
-        if target == "sinkchat.__version__":
+        if target == "sinkchat.__version__" or (mod, target) in LAZY_EXCEPTIONS:
             continue
         a, b = unit(mod), unit(target)
         if a != b and LAYERS[b] >= LAYERS[a]:

@@ -68,11 +68,39 @@ def _shell_refused(mode: str, explicit: bool, interactive: bool) -> bool:
     return True
 
 
-def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: list[Callable[..., Any]]) -> Any:
+def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: list[Callable[..., Any]],
+             builtin: bool = True, mcp_tools: list[Any] = ()) -> Any:
+    """The built-in tools (unless --no-builtin-tools), --tools-module functions, then MCP tools (a name already
+    taken is skipped with one line: the first one offered keeps it)."""
+    from sinkchat.apps.agent.tools.toolbox import Toolbox
+
     try:
-        return build_default_tools(ws, allow_shell, max_result_chars, extra)
+        box = build_default_tools(ws, allow_shell, max_result_chars, extra) if builtin else Toolbox(
+            max_result_chars=max_result_chars)
+        if not builtin:
+            for fn in extra:
+                box.add(fn, ws)
+        for t in mcp_tools:
+            if t.name in box:
+                click.echo(f"warning: MCP tool {t.name} left out: a tool of that name is offered already", err=True)
+            else:
+                box.add(t)
     except ValueError as e:
         raise ConfigError(f"bad tool: {e}") from None
+    if not box.names:
+        raise ConfigError("no tools to offer: --no-builtin-tools needs --tools-module or --mcp tools")
+    return box
+
+
+def start_mcp(commands: tuple[str, ...]) -> tuple[Any, list[Any]]:
+    """The MCP servers of --mcp (None when there are none) and their tools; a server that cannot start is one
+    warning line and the run goes on without it."""
+    if not commands:
+        return None, []
+    from sinkchat.apps.agent.tools.mcp_client import McpServers
+
+    servers = McpServers(list(commands), warn=lambda m: click.echo(f"warning: {m}", err=True))
+    return servers, servers.start()
 
 
 def task_source(task: str | None, tasks_file: str | None, forever: bool) -> Iterable[str]:
@@ -148,6 +176,9 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
 @click.option("--approve", type=click.Choice(["ask", "auto", "never-shell"]), default=None,
               help="before side-effecting calls: ask (default on a terminal), auto, never-shell (default otherwise)")
 @click.option("--allow-shell", is_flag=True, help="offer the shell tool (NOT confined to the workspace)")
+@click.option("--mcp", "mcp_commands", multiple=True, metavar='"COMMAND ARGS"',
+              help="an MCP stdio server whose tools the agent gets (repeatable), e.g. --mcp \"npx -y @modelcontextprotocol/server-filesystem .\"")
+@click.option("--no-builtin-tools", is_flag=True, help="offer only --tools-module and --mcp tools")
 @click.option("--tools-module", multiple=True, type=click.Path(dir_okay=False), help="extra tools: a .py file (repeatable)")
 @click.option("--max-result-chars", type=click.IntRange(100, None), default=1500, show_default=True,
               help="cap on each tool result fed to the model")
@@ -161,8 +192,9 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
                    "exit (1 when there is nothing to undo or a file changed since)")
 @common_options
 def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
-                  tasks_file: str | None, approve: str | None, allow_shell: bool, tools_module: tuple[str, ...],
-                  max_result_chars: int, no_log: bool, no_constrain: bool, keep_context: bool, undo: int | None,
+                  tasks_file: str | None, approve: str | None, allow_shell: bool, mcp_commands: tuple[str, ...],
+                  no_builtin_tools: bool, tools_module: tuple[str, ...], max_result_chars: int, no_log: bool,
+                  no_constrain: bool, keep_context: bool, undo: int | None,
                   **kw: Any) -> None:
     """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line).
 
@@ -184,8 +216,14 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         extra = load_extra_tools(tools_module)
         ws = open_workspace(workspace, create_workspace)
         mode = approve or ("ask" if interactive else "never-shell")
-        tools = _toolbox(ws, allow_shell and not _shell_refused(mode, approve is not None, interactive),
-                         max_result_chars, extra)
+        mcp_servers, mcp_tools = start_mcp(mcp_commands)
+        try:
+            tools = _toolbox(ws, allow_shell and not _shell_refused(mode, approve is not None, interactive),
+                             max_result_chars, extra, not no_builtin_tools, mcp_tools)
+        except BaseException:
+            if mcp_servers is not None:
+                mcp_servers.close()
+            raise
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
         agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
                       constrain=not no_constrain, fresh_tasks=not keep_context)
@@ -208,6 +246,8 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
             display.line(f"interrupted; {tally.unverified} task(s) ended unverified before it", "red")
         finally:
             slog.close()
+            if mcp_servers is not None:
+                mcp_servers.close()
         c = agent.counts
         click.echo(f"agent: {c.tasks} task(s), {tally.unverified} unverified, {c.steps} step(s), "
                    f"tool calls ok {c.calls_ok} / failed {c.calls_failed}, "

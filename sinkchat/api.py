@@ -1,0 +1,211 @@
+"""The Python API: `sinkchat.load()` returns a `Session`, one model and one persistent sink cache behind a few calls.
+
+    import sinkchat
+    s = sinkchat.load(cache=1024, temperature=0)
+    print(s.chat("Name a planet."))
+    for piece in s.stream("And a moon of it?"):
+        print(piece, end="")
+    s.save("talk.safetensors")
+    s2 = sinkchat.load(resume="talk.safetensors")     # the same conversation, the same cache
+
+Why a layer of its own: before it, Python callers had to reach into `bootstrap.open_engine(build_settings(...))`
+and fold Engine events themselves. This module is that fold, once, for scripts, `sinkchat serve` and the benchmarks.
+It also owns `EngineState`: everything that makes one conversation in an Engine (cache, ledger, template state,
+last logits, RNG), so a server can keep one model and swap per-session caches in and out of it (`capture` /
+`install`) without copying a tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from sinkchat.bootstrap import build_settings, open_engine
+from sinkchat.config import ConfigError, Settings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load", "Session", "EngineState", "capture", "install", "fresh_state", "FRIENDLY"]
+
+# the API's short names -> build_settings keys (every other keyword is passed as it is, and an unknown one is a
+# ConfigError naming it)
+FRIENDLY = {"cache": "cache_size"}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed")
+
+
+# ------------------------------------------------------------------------------------------------ engine state
+@dataclass
+class EngineState:
+    """One conversation's share of an Engine: swapping these in and out lets one model serve many sessions, each
+    on its own sink cache. Plain references, no copies: a state is only ever installed in one engine at a time."""
+
+    cache: Any
+    cache_cfg: Any
+    ledger: dict[str, Any]
+    conv: Any
+    last_logits: Any = None
+    last_reply_ids: list[int] = field(default_factory=list)
+    reply_turn: bool = False
+    generator: Any = None
+
+
+def capture(engine: Any) -> EngineState:
+    """The engine's current conversation as a state (the engine keeps using the same objects until `install`)."""
+    led = {f.name: getattr(engine.ledger, f.name) for f in fields(engine.ledger)}
+    return EngineState(engine.cache, engine.cache_cfg, led, engine.conv, engine.last_logits,
+                       list(engine.last_reply_ids), engine.reply_turn, engine.generator)
+
+
+def install(engine: Any, state: EngineState) -> None:
+    """Make `state` the engine's conversation. The ledger is updated in place (its counters and lists), as a
+    snapshot load does, so whoever holds `engine.ledger` sees the installed one."""
+    engine.cache, engine.cache_cfg, engine.conv = state.cache, state.cache_cfg, state.conv
+    for k, v in state.ledger.items():
+        setattr(engine.ledger, k, v)
+    engine.last_logits, engine.last_reply_ids = state.last_logits, list(state.last_reply_ids)
+    engine.reply_turn, engine.generator = state.reply_turn, state.generator
+
+
+def fresh_state(engine: Any, system: str | None) -> EngineState:
+    """A new, empty conversation for `engine` (its own cache buffers, an empty ledger) with `system` as its system
+    prompt; the engine's current conversation is untouched."""
+    from sinkchat.core.cache_policy import Ledger
+    from sinkchat.core.turns import Conversation
+
+    empty = Ledger()
+    led = {f.name: getattr(empty, f.name) for f in fields(empty)}
+    return EngineState(engine.new_cache(engine.cache_cfg.capacity), engine.cache_cfg, led,
+                       Conversation(engine.tokenizer, system), None, [], False, None)
+
+
+# ------------------------------------------------------------------------------------------------ session
+class Session:
+    """One model and one persistent sink cache. Every call continues the same stream: the cache never fills up
+    (the oldest tokens past the sinks are evicted), so a Session can be fed forever in flat memory."""
+
+    def __init__(self, engine: Any, settings: Settings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.evictions = 0  # eviction events seen through this Session
+        self.last_done: Any = None  # the DoneEvent of the latest reply (reason, tokens, seconds)
+
+    # ---------------------------------------------------------------------------------------- talking
+    def chat(self, text: str, role: str = "user", **sampling: Any) -> str:
+        """Send one message and return the whole reply (`max_tokens`, `temperature`, ... override the settings
+        for this reply only)."""
+        return "".join(self.stream(text, role, **sampling))
+
+    def stream(self, text: str, role: str = "user", **sampling: Any) -> Iterator[str]:
+        """Send one message and yield the reply as it is generated. Closing the iterator early stops the reply;
+        what was generated stays in the cache and the conversation, as after a Ctrl-C in the chat REPL."""
+        self._drain(self.engine.add_message(role, text))
+        yield from self._reply(**sampling)
+
+    def feed(self, text: str) -> int:
+        """Feed raw text (no chat template) into the cache; returns how many tokens it was."""
+        before = self.engine.ledger.seen
+        self._drain(self.engine.feed(text))
+        return int(self.engine.ledger.seen - before)
+
+    def generate(self, max_tokens: int | None = None, stop: Sequence[str] = (),
+                 logits_processors: Sequence[Any] = (), **sampling: Any) -> str:
+        """Continue the stream from what is in the cache (after `feed`, a raw completion); returns the text."""
+        return "".join(self._tokens(max_tokens, tuple(stop), logits_processors, sampling))
+
+    def _reply(self, **sampling: Any) -> Iterator[str]:
+        eng = self.engine
+        max_tokens = sampling.pop("max_tokens", None)
+        stop = tuple(sampling.pop("stop", ()))
+        try:
+            yield from self._tokens(max_tokens, stop, (), sampling)
+        finally:
+            eng.conv.add_reply(eng.reply_text())
+
+    def _tokens(self, max_tokens: int | None, stop: tuple[str, ...], procs: Sequence[Any],
+                sampling: dict[str, Any]) -> Iterator[str]:
+        from sinkchat.core.events import DoneEvent, EvictionEvent, TokenEvent
+
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}; "
+                              f"sampling: {', '.join(SAMPLING_KEYS)}, stop")
+        cfg = replace(self.engine.sampling, **sampling) if sampling else None
+        for ev in self.engine.generate(max_tokens, stop, cfg, logits_processors=procs):
+            if isinstance(ev, TokenEvent) and ev.text:
+                yield ev.text
+            elif isinstance(ev, EvictionEvent):
+                self.evictions += 1
+            elif isinstance(ev, DoneEvent):
+                self.last_done = ev
+
+    def _drain(self, events: Iterator[Any]) -> None:
+        from sinkchat.core.events import EvictionEvent
+
+        for ev in events:
+            if isinstance(ev, EvictionEvent):
+                self.evictions += 1
+
+    # ---------------------------------------------------------------------------------------- state
+    def stats(self) -> dict[str, Any]:
+        """What the cache holds and has done: fill, capacity, tokens seen / evicted, messages, last reply."""
+        eng = self.engine
+        led, cfg = eng.ledger, eng.cache_cfg
+        done = self.last_done
+        return {"cache_len": int(eng.cache.length), "capacity": int(cfg.capacity), "sinks": int(cfg.n_sink),
+                "policy": cfg.policy, "pinned": int(led.pinned), "seen": int(led.seen), "evicted": int(led.evicted),
+                "evictions": self.evictions, "messages": len(eng.conv.messages), "processed": int(eng.processed),
+                "last_reply": None if done is None else {"reason": done.reason, "tokens": done.tokens,
+                                                          "seconds": round(done.seconds, 4)}}
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """A snapshot of the whole session (cache, conversation, settings) that `sinkchat.load(resume=path)` or
+        the chat REPL's `/load PATH` continues exactly."""
+        from sinkchat.store.snapshot import save_snapshot
+
+        return save_snapshot(self.engine, Path(path).expanduser(), {"evictions": {"tokens": int(self.engine.ledger.evicted),
+                                                                                   "count": self.evictions}})
+
+    def clear(self) -> None:
+        """Empty the cache and the conversation."""
+        self.engine.clear()
+
+
+def settings_for(model: str | None = None, cache: int | None = None, **settings: Any) -> Settings:
+    """The Settings `load` builds: friendly names mapped, then `build_settings` (flags > env > .env > defaults),
+    which names any unknown key."""
+    opts = {FRIENDLY.get(k, k): v for k, v in settings.items()}
+    opts["model"] = model
+    if opts.get("cache_size") is None:  # `cache_size=` (the settings' own name) wins over the default `cache`
+        opts["cache_size"] = cache
+    return build_settings(opts)
+
+
+def load(model: str | None = None, cache: int | None = 2048, *, resume: str | os.PathLike[str] | None = None,
+         system: str | None = None, progress: Any = None, **settings: Any) -> Session:
+    """Load a model and return a Session on a fresh sink cache of `cache` tokens (`None`: the configured size).
+
+    `model`: a .gguf file, a Hugging Face folder or None (the bundled demo model); `system`: a system prompt
+    (pinned in the cache); `resume`: a snapshot written by `Session.save` (or the chat REPL's /save), whose cache
+    size then applies; any other keyword is a setting (`temperature=0`, `sinks=4`, `policy="sink"`, ...): a
+    misspelled one raises ConfigError naming it."""
+    s = settings_for(model, cache, **settings)
+    head = None
+    if resume is not None:
+        from sinkchat.store.snapshot import snapshot_info
+
+        head = snapshot_info(Path(resume).expanduser())
+        cc = head.get("cache") or {}
+        s = replace(s, cache=replace(s.cache, capacity=int(cc.get("capacity", s.cache.capacity)),
+                                     n_sink=int(cc.get("n_sink", s.cache.n_sink))))
+    engine = open_engine(s, system, progress)
+    session = Session(engine, s)
+    if resume is not None:
+        from sinkchat.store.snapshot import load_snapshot
+
+        got = load_snapshot(engine, Path(resume).expanduser())
+        record = (got.get("extra") or {}).get("evictions") or {}
+        session.evictions = int(record.get("count", 0)) if isinstance(record, dict) else 0
+    return session

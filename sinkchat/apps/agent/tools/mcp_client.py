@@ -1,0 +1,189 @@
+"""Tools from MCP servers (`sinkchat agent --mcp "COMMAND ARGS"`): stdio servers through the official `mcp` SDK.
+
+Each server is started as a child process and kept open for the whole run on one background asyncio loop (the SDK
+is async; the agent is not). Its tools become ordinary `Tool`s: name, description and the JSON schema's top-level
+properties as `Param`s (so the agent's grammar offers them like any built-in tool, enums as enums), run in a thread
+(`isolate=False`: the connection lives in this process) under the tool timeout. A result marked `isError` is a
+tool error for the model, as a built-in tool's `ToolError` is. A server that cannot start, dies or hangs is one
+warning line: its tools are left out (at start) or answer with an error (later), and the agent goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable
+
+from sinkchat.apps.agent.tools.schema import Param, Tool, ToolError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 30.0  # seconds for a server to start and list its tools
+CALL_TIMEOUT = 30.0
+JSON_TO_PY = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
+
+
+def params_from_schema(schema: dict[str, Any]) -> list[Param]:
+    """The agent's `Param`s for a JSON schema's top-level properties (enums of strings stay enums)."""
+    props = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    out = []
+    for name, spec in props.items():
+        spec = spec if isinstance(spec, dict) else {}
+        enum = spec.get("enum")
+        t: Any = tuple(enum) if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum) \
+            else JSON_TO_PY.get(spec.get("type") if isinstance(spec.get("type"), str) else "string", str)
+        out.append(Param(name, t, name in required, spec.get("default"), str(spec.get("description") or "")))
+    return out
+
+
+def result_text(res: Any) -> tuple[str, bool]:
+    """(text, is_error) of a CallToolResult: its text parts joined (other parts named by their type)."""
+    parts = []
+    for c in getattr(res, "content", None) or []:
+        parts.append(getattr(c, "text", None) or f"[{getattr(c, 'type', 'content')}]")
+    err = bool(getattr(res, "is_error", None) or getattr(res, "isError", False))
+    return "\n".join(parts), err
+
+
+class McpServers:
+    """The MCP servers of one agent run, connected on a background loop; `tools()` lists what they offer."""
+
+    def __init__(self, commands: list[str], warn: Callable[[str], None] = log.warning,
+                 call_timeout: float = CALL_TIMEOUT) -> None:
+        self.commands, self.warn, self.call_timeout = list(commands), warn, call_timeout
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="sinkchat-mcp", daemon=True)
+        self.sessions: dict[str, Any] = {}  # command -> ClientSession
+        self._stop = asyncio.Event()
+        self._tasks: list[Any] = []
+        self._devnull: Any = None
+
+    def start(self) -> list[Tool]:
+        """Connect every server; the tools of those that came up (a name taken already is skipped, with a line)."""
+        self.thread.start()
+        tools: list[Tool] = []
+        for cmd in self.commands:
+            fut = asyncio.run_coroutine_threadsafe(self._open(cmd), self.loop)
+            try:
+                listed = fut.result(START_TIMEOUT)
+            except FutureTimeout:
+                self.warn(f"MCP server '{cmd}' did not list its tools within {START_TIMEOUT:.0f} s; left out")
+                continue
+            except Exception as e:  # noqa: BLE001 - any start failure: one line, the run goes on
+                self.warn(f"MCP server '{cmd}' could not start: {_one_line(e)}; left out")
+                continue
+            for t in listed:
+                tools.append(self._tool(cmd, t))
+        return tools
+
+    async def _open(self, cmd: str) -> list[Any]:
+        """Start `cmd`, keep its session open in a task until `close`; return its tools."""
+        from mcp import ClientSession, StdioServerParameters
+        from mcp.client.stdio import stdio_client
+
+        argv = shlex.split(cmd)
+        if not argv:
+            raise ValueError("empty command")
+        listed: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+
+        async def hold() -> None:
+            try:
+                params = StdioServerParameters(command=argv[0], args=argv[1:])
+                async with stdio_client(params, errlog=self._errlog()) as (read, write):
+                    async with ClientSession(read, write) as session:
+                        await session.initialize()
+                        result = await session.list_tools()
+                        self.sessions[cmd] = session
+                        listed.set_result(list(result.tools))
+                        await self._stop.wait()
+            except BaseException as e:  # noqa: BLE001 - reported through `listed` at start, else logged
+                if not listed.done():
+                    listed.set_exception(e if isinstance(e, Exception) else RuntimeError(str(e)))
+                else:
+                    log.info("MCP server '%s' ended: %s", cmd, _one_line(e))
+            finally:
+                self.sessions.pop(cmd, None)
+
+        self._tasks.append(asyncio.ensure_future(hold()))
+        return await listed
+
+    def _errlog(self) -> Any:
+        """Where a server's stderr goes: ours with -v (its tracebacks help there), else nowhere (an SDK server
+        prints a framed traceback for every failing call, which would bury the agent's own lines)."""
+        import os
+        import sys
+
+        if log.isEnabledFor(logging.INFO):
+            return sys.stderr
+        if self._devnull is None:
+            self._devnull = open(os.devnull, "w")  # noqa: SIM115 - kept open for the servers' lifetime
+        return self._devnull
+
+    def _tool(self, cmd: str, t: Any) -> Tool:
+        name = str(t.name)
+        schema = getattr(t, "input_schema", None) or getattr(t, "inputSchema", None) or {}
+
+        def call(**kwargs: Any) -> str:
+            return self.call(cmd, name, kwargs)
+
+        desc = str(getattr(t, "description", "") or "").strip().split("\n")[0]
+        return Tool(name, call, desc or f"tool {name} of MCP server {argv0(cmd)}", params_from_schema(schema),
+                    side_effects=True, timeout=self.call_timeout + 5, isolate=False, data=True)
+
+    def call(self, cmd: str, name: str, args: dict[str, Any]) -> str:
+        """Run one tool call; a tool error, a dead server or a timeout becomes a ToolError for the model."""
+        session = self.sessions.get(cmd)
+        if session is None:
+            raise ToolError(f"MCP server {argv0(cmd)} is not running (it ended or never started)")
+        fut = asyncio.run_coroutine_threadsafe(session.call_tool(name, args), self.loop)
+        try:
+            res = fut.result(self.call_timeout)
+        except FutureTimeout:
+            fut.cancel()
+            self.warn(f"MCP tool {name} ({argv0(cmd)}) did not answer within {self.call_timeout:.0f} s")
+            raise ToolError(f"{name} did not answer within {self.call_timeout:.0f} s") from None
+        except Exception as e:  # noqa: BLE001 - a server that died mid-call, a protocol error
+            self.warn(f"MCP tool {name} ({argv0(cmd)}) failed: {_one_line(e)}")
+            raise ToolError(f"{name} failed: {_one_line(e)}") from None
+        text, err = result_text(res)
+        if err:
+            raise ToolError(text or f"{name} reported an error")
+        return text
+
+    def close(self) -> None:
+        """Stop every server (their sessions end, their processes are ended by the SDK) and the loop."""
+        if not self.thread.is_alive():
+            return
+
+        async def stop() -> None:
+            self._stop.set()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=5)
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            log.debug("MCP shutdown", exc_info=True)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        if self._devnull is not None:
+            self._devnull.close()
+
+
+def argv0(cmd: str) -> str:
+    try:
+        return shlex.split(cmd)[0]
+    except (ValueError, IndexError):
+        return cmd
+
+
+def _one_line(e: BaseException) -> str:
+    inner = getattr(e, "exceptions", None)  # an ExceptionGroup from the SDK's task group: its first cause
+    if inner:
+        return _one_line(inner[0])
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:200]

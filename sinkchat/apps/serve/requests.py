@@ -1,0 +1,221 @@
+"""OpenAI request bodies checked and normalized, and OpenAI-shaped errors.
+
+Every bad request is an `ApiError` with the status and the `{"error": {"message", "type", "param", "code"}}` body
+OpenAI sends, raised before the engine is touched; the app turns anything else into a 500 of the same shape, so a
+client never sees a traceback. Messages are normalized to `Msg` (role, text, tool calls with parsed arguments) so
+that a client's echo of a reply compares equal to what the session holds even when its JSON is re-serialized
+(langchain re-dumps `arguments`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_CHOICES = ("auto", "none", "required")
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP `status`, `message` for people, `type` / `code` / `param` for programs."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One message as the session compares and feeds it."""
+
+    role: str
+    text: str
+    calls: tuple[tuple[str, str], ...] = ()  # (name, arguments as canonical JSON)
+    call_id: str | None = None  # a tool result's tool_call_id
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    system: str | None
+    messages: list[Msg]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "auto"  # auto | none | required | a function name
+    schema: dict[str, Any] | None = None  # response_format json_object / json_schema
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, seed
+    stop: tuple[str, ...] = ()
+    raw_prompt: str | None = None  # /v1/completions: text fed as it is
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, null, or a list of text parts (images are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"{where}: only text content parts are supported", where)
+            out.append(part["text"])
+        return "".join(out)
+    raise bad(f"{where}: content must be a string or a list of text parts", where)
+
+
+def canonical_args(args: Any, where: str) -> str:
+    """Tool-call arguments as canonical JSON (a client may send them as a string or, loosely, as an object)."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad(f"{where}: arguments are not valid JSON", where) from None
+    return json.dumps(args, sort_keys=True, ensure_ascii=False)
+
+
+def _message(m: Any, i: int) -> Msg:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad(f"{where} must be an object", where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
+    role = "system" if role == "developer" else role
+    calls: list[tuple[str, str]] = []
+    for j, c in enumerate(m.get("tool_calls") or []) if role == "assistant" else ():
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls")
+        calls.append((fn["name"], canonical_args(fn.get("arguments", "{}"), f"{where}.tool_calls[{j}]")))
+    call_id = m.get("tool_call_id")
+    if role == "tool" and not isinstance(call_id, str):
+        raise bad(f"{where}: a tool message needs tool_call_id", f"{where}.tool_call_id")
+    return Msg(role, _text(m.get("content"), f"{where}.content"), tuple(calls), call_id if role == "tool" else None)
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    tools = []
+    for i, t in enumerate(body.get("tools") or []):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{i}]")
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise bad(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}]")
+        tools.append({"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": params})
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name")
+        if choice not in [t["name"] for t in tools]:
+            raise bad("tool_choice names no function of tools", "tool_choice")
+    elif choice not in TOOL_CHOICES:
+        raise bad("tool_choice must be auto, none, required or {'type': 'function', 'function': {'name': ...}}",
+                  "tool_choice")
+    if choice == "required" and not tools:
+        raise bad("tool_choice 'required' needs tools", "tool_choice")
+    return tools, str(choice)
+
+
+def _schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad("response_format.json_schema.schema must be a JSON schema object", "response_format")
+        return schema
+    raise bad("response_format.type must be text, json_object or json_schema", "response_format")
+
+
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, integer: bool = False) -> Any:
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)
+    if isinstance(v, bool) or not ok or not lo <= v <= hi:
+        raise bad(f"{key} must be {'an integer' if integer else 'a number'} in [{lo}, {hi}]", key)
+    return v
+
+
+def _common(body: dict[str, Any], req: ChatRequest) -> None:
+    """The sampling fields both endpoints take."""
+    req.max_tokens = _number(body, "max_completion_tokens", 1, 1 << 20, True) or _number(body, "max_tokens", 1, 1 << 20, True)
+    for key, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 1e-9, 1.0)):
+        v = _number(body, key, lo, hi)
+        if v is not None:
+            req.sampling[key] = float(v)
+    seed = _number(body, "seed", -(1 << 63), (1 << 63) - 1, True)
+    if seed is not None:
+        req.sampling["seed"] = int(seed)
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [] if stop is None else None
+    if stops is None or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    req.stop = tuple(stops)
+    req.stream = bool(body.get("stream", False))
+    so = body.get("stream_options")
+    req.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """A /v1/chat/completions body -> ChatRequest, or ApiError(400) naming the field."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str):
+        raise bad("model is required (a string; see GET /v1/models)", "model")
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty list", "messages")
+    msgs = [_message(m, i) for i, m in enumerate(raw)]
+    lead = 0
+    while lead < len(msgs) and msgs[lead].role == "system":
+        lead += 1
+    system = "\n\n".join(m.text for m in msgs[:lead]) if lead else None
+    rest = msgs[lead:]
+    if not rest or rest[-1].role == "assistant":
+        raise bad("the last message must be a user, tool or system message (one to answer)", "messages")
+    if body.get("n", 1) not in (1, None):
+        raise bad("n must be 1: one choice per request", "n")
+    tools, choice = _tools(body)
+    req = ChatRequest(body["model"], system, rest, tools, choice, _schema(body))
+    if req.schema is not None and choice not in ("none", "auto"):
+        raise bad("response_format and a required tool call cannot both constrain one reply", "response_format")
+    _common(body, req)
+    return req
+
+
+def parse_completion(body: Any) -> ChatRequest:
+    """A /v1/completions body (one string prompt) -> ChatRequest with `raw_prompt`."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    if not isinstance(body.get("model"), str):
+        raise bad("model is required (a string; see GET /v1/models)", "model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("prompt must be a non-empty string", "prompt")
+    req = ChatRequest(body["model"], None, [], raw_prompt=prompt)
+    _common(body, req)
+    return req

@@ -1,0 +1,223 @@
+"""One request on the engine: bring the session's cache in line with the request's messages, feed only what is new,
+generate (constrained when the request has tools or a response_format), and record the reply.
+
+How a request meets its session (documented in docs/serve.md):
+- its messages extend the history: only the new ones are fed (`cached_tokens` says how much was already there);
+- they diverge from it: the cache goes back to the last message both share, when nothing was evicted since (a
+  truncation), and the rest is fed; when the tokens to go back to are evicted already, the answer is a 409
+  `session_diverged` error (start a new session id, or send the history the session holds);
+- a different system prompt or tool list is a new conversation in the same session (same rule: only while nothing
+  was evicted).
+Tool results are fed as user messages (`[tool result]` + text), so any chat template takes them; tool calls are fed
+and generated as `{"name": ..., "arguments": {...}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from sinkchat.apps.serve.grammar import Constraint, GrammarError, compile_lark, schema_lark, tools_lark
+from sinkchat.apps.serve.requests import ApiError, ChatRequest, Msg, canonical_args
+from sinkchat.apps.serve.sessions import ServeSession, SessionStore, conversation_key, figures, mark, rollback
+from sinkchat.api import capture
+from sinkchat.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TOOLS_INTRO = ("You can call these tools. To call one, reply with only a JSON object "
+               '{"name": "<tool name>", "arguments": {...}} and nothing else; otherwise answer in plain text.')
+
+
+@dataclass
+class Result:
+    text: str = ""
+    finish: str = "stop"
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    status: dict[str, Any] = field(default_factory=dict)
+
+
+def system_text(req: ChatRequest) -> str | None:
+    """The system prompt a conversation starts with: the request's system messages, then the tools it offers (with
+    any tool_choice: clients send the same tools with every request, and only the grammar follows the choice, so a
+    round trip that ends with `tool_choice: "none"` keeps its cache)."""
+    if not req.tools:
+        return req.system
+    lines = [TOOLS_INTRO] + [f"- {t['name']}: {t['description']} Arguments (JSON schema): "
+                             f"{json.dumps(t['parameters'], ensure_ascii=False)}" for t in req.tools]
+    return "\n\n".join(x for x in (req.system, "\n".join(lines)) if x)
+
+
+def call_text(calls: tuple[tuple[str, str], ...]) -> str:
+    return "\n".join(json.dumps({"name": n, "arguments": json.loads(a)}, ensure_ascii=False) for n, a in calls)
+
+
+def feed_as(m: Msg) -> tuple[str, str]:
+    """(role, content) that the chat template is given for a message."""
+    if m.role == "tool":
+        return "user", f"[tool result]\n{m.text}"
+    if m.role == "assistant" and m.calls:
+        return "assistant", "\n".join(x for x in (m.text, call_text(m.calls)) if x)
+    return m.role, m.text
+
+
+def common_prefix(a: list[Msg], b: list[Msg]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class Runner:
+    """Runs requests one at a time on the engine (the caller serializes them)."""
+
+    def __init__(self, engine: Any, store: SessionStore, default_system: str | None = None) -> None:
+        self.engine, self.store, self.default_system = engine, store, default_system
+
+    def chat(self, req: ChatRequest, sid: str | None, emit: Callable[[str], None], cancelled: threading.Event,
+             on_ready: Callable[[], None] = lambda: None) -> Result:
+        """Answer `req` in session `sid` (None: stateless); `emit` gets text pieces as they come (not for a tool
+        call, whose arguments are only whole at the end); `cancelled` set stops the reply. `on_ready` is called
+        once the prompt is in the cache: a streaming response starts then, so every error before it (a bad
+        schema, a diverged session) is still an HTTP status, not an event in a started stream."""
+        constraint = self._constraint(req)  # a schema that does not compile: 400 before the session is touched
+        if req.system is None and req.raw_prompt is None:
+            req.system = self.default_system
+        system = system_text(req)
+        sess = self.store.activate(sid, system)
+        try:
+            if req.raw_prompt is not None:
+                cached, fed = 0, self._feed_raw(sess, req.raw_prompt)
+            else:
+                cached, fed = self._sync(sess, req, system)
+            on_ready()
+            res = self._generate(sess, req, constraint, emit, cancelled)
+            res.cached_tokens, res.prompt_tokens = cached, cached + fed
+            sess.requests += 1
+            self.store.save(sess)
+            res.status = figures(sess, capture(self.engine))
+            return res
+        except UserError as e:  # e.g. a system prompt too large to pin in this cache
+            raise ApiError(400, str(e), code="context_length_exceeded") from None
+
+    def _constraint(self, req: ChatRequest) -> Any:
+        if req.tools and req.tool_choice != "none":
+            lark = tools_lark(req.tools, req.tool_choice)
+        elif req.schema is not None:
+            lark = schema_lark(req.schema)
+        else:
+            return None
+        try:
+            return compile_lark(lark)
+        except GrammarError as e:
+            raise ApiError(400, f"the schema cannot be compiled to a grammar: {e}", param="tools" if req.tools
+                           else "response_format", code="invalid_schema") from None
+
+    def _feed_raw(self, sess: ServeSession, prompt: str) -> int:
+        """/v1/completions: the prompt as raw text on a fresh stream (the session's own cache, if it has one)."""
+        self.store.reset(sess, None)
+        sess.key = "completion"
+        for ev in self.engine.feed(prompt):
+            sess.evictions += type(ev).__name__ == "EvictionEvent"
+        return int(self.engine.ledger.seen)
+
+    def _sync(self, sess: ServeSession, req: ChatRequest, system: str | None) -> tuple[int, int]:
+        """Feed what the session does not hold yet; returns (tokens it held of this prompt, tokens fed now)."""
+        eng = self.engine
+        key = conversation_key(system, req.tools)
+        k = common_prefix(sess.history, req.messages) if key == sess.key else 0
+        if k == len(req.messages) and not (k in sess.marks and sess.marks[k].reply_turn):
+            k -= 1  # the whole request is history, but it was not fed to be answered: feed its last message again
+        end = sess.marks.get(len(sess.history))
+        moved = end is not None and (end.cache_len, end.seen) != (eng.cache.length, eng.ledger.seen)
+        if key != sess.key or k < len(sess.history) or moved:  # moved: a reply that failed half-way
+            if k == 0 and eng.ledger.evicted == 0:
+                self.store.reset(sess, system)
+            elif k not in sess.marks or not rollback(eng, sess.marks[k]):
+                raise ApiError(409, f"the messages differ from this session's history at message {k + 1}, and the "
+                                    "tokens to go back to were evicted already: send the history the session holds, "
+                                    "or use a new X-Session-Id", type_="invalid_request_error",
+                               code="session_diverged")
+            del sess.history[k:]
+            sess.marks = {i: m for i, m in sess.marks.items() if i <= k}
+        sess.key = key
+        seen0 = eng.ledger.seen
+        cached = seen0 - eng.ledger.start
+        for i, m in enumerate(req.messages[k:], start=k):
+            role, text = feed_as(m)
+            before, t0 = eng.ledger.seen, time.perf_counter()
+            for ev in eng.add_message(role, text, add_generation_prompt=i == len(req.messages) - 1):
+                sess.evictions += type(ev).__name__ == "EvictionEvent"
+            sess.history.append(m)
+            sess.marks[i + 1] = mark(eng)
+            if sess.log is not None:
+                sess.log.turn(m.role, m.text, int(eng.ledger.seen - before), time.perf_counter() - t0)
+        return int(cached), int(eng.ledger.seen - seen0)
+
+    def _generate(self, sess: ServeSession, req: ChatRequest, grammar: Any, emit: Callable[[str], None],
+                  cancelled: threading.Event) -> Result:
+        from sinkchat.core.events import DoneEvent, EvictionEvent, GaugeEvent, TokenEvent
+        from sinkchat.core.sampling import make_generator
+
+        eng = self.engine
+        budget = req.max_tokens or eng.sampling.max_tokens
+        procs = [Constraint(eng, grammar, budget)] if grammar is not None else []
+        if "seed" in req.sampling:
+            eng.generator = make_generator(req.sampling["seed"])
+        cfg = replace(eng.sampling, **{k: v for k, v in req.sampling.items() if k != "seed"})
+        pieces, done, t0 = [], None, time.perf_counter()
+        calling = bool(req.tools) and req.tool_choice != "none"
+        gen = eng.generate(req.max_tokens, req.stop, cfg, logits_processors=procs)
+        try:
+            for ev in gen:
+                if isinstance(ev, TokenEvent) and ev.text:
+                    pieces.append(ev.text)
+                    if not (calling and "".join(pieces).lstrip().startswith("{")):
+                        emit(ev.text)
+                elif isinstance(ev, EvictionEvent):
+                    sess.evictions += 1
+                elif isinstance(ev, GaugeEvent):
+                    sess.gauge = round(float(ev.share), 4)
+                elif isinstance(ev, DoneEvent):
+                    done = ev
+                if cancelled.is_set():
+                    break
+        finally:
+            gen.close()  # a cancelled reply: what was generated stays, the cache consistent
+            eng.conv.add_reply(eng.reply_text())
+        text = "".join(pieces)
+        res = Result(text, "length" if done is not None and done.reason == "length" else "stop",
+                     completion_tokens=len(eng.last_reply_ids))
+        if done is None:
+            res.finish = "cancelled"
+        calls: tuple[tuple[str, str], ...] = ()
+        calls = self._calls(text) if calling and text.lstrip().startswith("{") and res.finish == "stop" else ()
+        if calls:
+            res.text, res.finish = "", "tool_calls"
+            res.calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": n, "arguments": json.dumps(json.loads(a), ensure_ascii=False)}}
+                         for n, a in calls]
+        sess.history.append(Msg("assistant", res.text, calls))
+        sess.marks[len(sess.history)] = mark(eng)
+        if sess.log is not None:
+            sess.log.turn("assistant", text, res.completion_tokens, time.perf_counter() - t0, reason=res.finish,
+                          cache_len=eng.cache.length)
+        return res
+
+    @staticmethod
+    def _calls(text: str) -> tuple[tuple[str, str], ...]:
+        """The grammar made the reply one `{"name", "arguments"}` object; parsed into (name, canonical args)."""
+        try:
+            obj = json.loads(text)
+            return ((str(obj["name"]), canonical_args(obj.get("arguments", {}), "reply")),)
+        except (ValueError, KeyError, TypeError, ApiError):
+            log.warning("a tool-call reply did not parse: %.80s", text)
+            return ()

@@ -1,0 +1,114 @@
+"""The Python API (`sinkchat.load`, issue 31 item 7) on a tiny random model with the bundled tokenizer: chat, stream,
+feed + generate, stats, save / resume (the resumed session continues exactly), unknown settings named, the README
+example run as written, and `import sinkchat` without torch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fakes import save_tiny_chat_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_chat_model(tmp_path_factory.mktemp("api") / "model")
+
+
+def _load(tiny_dir: Path, **kw):
+    import sinkchat
+
+    kw = {"cache": 96, "quant": "none", "temperature": 0, "max_tokens": 6, "sinks": 4, **kw}
+    return sinkchat.load(str(tiny_dir), **kw)
+
+
+def test_import_sinkchat_is_light():
+    """`import sinkchat` must not import torch (the CLI's --help and scripts that only read __version__)."""
+    code = "import sys, sinkchat; assert callable(sinkchat.__getattr__); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_chat_stream_feed_generate_stats(tiny_dir):
+    s = _load(tiny_dir)
+    reply = s.chat("hello there")
+    st = s.stats()
+    assert st["messages"] == 2 and st["capacity"] == 96 and st["last_reply"]["tokens"] == 6
+    assert s.engine.conv.messages[1]["content"] == reply
+    pieces = list(s.stream("and again"))
+    assert "".join(pieces) == s.engine.conv.messages[-1]["content"] and len(s.engine.conv.messages) == 4
+    before = s.stats()["seen"]
+    n = s.feed(" plain text fed raw")
+    assert n > 0 and s.stats()["seen"] == before + n
+    assert isinstance(s.generate(max_tokens=3), str) and s.stats()["last_reply"]["tokens"] == 3
+    for _ in range(8):  # a 96-token cache overflows: evictions, and the cache stays within its capacity
+        s.chat("one more message to fill the cache up " * 2)
+    st = s.stats()
+    assert st["evicted"] > 0 and st["evictions"] > 0 and st["cache_len"] <= 96
+
+
+def test_save_and_resume_continue_exactly(tiny_dir, tmp_path):
+    s = _load(tiny_dir)
+    s.chat("remember the number seven")
+    path = s.save(tmp_path / "talk.safetensors")
+    expected = s.chat("what was it?")
+    r = _load(tiny_dir, cache=None, resume=path)  # the snapshot's cache size applies
+    assert r.stats()["capacity"] == 96 and r.stats()["messages"] == 2
+    assert r.chat("what was it?") == expected
+    assert r.engine.ledger.ids == s.engine.ledger.ids
+
+
+def test_unknown_setting_is_named(tiny_dir):
+    from sinkchat.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'memroy' \(did you mean 'memory'\?\)"):
+        _load(tiny_dir, memroy="on")
+    s = _load(tiny_dir)
+    with pytest.raises(ConfigError, match="'temprature'"):
+        s.chat("hi", temprature=0.5)
+
+
+def test_engine_states_swap_without_mixing(tiny_dir):
+    """capture / install / fresh_state (what `sinkchat serve` keeps per session): two conversations on one engine
+    never see each other's tokens, and swapping back continues where each left off."""
+    from sinkchat.api import capture, fresh_state, install
+
+    s = _load(tiny_dir)
+    eng = s.engine
+    s.chat("first conversation")
+    a_ids, a = list(eng.ledger.ids), capture(eng)
+    install(eng, fresh_state(eng, None))
+    assert eng.cache.length == 0 and eng.ledger.ids == [] and eng.conv.messages == []
+    s.chat("second one, different")
+    b = capture(eng)
+    install(eng, a)
+    assert eng.ledger.ids == a_ids and eng.cache.length == len(a_ids)
+    assert eng.conv.messages[0]["content"] == "first conversation"
+    install(eng, b)
+    assert eng.conv.messages[0]["content"] == "second one, different"
+
+
+def readme_example() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"## Python API.*?```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no '## Python API' section with a python example"
+    return m.group(1)
+
+
+def test_readme_example_runs(tiny_dir, tmp_path, monkeypatch):
+    """The README's example, run as written (the model comes from SINKCHAT_MODEL: the tiny one here)."""
+    code = readme_example()
+    assert len(code.strip().splitlines()) <= 12
+    monkeypatch.setenv("SINKCHAT_MODEL", str(tiny_dir))
+    monkeypatch.setenv("SINKCHAT_QUANT", "none")
+    monkeypatch.setenv("SINKCHAT_MAX_TOKENS", "5")
+    monkeypatch.chdir(tmp_path)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "talk.safetensors").is_file()
