@@ -19,7 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from sinkchat.core.events import DoneEvent, EvictionEvent
+from sinkchat.core.events import DoneEvent, EvictionEvent, ForgottenEvent
 from sinkchat.core.metrics import (FIELDS, Metrics, Stats, eviction_line, fit_fields, gauge_bar, human_bytes,
                                    read_stats, status_line, status_variants)
 
@@ -164,7 +164,7 @@ class Renderer:
         self._partial = partial
         self._live.refresh()
 
-    def eviction(self, ev: EvictionEvent) -> None:
+    def eviction(self, ev: EvictionEvent | ForgottenEvent) -> None:
         line = eviction_line(ev)
         if not self.tty:
             self.err.print(Text(line))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
+from sinkchat.core import calls
 from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
@@ -145,51 +146,8 @@ class Engine:
         return peak
 
     def _run(self, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
-        """One model call: the fast step for a single token when the model allows it, the step's chunk path for
-        several, else transformers. With the recall memory, its region is filled first (`_recall`) and the call's
-        last queries handed back to it."""
-        base, used = self._recall()
-        step = self.step if not base or getattr(self.step, "memory_region", False) else None
-        if step is not None and len(ids) == 1:
-            keys, values = self.cache.buffers(step.n_kv, step.head_dim, self.device, self.kv_store)
-            self.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
-            extra = {"base": base, "used": used} if base else {}
-            logits, queries, shares = step(ids[0], L, keys, values, self.gauge_n, **extra)  # [1, V], [L, H*D], [L, 2]
-            self.gauge.record(queries, self.gauge_n, None if used else shares)  # C's first slots: memory's
-            self._observe(queries, L)
-            return logits
-        self.gauge.discard_shares()  # shares of an earlier fast step must not stand for this forward's attention
-        prefill = getattr(step, "prefill", None)  # the step's chunk path (native: one C call), if it has one
-        if prefill is not None and not self.gauge.armed:  # armed: the gauge hooks want transformers' queries
-            keys, values = self.cache.buffers(step.n_kv, step.head_dim, self.device, self.kv_store)
-            self.cache.advance(len(ids))  # as for the step: an interrupted chunk is truncated back to L by the caller
-            if not base:
-                return prefill(ids, L, keys, values, all_logits)  # [q or 1, V]
-            queries = torch.empty(self.n_layers, self.spec.n_heads * self.spec.head_dim)  # [L, H*D]
-            logits = prefill(ids, L, keys, values, all_logits, base=base, used=used, queries=queries)
-            self._observe(queries, L + len(ids) - 1)
-            return logits
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, q]
-        pos = torch.arange(L, L + len(ids), device=self.device)[None]  # [1, q]
-        out = self.model(input_ids=x, position_ids=pos, cache=self.cache, use_cache=True,
-                         logits_to_keep=0 if all_logits else 1)
-        if self.memory is not None:
-            self._observe(self.gauge.captured_queries(), L + len(ids) - 1)
-        return out.logits[0]
-
-    def _recall(self) -> tuple[int, int]:
-        """Fill the recall memory's region for the next call: (slots reserved in front of the stream, slots of
-        them attended). Blocks that failed to read back are reported with the next eviction's events."""
-        if self.memory is None:
-            return 0, 0
-        used, lost = self.memory.prepare(self.cache, self.memory.position(self.pinned_slots(), self.cache.length))
-        self._forgotten += lost
-        return self.memory.region, used
-
-    def _observe(self, queries: torch.Tensor | None, position: int) -> None:
-        """Hand the memory the queries [L, H*D] of the call's last token (at in-cache `position`)."""
-        if self.memory is not None and queries is not None:
-            self.memory.observe(queries, position)
+        """One model call at slots [L, L + q): `calls.run` (the decode step, its chunk path, or transformers)."""
+        return calls.run(self, ids, L, all_logits)
 
     def _make_room(self, incoming: int) -> Iterator[EvictionEvent | ForgottenEvent]:
         """Evict per policy so that `incoming` tokens fit; yields one event per eviction."""
@@ -221,7 +179,8 @@ class Engine:
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
         preview = " ".join(preview.split())[:PREVIEW_CHARS]
         c = self.cache_cfg
-        return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0)
+        return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0,
+                             self.memory is not None)
 
     def _step(
         self, ids: list[int], all_logits: bool = False, record: list[int] | None = None

@@ -27,6 +27,7 @@ class EvictionEvent:
     policy: str
     cache_len: int  # after the eviction
     seconds: float = 0.0
+    to_memory: bool = False  # kept by the recall memory (recallable), not dropped
 
 
 @dataclass(frozen=True)

@@ -296,8 +296,15 @@ def gauge_bar(share: float | None, width: int = 10) -> str:
 
 
 def eviction_line(ev: Any) -> str:
-    """One event line per eviction (chat and agent alike): how many tokens, which absolute range, what left."""
-    return f"⟂ evicted {ev.count} tokens [{ev.first},{ev.last}) ({ev.policy}, {ev.cache_len} left): {ev.preview!r}"
+    """One event line per eviction (chat and agent alike): how many tokens, which absolute range, what left; with
+    the recall memory on, where they went. A `ForgottenEvent` (tokens that left the memory): its own line."""
+    if not hasattr(ev, "policy"):
+        why = {"budget": "over the memory budget", "disk": "the memory store could not write them",
+               "damaged": "their memory block failed its checksum"}.get(ev.reason, ev.reason)
+        return f"⟂ forgotten {ev.count} tokens [{ev.first},{ev.last}) ({why})"
+    where = " to memory" if getattr(ev, "to_memory", False) else ""
+    return (f"⟂ evicted {ev.count} tokens [{ev.first},{ev.last}){where} ({ev.policy}, {ev.cache_len} left): "
+            f"{ev.preview!r}")
 
 
 def policy_label(policy: str, n_sink: int, pinned: int = 0, capacity: int = 0) -> str:

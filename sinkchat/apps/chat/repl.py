@@ -22,7 +22,7 @@ import click
 from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, \
     user_errors
 from sinkchat.config import ConfigError, data_dir
-from sinkchat.core.events import DoneEvent, EvictionEvent, Event, TokenEvent
+from sinkchat.core.events import DoneEvent, EvictionEvent, Event, ForgottenEvent, TokenEvent
 from sinkchat.core.metrics import Metrics, Stats, model_bytes
 from sinkchat.apps.chat.answer import FORMATS, TurnResult
 from sinkchat.apps.chat.commands import Exit, dispatch
@@ -55,7 +55,7 @@ class ChatLoop:
         self.metrics = metrics or Metrics()
         self.interactive = interactive
         self._model_nbytes = model_bytes(engine.model)
-        self._deferred: list[EvictionEvent] | None = None  # evictions of the turn under way
+        self._deferred: list[EvictionEvent | ForgottenEvent] | None = None  # evictions of the turn under way
         if self.r.stats is None:
             self.r.stats = self.stats
 
@@ -77,8 +77,9 @@ class ChatLoop:
         self.metrics.fold(ev)
         if isinstance(ev, TokenEvent):
             self.r.token(ev.text)
-        elif isinstance(ev, EvictionEvent):
-            self.slog.eviction(ev)
+        elif isinstance(ev, (EvictionEvent, ForgottenEvent)):
+            if isinstance(ev, EvictionEvent):
+                self.slog.eviction(ev)
             if self._deferred is not None:  # inside a turn: shown after the reply, never between its lines
                 self._deferred.append(ev)
             else:
@@ -90,11 +91,13 @@ class ChatLoop:
         evs, self._deferred = self._deferred or [], None
         for ev in evs[:MAX_EVICTION_LINES]:
             self.r.eviction(ev)
-        rest = evs[MAX_EVICTION_LINES:]
-        if rest:
-            n = sum(e.count for e in rest)
-            span = f"[{rest[0].first},{rest[-1].last})"
-            self.r.info(f"⟂ ... and {len(rest)} more evictions this turn: {n} tokens {span}", style="dim yellow")
+        for kind, rest in (("evictions", [e for e in evs[MAX_EVICTION_LINES:] if isinstance(e, EvictionEvent)]),
+                           ("forgotten", [e for e in evs[MAX_EVICTION_LINES:] if isinstance(e, ForgottenEvent)])):
+            if rest:
+                n = sum(e.count for e in rest)
+                span = f"[{rest[0].first},{rest[-1].last})"
+                what = f"{len(rest)} more evictions" if kind == "evictions" else f"{len(rest)} more forgotten blocks"
+                self.r.info(f"⟂ ... and {what} this turn: {n} tokens {span}", style="dim yellow")
 
     # ------------------------------------------------------------------------------------------- actions
     def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:
@@ -183,7 +186,7 @@ class ChatLoop:
             raise ConfigError(f"the chat template refused a {role} message here: {e}") from None
         for ev in events:
             self.metrics.fold(ev)
-            if isinstance(ev, EvictionEvent) and not quiet:
+            if isinstance(ev, (EvictionEvent, ForgottenEvent)) and not quiet:
                 self.r.eviction(ev)
         return eng.ledger.seen - before
 
