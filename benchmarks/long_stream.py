@@ -213,6 +213,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="long_stream")
+    ap.add_argument("--memory", choices=("on", "off"), default="off", help="the recall memory (sink policy only)")
+    ap.add_argument("--memory-budget", type=int, default=None, help="its disk budget, MB")
     ap.add_argument("--resume", action="store_true",
                     help="continue each policy from DIR/<policy>.safetensors (saved after every pass)")
     return ap.parse_args()
@@ -226,7 +228,8 @@ def main() -> int:
     text = Path(args.text) if args.text else lt.canterbury("lcet10.txt")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts: dict[str, Any] = {"cache_size": args.cache, "policy": "sink", "threads": args.threads}
+    opts: dict[str, Any] = {"cache_size": args.cache, "policy": "sink", "threads": args.threads,
+                            "memory": args.memory, "memory_budget": args.memory_budget}
     if args.model:
         opts["model"] = args.model
     eng = open_engine(build_settings(opts), system=None, progress=lambda m: print(m, file=sys.stderr))

@@ -11,7 +11,8 @@ Retrieval is reported apart from answering: for memory-on trials, whether the ne
 the last prompt token recalled, in how many of the memory layers.
 
 Usage: python benchmarks/passkey.py [--lengths 4096,16384] [--trials 20] [--cache 1024] [--modes off,on,dense]
-                                    [--haystack filler|prose] [--out DIR] [--model M]
+                                    [--haystack filler|prose] [--task passkey|number|kv] [--no-intro] [--out DIR]
+                                    [--model M] [--topk K] [--block B]
 Writes DIR/passkey.json (every trial) and prints the table (right / trials per length and mode).
 """
 
@@ -23,6 +24,7 @@ import random
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,24 +36,64 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
-def needle(key: int) -> str:
+NUMBER_INTRO = ("There is an important number hidden inside a lot of irrelevant text. Find it and memorize it. I "
+                "will quiz you about it.\n")
+KV_INTRO = "Extract the value of the specified key from the JSON object below.\n{\n"
+
+
+def needle(key: Any, task: str = "passkey") -> str:
+    if task == "number":  # infinite-bench Retrieve.Number: a 10-digit number
+        return f"The sequence of digits is {key}. Remember it. {key} is the sequence of digits. "
+    if task == "kv":  # infinite-bench Retrieve.KV: one UUID pair among many
+        return f'"{key[0]}": "{key[1]}",\n'
     return f"The pass key is {key}. Remember it. {key} is the pass key. "
 
 
-def haystack_units(kind: str) -> list[str]:
-    """The text the needle hides in, as sentence-sized units: the filler, or real prose (a public-domain text)."""
+def task_parts(task: str, key: Any) -> tuple[str, str]:
+    """(intro, question) of a trial."""
+    if task == "number":
+        return NUMBER_INTRO, "\nWhat is the sequence of digits? The sequence of digits is"
+    if task == "kv":
+        return KV_INTRO, f'}}\nKey: "{key[0]}"\nThe value associated with the specified key is: "'
+    return INTRO, QUESTION
+
+
+def new_key(task: str, rng: random.Random) -> Any:
+    if task == "number":
+        return str(rng.randint(10**9, 10**10 - 1))
+    if task == "kv":
+        return (str(uuid.UUID(int=rng.getrandbits(128))), str(uuid.UUID(int=rng.getrandbits(128))))
+    return rng.randint(10000, 99999)
+
+
+def is_right(task: str, key: Any, reply: str) -> bool:
+    if task == "kv":
+        return reply.strip().strip('"').startswith(key[1])
+    found = re.search(r"\d+", reply)
+    return bool(found and found.group() == str(key))
+
+
+def haystack_units(kind: str, task: str = "passkey") -> list[str]:
+    """The text the needle hides in, as sentence-sized units: the filler, or real prose (a public-domain text); for
+    the KV task, other UUID pairs."""
+    if task == "kv":
+        rng = random.Random(1)
+        return [needle(new_key("kv", rng), "kv") for _ in range(5000)]
     if kind == "filler":
         return [FILLER]
-    from long_stream import default_text  # type: ignore[import-not-found]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import llamacpp_tools as lt  # type: ignore[import-not-found]
 
-    text = Path(default_text()).read_text(encoding="utf-8", errors="replace")
+    text = Path(lt.canterbury("lcet10.txt")).read_text(encoding="utf-8", errors="replace")
     return [u.strip() + " " for u in re.split(r"(?<=[.!?])\s+", text) if u.strip()]
 
 
-def build(engine: Any, units: list[str], length: int, depth: float, key: int) -> tuple[list[int], int]:
+def build(engine: Any, units: list[str], length: int, depth: float, key: Any, intro: bool = True,
+          task: str = "passkey") -> tuple[list[int], int]:
     """Token ids of one trial near `length` tokens and the stream index where the needle starts."""
     enc = engine.encode
-    head, q, nd = enc(INTRO), enc(QUESTION), enc(needle(key))
+    intro_text, question = task_parts(task, key)
+    head, q, nd = enc(intro_text) if intro else [], enc(question), enc(needle(key, task))
     body_len = max(0, length - len(head) - len(q) - len(nd) - 1)
     body: list[int] = []
     i = 0
@@ -105,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"args": vars(args), "trials": []}
     units_cache: list[str] | None = None
     for length in args.lengths:
-        keys = [rng.randint(10000, 99999) for _ in range(args.trials)]
+        keys = [new_key(args.task, rng) for _ in range(args.trials)]
         depths = [(i + 0.5) / args.trials for i in range(args.trials)]
         for mode in args.modes:
             try:
@@ -113,16 +155,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - a dense cache past the model's context: say so, go on
                 print(f"{length:>7} {mode:>5}: not run ({e})", file=sys.stderr)
                 continue
-            units_cache = units_cache or haystack_units(args.haystack)
+            units_cache = units_cache or haystack_units(args.haystack, args.task)
             right = 0
             for key, depth in zip(keys, depths):
-                ids, at = build(engine, units_cache, length, depth, key)
+                ids, at = build(engine, units_cache, length, depth, key, not args.no_intro, args.task)
                 t0 = time.perf_counter()
-                engine.memory and setattr(engine.memory, "positions", args.positions)
-                engine.memory and setattr(engine.memory, "distance", args.distance)
-                text, hits = answer(engine, ids, at, len(engine.encode(needle(key))))
-                found = re.search(r"\d+", text)
-                ok = bool(found and found.group() == str(key))
+                text, hits = answer(engine, ids, at, len(engine.encode(needle(key, args.task))),
+                                    max_tokens=24 if args.task == "kv" else 12)
+                ok = is_right(args.task, key, text)
                 right += ok
                 results["trials"].append({"length": len(ids), "target": length, "mode": mode, "depth": depth,
                                           "key": key, "reply": text, "right": ok, "needle_layers": hits,
@@ -145,8 +185,9 @@ def main() -> None:
     ap.add_argument("--haystack", choices=("filler", "prose"), default="filler")
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
-    ap.add_argument("--distance", type=int, default=None)
-    ap.add_argument("--positions", choices=("one", "ordered"), default="one")
+    ap.add_argument("--no-intro", action="store_true", help="no instruction before the haystack")
+    ap.add_argument("--task", choices=("passkey", "number", "kv"), default="passkey",
+                    help="the needle: a 5-digit pass key, a 10-digit number (Retrieve.Number), a UUID pair (Retrieve.KV)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sinkchat" / "passkey")

@@ -44,7 +44,7 @@ def attended(eng: Engine) -> tuple[list[int], list[int]]:
     """(token ids, RoPE positions) of what the next query attends in layer 0, in the memory's own terms: the sinks
     and window at their slots, the queue and the chosen blocks at the memory's position."""
     mem = eng.memory
-    pos = mem.position(eng.pinned_slots(), eng.cache.length)
+    pos = eng.pinned_slots()
     ids = [t for e in mem.queue for t in e[2]]
     for bid in mem.chosen[0]:
         ids += mem.store.read(bid).ids.tolist()
@@ -117,7 +117,7 @@ def test_every_layer_recalls_the_blocks_an_fp64_scoring_picks(tmp_path: Path) ->
         list(eng.feed_ids([tok]))
         mem = eng.memory
         if mem.blocks > mem.topk and i % 7 == 0:
-            pos = mem.position(eng.pinned_slots(), eng.cache.length)
+            pos = eng.pinned_slots()
             got = mem.choose(pos)
             assert got == reference_choice(mem, pos)
             distinct.add(tuple(map(tuple, got)))
@@ -294,7 +294,7 @@ def test_a_block_that_fails_its_checksum_is_reported_forgotten(tmp_path: Path) -
     list(eng.feed_ids(IDS[:70]))
     mem = eng.memory
     assert mem.blocks >= 3
-    mem.lru.clear()
+    mem.slices.clear()
     mem.placed = [() for _ in mem.layers]
     for seg in (tmp_path / "m").glob("seg-*.mem"):  # damage every record's payload
         data = bytearray(seg.read_bytes())
@@ -304,3 +304,22 @@ def test_a_block_that_fails_its_checksum_is_reported_forgotten(tmp_path: Path) -
     events = [e for e in eng.feed_ids(IDS[70:72]) if isinstance(e, ForgottenEvent)]
     assert events and all(e.reason == "damaged" for e in events)
     assert eng.ledger.evicted == mem.tokens + mem.forgotten
+
+
+@needs_native
+def test_the_sink_gauge_measures_the_stream_first_slots_past_the_recalled_ones(tmp_path: Path) -> None:
+    """The C step's gauge share (first slots from the stream's start on, after the recalled slots) equals the
+    share recomputed in torch from the captured queries over [recalled | stream] (gauge.probs)."""
+    model = _packed()
+    eng = engine(model, memory(model, tmp_path / "m"), step=select(model, "native"))
+    list(eng.feed_ids(IDS[:100]))
+    assert eng.cache.layers[0].used > 0
+    eng.gauge.armed = True
+    list(eng.feed_ids([IDS[100]]))
+    eng.gauge.armed = False
+    c_shares = eng.gauge.shares[1][:, 0].clone()
+    used = eng.cache.layers[0].used
+    torch_shares = torch.stack([eng.gauge.probs(eng.cache, i)[..., used : used + 4].sum(-1).mean()
+                                for i in range(len(eng.gauge.layers))])
+    torch.testing.assert_close(c_shares, torch_shares.float(), rtol=0, atol=2e-3)
+    assert float((eng.gauge.probs(eng.cache, 0)[..., :used].sum(-1)).mean()) > 0.01  # recalled slots do get some

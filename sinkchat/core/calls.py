@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 
 def run(eng: Engine, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
     """Logits [q or 1, V] of `ids` at in-cache slots [L, L + q); the cache has room (the caller made it)."""
-    base, used = recall(eng)
+    base, used = recall(eng, len(ids) == 1)
     step = eng.step if not base or getattr(eng.step, "memory_region", False) else None
     if step is not None and len(ids) == 1:
         keys, values = eng.cache.buffers(step.n_kv, step.head_dim, eng.device, eng.kv_store)
         eng.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
         extra = {"base": base, "used": used} if base else {}
         logits, queries, shares = step(ids[0], L, keys, values, eng.gauge_n, **extra)  # [1, V], [L, H*D], [L, 2]
-        eng.gauge.record(queries, eng.gauge_n, None if used else shares)  # with memory C's first slots are its
+        eng.gauge.record(queries, eng.gauge_n, shares)  # C measures the stream's first slots, after any recalled
         observe(eng, queries, L)
         return logits
     eng.gauge.discard_shares()  # shares of an earlier fast step must not stand for this forward's attention
@@ -48,12 +48,13 @@ def run(eng: Engine, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
     return out.logits[0]
 
 
-def recall(eng: Engine) -> tuple[int, int]:
+def recall(eng: Engine, single: bool) -> tuple[int, int]:
     """Fill the recall memory's region for the next call: (slots reserved in front of the stream, slots of them
-    attended). Blocks that failed to read back are reported after the call (`Engine._forgotten`)."""
+    attended); recalled keys sit right after the pinned prefix. Blocks that failed to read back are reported after
+    the call (`Engine._forgotten`)."""
     if eng.memory is None:
         return 0, 0
-    used, lost = eng.memory.prepare(eng.cache, eng.memory.position(eng.pinned_slots(), eng.cache.length))
+    used, lost = eng.memory.prepare(eng.cache, eng.pinned_slots(), single)
     eng._forgotten += lost
     return eng.memory.region, used
 

@@ -173,7 +173,7 @@ class Engine:
             if self.memory is not None:  # the tokens go to the memory (copied) before their slots are reused
                 end = ev.start + ev.count
                 self._forgotten += self.memory.absorb(self.cache, ev.start, ev.count, self.ledger.ids[ev.start : end],
-                                                      self.ledger.abs_index[ev.start : end])
+                                                      self.ledger.abs_index[ev.start : end], self.pinned_slots())
             self.cache.evict(ev)
             dropped, first, last = self.ledger.evict(ev)
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)

@@ -1,63 +1,66 @@
 """`RecallMemory`: what the Engine calls at each eviction (`absorb`), before each model call (`prepare`) and after
 it (`observe`).
 
-The rule (tests hold the native step and prefill to transformers' forward in fp64 under it):
-- evicted tokens queue up in eviction order; every B of them make a block, written to the store and indexed by
-  `blocks.representatives` (per memory layer and KV head, r un-rotated keys);
+The rule (tests hold the native step and prefill to transformers' forward, and that to an fp64 fresh forward):
+- evicted tokens queue up in eviction order; every B of them make a block, its keys rotated to the recall position,
+  written to the store and indexed by `blocks.representatives` (per memory layer and KV head, r un-rotated keys);
 - before a model call, each memory layer scores every indexed block with the queries of the last token of the
-  previous call (rotated to the distance recalled keys will have: query position - `position`): per KV head the
-  best representative against the sum of the head group's queries, summed over KV heads; the top-k blocks, in stream
-  order, go into the layer's region after the queued tokens (always attended: they are not yet a block);
-- every recalled key is rotated to one position, `position` (the first slot after the pinned prefix: InfLLM's "all
-  memory at one distance"), and all of it is attended by every query of the call, before the sinks and the window.
+  previous call (rotated to the distance recalled keys will have: query position - recall position): per KV head
+  the best representative against the sum of the head group's queries, summed over KV heads; the top-k blocks, in
+  stream order, go into the layer's region after the queued tokens (always attended: they are not yet a block).
+  Chunks choose again every call; single tokens (decoding) every `every` calls, and always right after a chunk;
+- every recalled key sits at one position, the first slot after the pinned prefix (InfLLM's "all memory at one
+  distance"; measured against keeping each block's order before the window, and against a closer distance, in
+  docs/memory.md), and all of it is attended by every query of the call, before the sinks and the window.
 Blocks the budget removes, or that fail to write or to read back, are reported (`ForgottenEvent`), never silent.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from sinkchat.config import MemoryConfig
-from sinkchat.memory.blocks import Block, representatives, rotate, rotated_to
+from sinkchat.memory.blocks import Block, representatives, rotate
 from sinkchat.memory.events import ForgottenEvent, RecallEvent
+from sinkchat.memory.index import Index
+from sinkchat.memory.slices import SliceCache
 from sinkchat.memory.store import BlockStore, StoreError, Where
 from sinkchat.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 REPS = 4  # representative keys per block, layer and KV head (InfLLM: 4 per 128-token block)
+EVERY = 8  # decode steps between two choices of blocks (a choice scores every block in every layer)
 
 
 class RecallMemory:
     """One session's recall memory over the cache layers `layers` (a hybrid model's global ones), each rotating
-    with its `inv_freqs`; blocks stored under `root` within `cfg.budget_mb`."""
+    with its `inv_freqs`; blocks stored under `root` within `cfg.budget_mb`, recalled slices cached in
+    `cfg.ram_mb`."""
 
     def __init__(self, cfg: MemoryConfig, layers: list[int], inv_freqs: list[torch.Tensor], n_heads: int,
-                 n_kv: int, head_dim: int, root: Path, reps: int = REPS) -> None:
+                 n_kv: int, head_dim: int, root: Path, reps: int = REPS, every: int = EVERY) -> None:
         self.cfg, self.layers, self.inv_freqs = cfg, list(layers), [f.float() for f in inv_freqs]
-        self.n_heads, self.n_kv, self.head_dim, self.reps = n_heads, n_kv, head_dim, reps
+        self.n_heads, self.n_kv, self.head_dim, self.reps, self.every = n_heads, n_kv, head_dim, reps, every
         self.B, self.topk = cfg.block, cfg.topk
         self.region = self.topk * self.B + self.B - 1  # the blocks plus a queue of fewer than B tokens
         self.store = BlockStore(root, cfg.budget_mb << 20)
+        self.index = Index()
+        self.slices = SliceCache(cfg.ram_mb << 20, self.inv_freqs)
         self.next_id = 0
-        self.index_ids: list[int] = []  # block ids in the index, oldest first; `index` rows follow this order
-        self.index = torch.empty(0)  # [NB, M, H_kv, r, D] fp32
-        self.queue: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]] = []  # k, v, ids, abs, slots
+        self.queue: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]] = []  # k v ids abs slots
         self.queries: torch.Tensor | None = None  # [M, H, D] of the last token of the last call
         self.q_pos = 0
-        self.lru: OrderedDict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.lru_bytes = 0
-        self.placed: list[tuple[int, ...]] = []  # per layer: (position, *block ids) now in its region
+        self.placed: list[tuple[int, ...]] = []  # per layer: (position, k, *block ids) in its region now
+        self.queue_placed: tuple[int, ...] = ()
         self.chosen: list[list[int]] = [[] for _ in self.layers]
+        self.since = 0  # single-token calls since the last choice
         self.forgotten = 0  # tokens reported forgotten, all reasons
-        self.distance: int | None = None
-        self.positions = "one"  # "one": every recalled key at one position; "ordered": in stream order before it
-        self.dtype: torch.dtype | None = None
 
     @classmethod
     def for_spec(cls, cfg: MemoryConfig, spec: ModelSpec, root: Path) -> "RecallMemory":
@@ -67,17 +70,21 @@ class RecallMemory:
 
     # ------------------------------------------------------------------------------------------ what it holds
     @property
+    def index_ids(self) -> list[int]:
+        return self.index.ids
+
+    @property
     def queued(self) -> int:
         return sum(len(q[2]) for q in self.queue)
 
     @property
     def blocks(self) -> int:
-        return len(self.index_ids)
+        return len(self.index)
 
     @property
     def tokens(self) -> int:
         """Tokens the memory holds: the indexed blocks' and the queue's."""
-        return sum(self.store.where[b].n for b in self.index_ids) + self.queued
+        return sum(self.store.where[b].n for b in self.index.ids) + self.queued
 
     @property
     def disk_bytes(self) -> int:
@@ -87,31 +94,36 @@ class RecallMemory:
     def index_bytes(self) -> int:
         return self.index.nbytes
 
-    def attach(self, cache: object) -> None:
+    @property
+    def lru_bytes(self) -> int:
+        return self.slices.nbytes
+
+    def attach(self, cache: Any) -> None:
         """Reserve the region in a fresh cache's memory layers (before anything is written into it)."""
         for layer in self.layers:
-            cache.layers[layer].reserve(self.region)  # type: ignore[attr-defined]
+            cache.layers[layer].reserve(self.region)
         self.placed = [() for _ in self.layers]
+        self.queue_placed = ()
 
     # ------------------------------------------------------------------------------------------ eviction side
-    def absorb(self, cache: object, start: int, count: int, ids: list[int], abs_index: list[int]
+    def absorb(self, cache: Any, start: int, count: int, ids: list[int], abs_index: list[int], position: int
                ) -> list[ForgottenEvent]:
         """Slots [start, start + count) are about to be evicted: queue their keys / values (copies) and make
-        blocks of every B queued tokens. Returns what the budget or a failed write forgot meanwhile."""
-        layers = [cache.layers[i] for i in self.layers]  # type: ignore[attr-defined]
+        blocks of every B queued tokens, stored with their keys at `position`. Returns what the budget or a
+        failed write forgot meanwhile."""
+        layers = [cache.layers[i] for i in self.layers]
         if not layers[0].is_initialized or count <= 0:
             return []
         k = torch.stack([layer.live()[0][0, :, start : start + count] for layer in layers])  # [M, H_kv, n, D]
         v = torch.stack([layer.live()[1][0, :, start : start + count] for layer in layers])
-        self.dtype = k.dtype
         self.queue.append((k, v, list(ids), list(abs_index), list(range(start, start + count))))
         events: list[ForgottenEvent] = []
         while self.queued >= self.B:
-            events += self._commit(self._take(self.B))
+            events += self._commit(self._take(self.B, position))
         return events
 
-    def _take(self, n: int) -> Block:
-        """The first `n` queued tokens as a block."""
+    def _take(self, n: int, position: int) -> Block:
+        """The first `n` queued tokens as a block, keys rotated from their slots to `position`."""
         ks, vs, ids, abs_, slots, need = [], [], [], [], [], n
         while need:
             k, v, i, a, s = self.queue[0]
@@ -124,10 +136,19 @@ class RecallMemory:
             else:
                 self.queue[0] = (k[:, :, m:], v[:, :, m:], i[m:], a[m:], s[m:])
             need -= m
-        block = Block(self.next_id, np.array(abs_, np.int64), np.array(ids, np.int32), np.array(slots, np.int32),
-                      torch.cat(ks, 2).contiguous(), torch.cat(vs, 2).contiguous())
+        keys = torch.cat(ks, 2)
+        keys = self._rotate(keys, position - torch.tensor(slots, dtype=torch.int64)).to(keys.dtype)
+        block = Block(self.next_id, np.array(abs_, np.int64), np.array(ids, np.int32),
+                      np.full(n, position, np.int32), keys.contiguous(), torch.cat(vs, 2).contiguous())
         self.next_id += 1
         return block
+
+    def _rotate(self, k: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+        """Keys [M, H_kv, n, D] of every memory layer rotated by shifts [n] (fp32, or fp64 keys in fp64)."""
+        f0 = self.inv_freqs[0]
+        if all(torch.equal(f, f0) for f in self.inv_freqs):
+            return rotate(k, f0, shifts)
+        return torch.stack([rotate(k[i], f, shifts) for i, f in enumerate(self.inv_freqs)])
 
     def _commit(self, block: Block) -> list[ForgottenEvent]:
         """Store and index a block; a failed write forgets it (reported), the budget may forget older ones."""
@@ -137,18 +158,14 @@ class RecallMemory:
             log.warning("recall memory: block of tokens %d..%d not stored (%s)", block.first, block.last, e)
             return [self._forgot(block.n, block.first, block.last, "disk")]
         events = [self._unindex(w, bid) for bid, w in dropped]
-        reps = representatives(block, self.inv_freqs, self.reps)[None]  # [1, M, H_kv, r, D]
-        self.index = reps if not self.index_ids else torch.cat([self.index, reps])
-        self.index_ids.append(block.id)
+        self.index.add(block.id, representatives(block, self.inv_freqs, self.reps).to(block.keys.dtype))
         return events
 
     def _unindex(self, w: Where, bid: int, reason: str = "budget") -> ForgottenEvent:
-        if bid in self.index_ids:
-            row = self.index_ids.index(bid)
-            self.index = torch.cat([self.index[:row], self.index[row + 1 :]])
-            self.index_ids.pop(row)
-        for key in [key for key in self.lru if key[0] == bid]:
-            self.lru_bytes -= sum(t.nbytes for t in self.lru.pop(key))
+        self.index.remove(bid)
+        self.slices.drop(bid)
+        if any(bid in c for c in self.chosen):
+            self.since = self.every  # a block in use is gone: choose again at the next call
         return self._forgot(w.n, w.first, w.last, reason)
 
     def _forgot(self, n: int, first: int, last: int, reason: str) -> ForgottenEvent:
@@ -156,11 +173,6 @@ class RecallMemory:
         return ForgottenEvent(n, first, last, reason)
 
     # ------------------------------------------------------------------------------------------ call side
-    def position(self, pinned: int, length: int) -> int:
-        """Where recalled keys sit for a call whose first token goes to slot `length`: the first slot after the
-        pinned prefix (`distance` None), else `distance` slots before that token (never before the prefix)."""
-        return pinned if self.distance is None else max(pinned, length - self.distance)
-
     def observe(self, queries: torch.Tensor, position: int) -> None:
         """The pre-RoPE queries [L, H*D] (every layer) of the last token of a call, at in-cache `position`."""
         q = queries[self.layers].reshape(len(self.layers), self.n_heads, self.head_dim)  # [M, H, D]
@@ -168,32 +180,31 @@ class RecallMemory:
 
     def choose(self, position: int) -> list[list[int]]:
         """Per memory layer, the ids of its top-k blocks in stream order (all of them while there are <= k)."""
-        nb = len(self.index_ids)
-        if nb <= self.topk or self.queries is None:
-            return [list(self.index_ids) for _ in self.layers]
-        g = self.n_heads // self.n_kv
-        shift = torch.tensor([self.q_pos - position])
+        ids = self.index.ids
+        if len(ids) <= self.topk or self.queries is None:
+            return [list(ids) for _ in self.layers]
+        rows = self.index.rows()  # [NB, M, H_kv, r, D]
         dt = torch.float64 if self.queries.dtype == torch.float64 else torch.float32
-        rows = []
-        for i, f in enumerate(self.inv_freqs):
-            q = rotate(self.queries[i][:, None].to(dt), f, shift)[:, 0].to(dt)  # [H, D] at the recall distance
-            rows.append(q.reshape(self.n_kv, g, self.head_dim).sum(1))  # [H_kv, D]: the group's queries summed
-        q = torch.stack(rows)  # [M, H_kv, D]
-        scores = torch.einsum("mkd,bmkrd->bmkr", q, self.index.to(dt)).amax(-1).sum(-1)  # [NB, M]
-        top = scores.topk(self.topk, dim=0).indices.sort(dim=0).values  # [k, M] rows in stream order
-        return [[self.index_ids[r] for r in top[:, i].tolist()] for i in range(len(self.layers))]
+        q = self._rotate(self.queries.to(dt)[:, :, None], torch.tensor([self.q_pos - position]))[:, :, 0]  # [M, H, D]
+        q = q.reshape(len(self.layers), self.n_kv, self.n_heads // self.n_kv, self.head_dim).sum(2)  # [M, H_kv, D]
+        scores = torch.einsum("mkd,bmkrd->bmkr", q.to(rows.dtype), rows).amax(-1).to(dt).sum(-1)  # [NB, M]
+        top = scores.topk(self.topk, dim=0).indices.sort(dim=0).values  # [k, M]: rows in stream order
+        return [[ids[r] for r in top[:, i].tolist()] for i in range(len(self.layers))]
 
-    def prepare(self, cache: object, position: int) -> tuple[int, list[ForgottenEvent]]:
+    def prepare(self, cache: Any, position: int, single: bool = False) -> tuple[int, list[ForgottenEvent]]:
         """Fill every memory layer's region for the next call, recalled keys at `position`; returns the slots
-        attended (`used`, the same in every layer) and what a block that failed to read back forgot."""
-        layers = [cache.layers[i] for i in self.layers]  # type: ignore[attr-defined]
+        attended (`used`, the same in every layer) and what a block that failed to read back forgot. `single`: a
+        one-token call, which keeps the last choice for `every` calls."""
+        layers = [cache.layers[i] for i in self.layers]
         events: list[ForgottenEvent] = []
-        if not layers[0].is_initialized or not (self.index_ids or self.queue):
+        if not layers[0].is_initialized or not (self.index.ids or self.queue):
             for layer in layers:
                 layer.used = 0
             return 0, events
+        fresh = not single or self.since >= self.every or any(p and p[0] != position for p in self.placed)
+        self.since = 0 if fresh else self.since + 1
+        chosen = self.choose(position) if fresh else self.chosen
         while True:
-            chosen = self.choose(position)
             try:
                 used = self._fill(layers, chosen, position)
                 break
@@ -202,82 +213,65 @@ class RecallMemory:
                 events.append(self._unindex(self.store.where[bid], bid, "damaged"))
                 self.store.forget(bid)
                 self.placed = [() for _ in self.layers]
+                chosen = self.choose(position)
         self.chosen = chosen
         return used, events
 
-    def _fill(self, layers: list, chosen: list[list[int]], position: int) -> int:
-        """Write the queue and each layer's chosen blocks into its region (the blocks only where they changed);
-        returns the slots attended. Positions: all at `position`, or ("ordered") in stream order ending there."""
+    def _fill(self, layers: list[Any], chosen: list[list[int]], position: int) -> int:
+        """Write the queue and each layer's chosen blocks into its region (each part only where it changed);
+        returns the slots attended. The queue first, then the blocks in stream order, ending at the stream."""
         q, k = self.queued, len(chosen[0])
         used = q + k * self.B
-        ordered = self.positions == "ordered"
-        qk = self._queued_at(position - used if ordered else position, layers[0].keys.dtype) if q else None
+        qkey = (position, used, self.next_id, q)
+        if q and self.queue_placed != qkey:
+            keys = torch.cat([e[0] for e in self.queue], 2)  # [M, H_kv, q, D] at their slots
+            slots = torch.tensor([s for e in self.queue for s in e[4]], dtype=torch.int64)
+            keys = self._rotate(keys, position - slots).to(keys.dtype)
+            values = torch.cat([e[1] for e in self.queue], 2)
+            for i, layer in enumerate(layers):
+                layer.keys[0, :, layer.base - used : layer.base - used + q] = keys[i]
+                layer.values[0, :, layer.base - used : layer.base - used + q] = values[i]
+        self.queue_placed = qkey
         for i, layer in enumerate(layers):
-            base = layer.base
-            if qk is not None:
-                layer.keys[0, :, base - used : base - used + q] = qk[0][i]
-                layer.values[0, :, base - used : base - used + q] = qk[1][i]
-            key = (position, *chosen[i])
+            key = (position, k, *chosen[i])
             if self.placed[i] != key:
+                self.placed[i] = ()  # half-written while a read fails
                 for j, bid in enumerate(chosen[i]):
-                    at = base - (k - j) * self.B
-                    kr, vr = self._rotated(bid, position - (k - j) * self.B if ordered else position,
-                                           layer.keys.dtype)
-                    layer.keys[0, :, at : at + self.B] = kr[i]
-                    layer.values[0, :, at : at + self.B] = vr[i]
+                    at = layer.base - (k - j) * self.B
+                    kr, vr = self.slices.get(bid, i, position, layer.keys.dtype, self._read)
+                    layer.keys[0, :, at : at + self.B] = kr
+                    layer.values[0, :, at : at + self.B] = vr
                 self.placed[i] = key
             layer.used = used
         return used
 
-    def _queued_at(self, position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The queued tokens' keys (rotated to `position`, or in order from it with "ordered" positions) and
-        values [M, H_kv, q, D]."""
-        k = torch.cat([e[0] for e in self.queue], 2)
-        v = torch.cat([e[1] for e in self.queue], 2)
-        slots = torch.tensor([s for e in self.queue for s in e[4]], dtype=torch.int64)
-        target = position + (torch.arange(len(slots)) if self.positions == "ordered" else 0)
-        keys = torch.stack([rotate(k[i], f, target - slots) for i, f in enumerate(self.inv_freqs)]).to(dtype)
-        return keys, v
-
-    def _rotated(self, bid: int, position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block `bid`'s keys rotated to `position` and its values [M, H_kv, B, D], from the LRU or the store."""
-        hit = self.lru.get((bid, position))
-        if hit is not None:
-            self.lru.move_to_end((bid, position))
-            return hit
+    def _read(self, bid: int) -> Block:
         try:
-            block = self.store.read(bid)
+            return self.store.read(bid)
         except StoreError as e:
             raise StoreError(str(e), bid) from None
-        step = 1 if self.positions == "ordered" else 0
-        entry = (rotated_to(block, self.inv_freqs, position, dtype, step), block.values.to(dtype))
-        self.lru[(bid, position)] = entry
-        self.lru_bytes += sum(t.nbytes for t in entry)
-        while self.lru_bytes > self.cfg.ram_mb << 20 and len(self.lru) > 1:
-            _, old = self.lru.popitem(last=False)
-            self.lru_bytes -= sum(t.nbytes for t in old)
-        return entry
 
     def recall_event(self) -> RecallEvent | None:
         """The blocks the last `prepare` placed, over all layers (None: none)."""
-        ids = sorted({b for c in self.chosen for b in c})
+        where = self.store.where
+        ids = sorted({b for c in self.chosen for b in c if b in where})
         if not ids:
             return None
-        spans = tuple((self.store.where[b].first, self.store.where[b].last) for b in ids if b in self.store.where)
-        return RecallEvent(len(ids), sum(self.store.where[b].n for b in ids if b in self.store.where), spans)
+        return RecallEvent(len(ids), sum(where[b].n for b in ids), tuple((where[b].first, where[b].last) for b in ids))
 
-    def clear(self, cache: object | None = None) -> None:
+    def clear(self, cache: Any | None = None) -> None:
         """Drop everything (a /clear): the store's files too; counted as cleared by the ledger, not forgotten."""
         self.store.close(remove=True)
         self.store = BlockStore(self.store.root, self.store.budget)
-        self.index_ids, self.index, self.queue, self.queries = [], torch.empty(0), [], None
-        self.lru.clear()
-        self.lru_bytes = 0
+        self.index.clear()
+        self.slices.clear()
+        self.queue, self.queries = [], None
         self.placed = [() for _ in self.layers]
+        self.queue_placed = ()
         self.chosen = [[] for _ in self.layers]
         if cache is not None:
             for i in self.layers:
-                cache.layers[i].used = 0  # type: ignore[attr-defined]
+                cache.layers[i].used = 0
 
     def close(self) -> None:
         """The session is over: its memory goes (files included)."""

@@ -126,18 +126,18 @@ static void att_task(void* ctx, int lo, int hi, int slot) {
 }
 
 // Attention of the H query heads over slots 0..n-1 of one layer's K/V [H_kv][cap][D], scores times `scale` (and
-// soft-capped: softcap > 0); writes out [H*D] and adds the gauge shares (first n_gauge slots, newest n_gauge slots,
-// mean over heads) to gauge[2]: on the caller, after the heads' job, in head order (so the float sums do not depend
-// on which thread did which head).
+// soft-capped: softcap > 0); writes out [H*D] and adds the gauge shares (the n_gauge slots from g0 on: the stream's
+// first, after any recalled memory slots; the newest n_gauge slots; mean over heads) to gauge[2]: on the caller,
+// after the heads' job, in head order (so the float sums do not depend on which thread did which head).
 static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int n, float scale,
-                   float softcap, int n_gauge, float* scores, float* out, float* gauge) {
+                   float softcap, int n_gauge, int g0, float* scores, float* out, float* gauge) {
     int H = m->n_heads;
     AttJob j = {m, q, K, V, cap, n, scale, softcap, scores, out};
     sc_parallel(att_task, &j, H, sc_threads(), (size_t)H * n * m->head_dim * (m->kv_bf16 ? 4 : 8));
     for (int hq = 0; hq < H; hq++) {
         const float* sc = scores + (size_t)hq * n;
         float first = 0, last = 0;
-        for (int t = 0; t < n_gauge && t < n; t++) first += sc[t];
+        for (int t = g0; t < g0 + n_gauge && t < n; t++) first += sc[t];
         for (int t = n - 1; t >= 0 && t >= n - n_gauge; t--) last += sc[t];
         gauge[0] += first / H;
         gauge[1] += last / H;
@@ -149,7 +149,7 @@ static void attend(const Model* m, const float* q, const void* K, const void* V,
 int sc_attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge, float* out,
               float* gauge, float* scores) {
     gauge[0] = gauge[1] = 0;
-    attend(m, q, K, V, cap, pos + 1, m->scaling, 0, n_gauge, scores, out, gauge);
+    attend(m, q, K, V, cap, pos + 1, m->scaling, 0, n_gauge, 0, scores, out, gauge);
     return SC_OK;
 }
 
@@ -189,7 +189,8 @@ static void attention_block(const Model* m, const sc_layers* X, StepBufs* b, int
     }
     gauge[2 * l] = gauge[2 * l + 1] = 0;
     float scale = X && X->scaling ? X->scaling[l] : m->scaling, softcap = X ? X->softcap : 0;
-    attend(m, b->q, kv->keys[l], kv->values[l], cap, n, scale, softcap, n_gauge, b->scores, b->att, gauge + 2 * l);
+    int g0 = n > kv->pos + 1 ? n - (kv->pos + 1) : 0;  // slots before the stream's first: recalled memory
+    attend(m, b->q, kv->keys[l], kv->values[l], cap, n, scale, softcap, n_gauge, g0, b->scores, b->att, gauge + 2 * l);
     sc_lin o = lin_of(m, l, LO, C, b->t);
     sc_lins_run(&o, 1, quant_in(b, b->att, H * D), NULL, T);
     residual(m, b->x, b->t, X && X->norm_attn_out ? X->norm_attn_out + (size_t)l * C : NULL);

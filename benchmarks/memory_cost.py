@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""What the recall memory costs, side by side in one run: memory off and on, same model, cache and threads.
+
+Both engines stream the same text (prefill chunks, evicting as they go) in alternation, chunk by chunk, so machine
+noise falls on both alike; after `--tokens` tokens each decodes `--decode` tokens (alternating again). Printed:
+prefill and decode tokens/s of each and the ratio on / off (target >= 0.7 with 100k tokens in memory), the memory's
+blocks, tokens, index bytes and disk bytes (and per token), and RSS.
+
+Usage: python benchmarks/memory_cost.py [--tokens 100000] [--cache 1024] [--threads 1] [--decode 128] [--json]
+       [--budget MB] [--text FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def open_both(args: argparse.Namespace) -> dict[str, Any]:
+    from sinkchat.bootstrap import build_settings, open_engine
+
+    out = {}
+    for mode in ("off", "on"):
+        opts = {"cache_size": args.cache, "policy": "sink", "temperature": 0.0, "threads": args.threads,
+                "memory": mode, "memory_budget": args.budget}
+        out[mode] = open_engine(build_settings(opts), system=None)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--cache", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--window", type=int, default=10_000, help="prefill tokens timed (the last ones fed)")
+    ap.add_argument("--budget", type=int, default=4096, help="the memory's disk budget, MB")
+    ap.add_argument("--text", default=None, help="default: the long_stream benchmark's public-domain text")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    from sinkchat.core.metrics import rss_bytes
+
+    if args.text is None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import llamacpp_tools as lt  # type: ignore[import-not-found]
+
+        args.text = str(lt.canterbury("lcet10.txt"))
+    engines = open_both(args)
+    ids = engines["off"].encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
+    fed, t_pre = 0, {"off": 0.0, "on": 0.0}
+    while fed < args.tokens:
+        at = fed % len(ids)
+        chunk = ids[at : at + min(args.chunk, args.tokens - fed)]
+        for mode, eng in engines.items():
+            t0 = time.perf_counter()
+            list(eng.feed_ids(chunk))
+            if fed >= args.tokens - args.window:
+                t_pre[mode] += time.perf_counter() - t0
+        fed += len(chunk)
+    timed = min(args.window, args.tokens)
+    t_dec = {"off": 0.0, "on": 0.0}
+    for _ in range(args.decode // 16):
+        for mode, eng in engines.items():
+            t0 = time.perf_counter()
+            list(eng.generate(max_tokens=16))
+            t_dec[mode] += time.perf_counter() - t0
+    n_dec = args.decode // 16 * 16
+    mem = engines["on"].memory
+    res = {"tokens": args.tokens, "cache": args.cache, "threads": args.threads,
+           "prefill_tok_s": {m: timed / t for m, t in t_pre.items()},
+           "decode_tok_s": {m: n_dec / t for m, t in t_dec.items()},
+           "memory": {"blocks": mem.blocks, "tokens": mem.tokens, "forgotten": mem.forgotten,
+                      "index_bytes": mem.index_bytes, "disk_bytes": mem.disk_bytes, "lru_bytes": mem.lru_bytes},
+           "rss_mb": rss_bytes() / 2**20}
+    res["prefill_ratio"] = res["prefill_tok_s"]["on"] / res["prefill_tok_s"]["off"]
+    res["decode_ratio"] = res["decode_tok_s"]["on"] / res["decode_tok_s"]["off"]
+    mem.close()
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return
+    m = res["memory"]
+    per = max(1, m["tokens"])
+    print(f"{args.tokens} tokens streamed, cache {args.cache}, threads {args.threads}")
+    print(f"prefill tok/s  off {res['prefill_tok_s']['off']:8.1f}  on {res['prefill_tok_s']['on']:8.1f}  "
+          f"ratio {res['prefill_ratio']:.2f}  (the last {timed} tokens)")
+    print(f"decode  tok/s  off {res['decode_tok_s']['off']:8.1f}  on {res['decode_tok_s']['on']:8.1f}  "
+          f"ratio {res['decode_ratio']:.2f}  ({n_dec} tokens)")
+    print(f"memory: {m['blocks']} blocks, {m['tokens']} tokens ({m['forgotten']} forgotten), index "
+          f"{m['index_bytes'] / 2**20:.1f} MiB ({m['index_bytes'] / per:.0f} B/token), disk "
+          f"{m['disk_bytes'] / 2**20:.1f} MiB ({m['disk_bytes'] / per:.0f} B/token), LRU {m['lru_bytes'] / 2**20:.1f} "
+          f"MiB; RSS of both engines {res['rss_mb']:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
