@@ -323,3 +323,61 @@ def test_the_sink_gauge_measures_the_stream_first_slots_past_the_recalled_ones(t
                                 for i in range(len(eng.gauge.layers))])
     torch.testing.assert_close(c_shares, torch_shares.float(), rtol=0, atol=2e-3)
     assert float((eng.gauge.probs(eng.cache, 0)[..., :used].sum(-1)).mean()) > 0.01  # recalled slots do get some
+
+
+def test_a_hybrid_model_recalls_on_its_global_layers_only(tmp_path: Path) -> None:
+    """Gemma 3 (local, global, local): the memory holds and recalls the global layer's keys; the local rings keep
+    their windows as before; the fast steps decline (they say why) and transformers' forward attends the region."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, max_position_embeddings=512)
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**shape, num_hidden_layers=3, layer_types=types,
+                                                     sliding_window=8, query_pre_attn_scalar=16)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.fill_(2.0)  # peaked attention: recalled keys must matter
+    mem = memory(model, tmp_path / "m")
+    assert mem.layers == [1]
+    a, b = engine(model, mem), engine(model, None)
+    for eng in (a, b):
+        list(eng.feed_ids(IDS[:120]))
+    assert a.cache.layers[1].used > 0 and not hasattr(a.cache.layers[0], "used")
+    assert a.ledger.evicted == mem.tokens + mem.forgotten and mem.blocks >= 8
+    assert float((a.last_logits - b.last_logits).abs().max()) > 1e-3
+    out = list(a.generate(max_tokens=4))
+    assert out[-1].tokens == 4
+
+
+def test_a_loaded_snapshot_never_recalls_the_previous_conversation(tmp_path: Path, caplog: Any) -> None:
+    from sinkchat.store.snapshot import load_snapshot, save_snapshot
+
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m"))
+    list(eng.feed_ids(IDS[:60]))
+    with caplog.at_level("WARNING"):
+        snap = save_snapshot(eng, tmp_path / "s.safetensors")  # the memory holds tokens: said, not silent
+    kept = set(eng.ledger.abs_index)
+    other = [(t + 7) % 120 + 1 for t in IDS[60:140]]
+    list(eng.feed_ids(other))  # another conversation fills the memory
+    assert eng.memory.blocks > 0
+    with caplog.at_level("WARNING"):
+        load_snapshot(eng, snap)
+    assert eng.memory.blocks == 0 and not eng.memory.queue and eng.cache.layers[0].used == 0
+    list(eng.feed_ids(IDS[140:145]))
+    recalled = {a for e in eng.memory.queue for a in e[3]}
+    assert recalled and recalled <= kept  # only the loaded session's own tokens come back
+    said = [r.message for r in caplog.records]
+    assert any("does not carry the recall memory" in m for m in said)
+    assert any("evicted tokens are not in the recall memory" in m for m in said)
+
+
+def test_serve_refuses_memory_until_sessions_carry_their_own(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from sinkchat.cli import main
+
+    res = CliRunner().invoke(main, ["serve", "--memory", "on", "--port", "0"])
+    assert res.exit_code == 2 and "does not take --memory on yet" in res.output

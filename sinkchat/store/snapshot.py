@@ -99,6 +99,10 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
     """Write the engine's whole session state to `path` atomically; `extra` (JSON-able, e.g. the transcript
     pointer `log.pointer()`) comes back from load_snapshot. Call between turns, not mid-generation."""
     path = Path(path)
+    memory = getattr(engine, "memory", None)
+    if memory is not None and memory.tokens:
+        log.warning("the snapshot does not carry the recall memory yet: its %d tokens stay with this session only",
+                    memory.tokens)
     tensors: dict[str, torch.Tensor] = {f"cache.{k}": v.to("cpu") for k, v in engine.cache.state().items()}
     led = engine.ledger
     tensors["ledger.ids"] = torch.tensor(led.ids, dtype=torch.int64)
@@ -286,3 +290,9 @@ def _commit(engine: Any, st: _Restored) -> None:
     engine.conv.system, engine.conv.messages[:], engine.conv.fed = st.system, st.messages, st.fed
     engine.last_logits, engine.last_reply_ids = st.logits, st.reply_ids
     engine.sampling, engine.generator = st.sampling, st.generator
+    memory = getattr(engine, "memory", None)
+    if memory is not None:  # what it holds belongs to the conversation that was here, not to the loaded one
+        memory.clear(engine.cache)
+        if st.ledger.evicted:
+            log.warning("the loaded session's %d evicted tokens are not in the recall memory: snapshots do not "
+                        "carry it yet", st.ledger.evicted)
