@@ -233,3 +233,20 @@ def test_resume_marks_the_session_as_held_by_the_new_process(tmp_path):
     again = SessionLog.resume(sid, path=db)
     assert _status(db, sid) == "running" and get_session(sid, db).pid == os.getpid()
     again.close()
+
+
+def test_forgotten_tokens_are_logged_and_shown_apart_from_evictions(tmp_path):
+    """A recall memory's ForgottenEvent goes to the session log beside the evictions and `logs show` says
+    'forgotten' for it (with why), never counting it as an eviction."""
+    from sinkchat.core.events import EvictionEvent, ForgottenEvent
+
+    slog = SessionLog.open("chat", "tiny", {})
+    slog.turn("user", "hi", tokens=3)
+    slog.eviction(EvictionEvent(64, 4, 68, "old words", "sink", 960, 0.0, True))
+    slog.eviction(ForgottenEvent(64, 4, 68, "budget"))
+    slog.turn("assistant", "ok", tokens=2)
+    slog.close()
+    shown = format_transcript(export(slog.id))
+    assert "<evicted 64 tokens [4,68): old words>" in shown
+    assert "<forgotten 64 tokens [4,68) (budget)>" in shown
+    assert "1 evictions, 64 tokens evicted" in shown and "64 tokens forgotten by the recall memory" in shown

@@ -71,11 +71,13 @@ def _between(items: list[tuple[float, Any]], markdown: bool) -> list[str]:
 
     def close_run() -> None:
         out.extend(_eviction_line(e, markdown) for e in run[:MAX_EVICTION_LINES])
-        rest = run[MAX_EVICTION_LINES:]
-        if rest:
-            n = sum(e["count"] for e in rest)
-            text = f"... and {len(rest)} more evictions: {n} tokens [{rest[0]['first']},{rest[-1]['last']})"
-            out.append(f"\n> *evicted* {text}" if markdown else f"  <evicted {text}>")
+        for what in ("evicted", "forgotten"):
+            rest = [e for e in run[MAX_EVICTION_LINES:] if _verb(e) == what]
+            if rest:
+                n = sum(e["count"] for e in rest)
+                kind = "evictions" if what == "evicted" else "forgotten blocks"
+                text = f"... and {len(rest)} more {kind}: {n} tokens [{rest[0]['first']},{rest[-1]['last']})"
+                out.append(f"\n> *{what}* {text}" if markdown else f"  <{what} {text}>")
         run.clear()
 
     for _, item in sorted(items, key=lambda x: x[0]):
@@ -88,18 +90,29 @@ def _between(items: list[tuple[float, Any]], markdown: bool) -> list[str]:
     return out
 
 
+def _verb(ev: dict[str, Any]) -> str:
+    """'forgotten' for a recall memory's forgotten tokens (policy "forgotten:<reason>"), else 'evicted'."""
+    return "forgotten" if str(ev.get("policy") or "").startswith("forgotten") else "evicted"
+
+
 def _eviction_line(ev: dict[str, Any], markdown: bool) -> str:
-    text = f"{ev['count']} tokens [{ev['first']},{ev['last']})" + (f": {ev['preview']}" if ev.get("preview") else "")
-    return f"\n> *evicted* {text}" if markdown else f"  <evicted {text}>"
+    verb = _verb(ev)
+    why = f" ({str(ev['policy']).partition(':')[2]})" if verb == "forgotten" else ""
+    text = f"{ev['count']} tokens [{ev['first']},{ev['last']}){why}" + (f": {ev['preview']}" if ev.get("preview") else "")
+    return f"\n> *{verb}* {text}" if markdown else f"  <{verb} {text}>"
 
 
 def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
     """The session's evictions and tokens in one closing line. The turns' own figures leave out what was fed
     between them (an agent's tool results, summarize's log lines), so the line says how the total splits."""
-    s, evs = data["session"], data["evictions"]
+    s = data["session"]
+    evs = [e for e in data["evictions"] if _verb(e) == "evicted"]
+    gone = [e for e in data["evictions"] if _verb(e) == "forgotten"]
     parts = []
     if evs:
         parts.append(f"{len(evs)} evictions, {sum(e['count'] for e in evs)} tokens evicted")
+    if gone:
+        parts.append(f"{sum(e['count'] for e in gone)} tokens forgotten by the recall memory")
     in_turns = sum(t["tokens"] for t in data["turns"])
     if s.get("tokens_counted") and s["tokens"] >= in_turns:
         parts.append(f"{s['tokens']} tokens processed: {in_turns} in the turns, {s['tokens'] - in_turns} between them")

@@ -215,11 +215,12 @@ class SessionLog(NullLog):
 
     def eviction(self, ev: Any) -> None:
         """An EvictionEvent (buffered until the next turn), placed after the last turn logged, as an event is:
-        `logs show` lists it there, in order among the turns."""
+        `logs show` lists it there, in order among the turns. A recall memory's ForgottenEvent goes in the same
+        table, its policy column "forgotten:<reason>"."""
         self._buffer("INSERT INTO evictions (session_id, created, count, first, last, preview, policy, cache_len, "
                      "turn_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                      (self.id, time.time(), int(ev.count), int(ev.first), int(ev.last),
-                      self._redact(str(getattr(ev, "preview", ""))), getattr(ev, "policy", None),
+                      self._redact(str(getattr(ev, "preview", ""))), _policy(ev),
                       getattr(ev, "cache_len", None), self.turn_count))
 
     def metrics(self, data: dict[str, Any]) -> None:
@@ -245,3 +246,10 @@ def _fallback(msg: str, warn: Callable[[str], None] | None) -> NullLog:
     null = NullLog()
     null.warning = msg
     return null
+
+
+def _policy(ev: object) -> str | None:
+    """The policy column of an eviction row: the policy that evicted, or "forgotten:<reason>" for tokens the
+    recall memory let go (a ForgottenEvent has a reason, no policy)."""
+    policy = getattr(ev, "policy", None)
+    return policy if policy is not None else "forgotten:" + str(getattr(ev, "reason", ""))

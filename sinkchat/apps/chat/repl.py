@@ -78,8 +78,7 @@ class ChatLoop:
         if isinstance(ev, TokenEvent):
             self.r.token(ev.text)
         elif isinstance(ev, (EvictionEvent, ForgottenEvent)):
-            if isinstance(ev, EvictionEvent):
-                self.slog.eviction(ev)
+            self.slog.eviction(ev)  # a forgotten event goes to the log as one too (logs show: "forgotten")
             if self._deferred is not None:  # inside a turn: shown after the reply, never between its lines
                 self._deferred.append(ev)
             else:
