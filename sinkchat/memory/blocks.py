@@ -1,8 +1,9 @@
 """A recall-memory block: B evicted tokens' keys and values in every memory layer, and the math on them.
 
-Keys are kept as the cache held them when they were evicted: rotated at their in-cache slot (`slots`), so a block
-is one rotation away from any position it is recalled at (`rotated_to`: one rounding to the cache dtype, as an
-eviction's re-rotation). The index scores blocks with un-rotated representative keys (`representatives`).
+Keys are stored rotated to the recall position (`slots`: where each key sits now), so a block recalled there needs
+no rotation. The index scores blocks with un-rotated representative keys (`representatives`). On disk a block is
+one record (`Block.encode`): a CRC32 over its token arrays and one per layer, so a call reads and checks only the
+layers it recalls (a block is ~1.5 MB on the bundled model, one layer's part ~49 KB).
 """
 
 from __future__ import annotations
@@ -15,16 +16,54 @@ import numpy as np
 import torch
 
 MAGIC = b"SCMB"
-HEADER = struct.Struct("<4sHHHHHBxQQI")  # magic, version, n, layers, H_kv, D, dtype, block id, payload bytes, crc32
-VERSION = 1
+# magic, version, n, layers, H_kv, D, dtype, block id, payload bytes, crc32 of the layer table and the token arrays
+HEADER = struct.Struct("<4sHHHHHBxQQI")
+VERSION = 2  # 2: a CRC32 per layer, so one layer's keys and values are read (and checked) alone
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float64}  # fp64: a reference model's cache (tests)
 CODES = {v: k for k, v in DTYPES.items()}
+ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A record's shape from its header, and where its parts are (offsets from the record's start): the header,
+    the layer CRC table (M x u32), the token arrays (abs i64, ids i32, slots i32: 16 bytes a token), then per
+    layer its keys and values [H_kv, n, D]."""
+
+    n: int
+    m: int
+    h: int
+    d: int
+    dtype: torch.dtype
+    bid: int
+    size: int
+    crc: int
+
+    @classmethod
+    def of(cls, head: bytes) -> "Shape":
+        magic, version, n, m, h, d, code, bid, size, crc = HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or code not in DTYPES:
+            raise ValueError("not a memory block record")
+        return cls(n, m, h, d, DTYPES[code], bid, size, crc)
+
+    @property
+    def meta(self) -> int:
+        """Bytes of the layer table and the token arrays (right after the header)."""
+        return 4 * self.m + 16 * self.n
+
+    @property
+    def chunk(self) -> int:
+        """Bytes of one layer's keys and values."""
+        return 2 * self.h * self.n * self.d * ESIZE[self.dtype]
+
+    def layer_at(self, layer: int) -> int:
+        return HEADER.size + self.meta + layer * self.chunk
 
 
 @dataclass
 class Block:
     """`n` tokens (stream indices `abs_index`, token ids `ids`) and their keys / values [M, H_kv, n, D] in the M
-    memory layers; `slots`: the in-cache position each key was rotated at when it left the window."""
+    memory layers; `slots`: the in-cache position each key was rotated at."""
 
     id: int
     abs_index: np.ndarray  # int64 [n]
@@ -51,36 +90,48 @@ class Block:
         return self.keys.nbytes + self.values.nbytes
 
     def encode(self) -> bytes:
-        """The on-disk record: a header with the payload's CRC32, then abs / ids / slots / keys / values."""
+        """The on-disk record (`Shape`): header, layer CRC table, token arrays, each layer's keys and values."""
         m, h, n, d = self.keys.shape
-        payload = b"".join([self.abs_index.astype("<i8").tobytes(), self.ids.astype("<i4").tobytes(),
-                            self.slots.astype("<i4").tobytes(), _raw(self.keys), _raw(self.values)])
+        chunks = [_raw(self.keys[i]) + _raw(self.values[i]) for i in range(m)]
+        table = struct.pack(f"<{m}I", *[zlib.crc32(c) for c in chunks])
+        meta = table + self.abs_index.astype("<i8").tobytes() + self.ids.astype("<i4").tobytes() + \
+            self.slots.astype("<i4").tobytes()
+        payload = meta + b"".join(chunks)
         head = HEADER.pack(MAGIC, VERSION, n, m, h, d, CODES[self.keys.dtype], self.id, len(payload),
-                           zlib.crc32(payload))
+                           zlib.crc32(meta))
         return head + payload
 
     @classmethod
     def decode(cls, head: bytes, payload: bytes) -> "Block":
-        """Inverse of `encode`; ValueError when the header or the checksum does not hold."""
-        magic, version, n, m, h, d, code, bid, size, crc = HEADER.unpack(head)
-        if magic != MAGIC or version != VERSION or code not in DTYPES or size != len(payload):
+        """Inverse of `encode` (every layer checked); ValueError when the header or a checksum does not hold."""
+        sh = Shape.of(head)
+        if sh.size != len(payload):
             raise ValueError("not a memory block record")
-        if zlib.crc32(payload) != crc:
-            raise ValueError(f"block {bid} fails its checksum")
-        dt = DTYPES[code]
-        at = 0
+        meta = payload[: sh.meta]
+        abs_index, ids, slots, crcs = tokens_of(sh, meta)
+        kv = [layer_of(sh, payload[sh.meta + i * sh.chunk : sh.meta + (i + 1) * sh.chunk], crcs[i], i)
+              for i in range(sh.m)]
+        return cls(sh.bid, abs_index, ids, slots, torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv]))
 
-        def take(nbytes: int) -> bytes:
-            nonlocal at
-            at += nbytes
-            return payload[at - nbytes : at]
 
-        abs_index = np.frombuffer(take(8 * n), "<i8").astype(np.int64)
-        ids = np.frombuffer(take(4 * n), "<i4").astype(np.int32)
-        slots = np.frombuffer(take(4 * n), "<i4").astype(np.int32)
-        esz = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}[dt]
-        kv = [_tensor(take(m * h * n * d * esz), dt, (m, h, n, d)) for _ in range(2)]
-        return cls(bid, abs_index, ids, slots, kv[0], kv[1])
+def tokens_of(sh: Shape, meta: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...]]:
+    """(abs, ids, slots, layer CRCs) from a record's meta bytes, checked against the header's CRC."""
+    if len(meta) != sh.meta or zlib.crc32(meta) != sh.crc:
+        raise ValueError(f"block {sh.bid} fails its checksum")
+    crcs = struct.unpack(f"<{sh.m}I", meta[: 4 * sh.m])
+    at, n = 4 * sh.m, sh.n
+    abs_index = np.frombuffer(meta[at : at + 8 * n], "<i8").astype(np.int64)
+    ids = np.frombuffer(meta[at + 8 * n : at + 12 * n], "<i4").astype(np.int32)
+    slots = np.frombuffer(meta[at + 12 * n : at + 16 * n], "<i4").astype(np.int32)
+    return abs_index, ids, slots, crcs
+
+
+def layer_of(sh: Shape, chunk: bytes, crc: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values [H_kv, n, D] from its bytes, checked against its CRC."""
+    if len(chunk) != sh.chunk or zlib.crc32(chunk) != crc:
+        raise ValueError(f"block {sh.bid} layer {layer} fails its checksum")
+    half = sh.chunk // 2
+    return (_tensor(chunk[:half], sh.dtype, (sh.h, sh.n, sh.d)), _tensor(chunk[half:], sh.dtype, (sh.h, sh.n, sh.d)))
 
 
 def _raw(t: torch.Tensor) -> bytes:
@@ -113,16 +164,6 @@ def rotate(k: torch.Tensor, inv_freq: torch.Tensor, shifts: torch.Tensor) -> tor
     out[..., :half] = x1 * cos[:, :half] - x2 * sin[:, :half]
     out[..., half:r] = x2 * cos[:, half:] + x1 * sin[:, half:]
     return out
-
-
-def rotated_to(block: Block, inv_freqs: list[torch.Tensor], position: int, dtype: torch.dtype, step: int = 0
-               ) -> torch.Tensor:
-    """The block's keys [M, H_kv, n, D] rotated from their slots to `position` + `step` x (their index in the
-    block) (step 0: all at one position; 1: in order from `position` on), each layer with its own RoPE, rounded
-    once to `dtype`."""
-    target = position + step * np.arange(block.n, dtype=np.int64)
-    shifts = torch.from_numpy(target - block.slots.astype(np.int64))  # [n]
-    return torch.stack([rotate(block.keys[i], f, shifts) for i, f in enumerate(inv_freqs)]).to(dtype)
 
 
 def representatives(block: Block, inv_freqs: list[torch.Tensor], r: int) -> torch.Tensor:

@@ -183,11 +183,10 @@ class RecallMemory:
         ids = self.index.ids
         if len(ids) <= self.topk or self.queries is None:
             return [list(ids) for _ in self.layers]
-        rows = self.index.rows()  # [NB, M, H_kv, r, D]
         dt = torch.float64 if self.queries.dtype == torch.float64 else torch.float32
         q = self._rotate(self.queries.to(dt)[:, :, None], torch.tensor([self.q_pos - position]))[:, :, 0]  # [M, H, D]
         q = q.reshape(len(self.layers), self.n_kv, self.n_heads // self.n_kv, self.head_dim).sum(2)  # [M, H_kv, D]
-        scores = torch.einsum("mkd,bmkrd->bmkr", q.to(rows.dtype), rows).amax(-1).to(dt).sum(-1)  # [NB, M]
+        scores = self.index.scores(q)  # [NB, M]
         top = scores.topk(self.topk, dim=0).indices.sort(dim=0).values  # [k, M]: rows in stream order
         return [[ids[r] for r in top[:, i].tolist()] for i in range(len(self.layers))]
 
@@ -232,22 +231,23 @@ class RecallMemory:
                 layer.keys[0, :, layer.base - used : layer.base - used + q] = keys[i]
                 layer.values[0, :, layer.base - used : layer.base - used + q] = values[i]
         self.queue_placed = qkey
-        for i, layer in enumerate(layers):
-            key = (position, k, *chosen[i])
-            if self.placed[i] != key:
-                self.placed[i] = ()  # half-written while a read fails
-                for j, bid in enumerate(chosen[i]):
-                    at = layer.base - (k - j) * self.B
-                    kr, vr = self.slices.get(bid, i, position, layer.keys.dtype, self._read)
-                    layer.keys[0, :, at : at + self.B] = kr
-                    layer.values[0, :, at : at + self.B] = vr
-                self.placed[i] = key
+        keys = [(position, k, *c) for c in chosen]
+        todo = [i for i in range(len(layers)) if self.placed[i] != keys[i]]
+        got = self.slices.get_many([(bid, i) for i in todo for bid in chosen[i]], position, layers[0].keys.dtype,
+                                   self._read) if todo else {}
+        for i in todo:
+            layer = layers[i]
+            for j, bid in enumerate(chosen[i]):
+                at = layer.base - (k - j) * self.B
+                layer.keys[0, :, at : at + self.B], layer.values[0, :, at : at + self.B] = got[(bid, i)]
+            self.placed[i] = keys[i]
+        for layer in layers:
             layer.used = used
         return used
 
-    def _read(self, bid: int) -> Block:
+    def _read(self, bid: int, layers: list[int]) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         try:
-            return self.store.read(bid)
+            return self.store.read_layers(bid, layers)
         except StoreError as e:
             raise StoreError(str(e), bid) from None
 

@@ -15,7 +15,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from sinkchat.memory.blocks import HEADER, Block
+import torch
+
+from sinkchat.memory.blocks import HEADER, Block, Shape, layer_of, tokens_of
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,26 @@ class BlockStore:
             return Block.decode(raw[: HEADER.size], raw[HEADER.size :])
         except (ValueError, Exception) as e:  # struct.error, a bad shape: the record is damaged either way
             raise StoreError(f"block {bid}: {e}") from None
+
+    def read_layers(self, bid: int, layers: list[int]) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """Block `bid`'s keys and values [H_kv, n, D] in the memory layers `layers` alone, each checked against its
+        own CRC, and the position its keys sit at (StoreError: gone, short or failing a checksum)."""
+        w = self.where.get(bid)
+        if w is None:
+            raise StoreError(f"block {bid} is not in the store")
+        try:
+            with open(self._path(w.segment), "rb") as f:
+                head = os.pread(f.fileno(), HEADER.size, w.offset)
+                sh = Shape.of(head)
+                meta = os.pread(f.fileno(), sh.meta, w.offset + HEADER.size)
+                _, _, slots, crcs = tokens_of(sh, meta)
+                out = {i: layer_of(sh, os.pread(f.fileno(), sh.chunk, w.offset + sh.layer_at(i)), crcs[i], i)
+                       for i in layers}
+        except OSError as e:
+            raise StoreError(f"block {bid}: {e.strerror}") from None
+        except (ValueError, IndexError, Exception) as e:  # noqa: BLE001 - struct.error, a bad shape: damaged
+            raise StoreError(f"block {bid}: {e}") from None
+        return int(slots[0]), out
 
     def forget(self, bid: int) -> None:
         """Stop listing a block (damaged on read): its bytes stay counted until its segment goes."""
