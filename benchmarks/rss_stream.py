@@ -6,7 +6,9 @@ and every `--gen-every` tokens decodes `--gen` tokens with the sink gauge on, so
 at each power-of-ten milestone and the script prints the table and the ratio RSS(last) / RSS(10^4).
 Target (issue #3): within 2%.
 
-Usage: python benchmarks/rss_stream.py [--tokens 1000000] [--cache 512] [--json]
+Usage: python benchmarks/rss_stream.py [--tokens 1000000] [--cache 512] [--json] [--memory on [--memory-budget MB]]
+With the recall memory on, RSS must flatten too: its index and RAM cache are bounded by the disk budget and
+--memory-ram (the blocks themselves live on disk).
 Takes ~1 h for 10^6 tokens at cache 512 on one core of this machine.
 """
 
@@ -30,12 +32,15 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--memory", choices=("on", "off"), default="off", help="the recall memory")
+    ap.add_argument("--memory-budget", type=int, default=None, help="its disk budget, MB")
     args = ap.parse_args()
 
     from sinkchat.bootstrap import build_settings, open_engine
     from sinkchat.core.metrics import rss_bytes
 
-    settings = build_settings({"cache_size": args.cache, "policy": "sink"})
+    settings = build_settings({"cache_size": args.cache, "policy": "sink", "memory": args.memory,
+                               "memory_budget": args.memory_budget})
     eng = open_engine(settings, system=None, progress=lambda m: print(m, file=sys.stderr))
     eng.set_sampling(temperature=0.0)
     ids = eng.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
@@ -51,6 +56,8 @@ def main() -> None:
             if milestones and eng.ledger.seen >= milestones[0]:
                 rows.append({"tokens": eng.ledger.seen, "rss_mb": rss_bytes() / 2**20,
                              "kv_bytes": eng.cache.nbytes, "cache_len": eng.cache.length,
+                             "memory_disk": eng.memory.disk_bytes if eng.memory else 0,
+                             "memory_index": eng.memory.index_bytes if eng.memory else 0,
                              "evicted": eng.ledger.evicted, "seconds": time.perf_counter() - t0})
                 r = rows[-1]
                 print(f"{r['tokens']:>9} tokens  RSS {r['rss_mb']:8.1f} MB  KV {r['kv_bytes'] / 2**20:6.2f} MiB  "
