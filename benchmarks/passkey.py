@@ -131,10 +131,11 @@ def needle_layers(engine: Any, start: int, n: int) -> int:
     return hits
 
 
-def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, block: int) -> Any:
+def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, block: int, budget: int) -> Any:
     from sinkchat.bootstrap import build_settings, open_engine
 
-    opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block}
+    opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block,
+                            "memory_budget": budget}
     if mode == "dense":
         opts.update(policy="dense", cache_size=length + 64)
     else:
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         depths = [(i + 0.5) / args.trials for i in range(args.trials)]
         for mode in args.modes:
             try:
-                engine = open_mode(mode, args.cache, length, args.model, args.topk, args.block)
+                engine = open_mode(mode, args.cache, length, args.model, args.topk, args.block, args.budget)
             except Exception as e:  # noqa: BLE001 - a dense cache past the model's context: say so, go on
                 print(f"{length:>7} {mode:>5}: not run ({e})", file=sys.stderr)
                 continue
@@ -185,6 +186,8 @@ def main() -> None:
     ap.add_argument("--haystack", choices=("filler", "prose"), default="filler")
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=8192, help="the memory's disk budget, MB (the default 1024 holds "
+                    "~47k tokens of the bundled model: a longer document would forget its start, and say so)")
     ap.add_argument("--no-intro", action="store_true", help="no instruction before the haystack")
     ap.add_argument("--task", choices=("passkey", "number", "kv"), default="passkey",
                     help="the needle: a 5-digit pass key, a 10-digit number (Retrieve.Number), a UUID pair (Retrieve.KV)")
