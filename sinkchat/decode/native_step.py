@@ -314,21 +314,8 @@ class NativeStep:
         """`__call__` through sc_step_layers: per layer its buffer's stride (cap) and the slots attended (n): a
         whole buffer, slots 0..pos; a view shorter than its buffer (a ring's window), all of it."""
         caps, ns = self._slices(keys, values, pos)
-        kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() for b in keys])
-        vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() for b in values])
-        self._m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)
-        with torch.no_grad():
-            x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
-        out = torch.empty(self._out)
-        queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
-        gauge = torch.empty(self.n_layers, 2)
-        rc = native.sc_step_layers(self._m, self._layers, x.data_ptr(), pos, n_gauge, kp, vp,
-                                   (ctypes.c_int * len(caps))(*caps), (ctypes.c_int * len(ns))(*ns), max(ns),
-                                   out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
-        if rc:
-            raise MemoryError("the native decode step ran out of memory") if rc == -1 else ValueError(
-                f"the native decode step refused its cache slices ({rc})")
-        return self._logits(out), queries, gauge
+        return self._run_layers(tok, pos, n_gauge, self._layers, [b.data_ptr() for b in keys],
+                                [b.data_ptr() for b in values], caps, ns, keys[0].dtype)
 
     def _call_region(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int,
                      base: int, used: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -341,17 +328,24 @@ class NativeStep:
         if not 0 <= used <= base or not 0 <= base + pos < cap:
             raise ValueError(f"slot {pos} (memory {used} of {base}) outside the cache (capacity {cap - base})")
         skip = (base - used) * self.head_dim * keys[0].element_size()
-        kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() + skip for b in keys])
-        vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() + skip for b in values])
-        self._m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)
+        return self._run_layers(tok, pos, n_gauge, None, [b.data_ptr() + skip for b in keys],
+                                [b.data_ptr() + skip for b in values], [cap] * self.n_layers,
+                                [used + pos + 1] * self.n_layers, keys[0].dtype)
+
+    def _run_layers(self, tok: int, pos: int, n_gauge: int, layers: native.StepLayers | None, keys: list[int],
+                    values: list[int], caps: list[int], ns: list[int], dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sc_step_layers call: layer l's K/V at addresses keys[l] / values[l], heads caps[l] slots apart, the
+        token at RoPE position pos attending ns[l] slots and written last."""
+        self._m.kv_bf16 = int(dtype == torch.bfloat16)
         with torch.no_grad():
             x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
         gauge = torch.empty(self.n_layers, 2)
-        caps = (ctypes.c_int * self.n_layers)(*[cap] * self.n_layers)
-        ns = (ctypes.c_int * self.n_layers)(*[used + pos + 1] * self.n_layers)
-        rc = native.sc_step_layers(self._m, None, x.data_ptr(), pos, n_gauge, kp, vp, caps, ns, used + pos + 1,
+        ints = ctypes.c_int * self.n_layers
+        rc = native.sc_step_layers(self._m, layers, x.data_ptr(), pos, n_gauge, (ctypes.c_void_p * len(keys))(*keys),
+                                   (ctypes.c_void_p * len(values))(*values), ints(*caps), ints(*ns), max(ns),
                                    out.data_ptr(), queries.data_ptr(), gauge.data_ptr())
         if rc:
             raise MemoryError("the native decode step ran out of memory") if rc == -1 else ValueError(
