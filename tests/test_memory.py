@@ -381,3 +381,47 @@ def test_serve_refuses_memory_until_sessions_carry_their_own(tmp_path: Path) -> 
 
     res = CliRunner().invoke(main, ["serve", "--memory", "on", "--port", "0"])
     assert res.exit_code == 2 and "does not take --memory on yet" in res.output
+
+
+def test_the_index_keeps_its_rows_in_block_order_through_growth_and_removals() -> None:
+    """Appends past the capacity (doubling, compacting), the oldest removed (the front moves), one from the
+    middle: the scores stay those of a plain list of the same blocks, in the same order."""
+    from sinkchat.memory.index import Index
+
+    g = torch.Generator().manual_seed(0)
+    idx, kept = Index(), {}
+    for bid in range(40):
+        kept[bid] = torch.randn(3, 2, 4, 8, generator=g)
+        idx.add(bid, kept[bid])
+        if bid % 5 == 4:
+            oldest = min(kept)
+            idx.remove(oldest)
+            del kept[oldest]
+    idx.remove(sorted(kept)[len(kept) // 2])
+    del kept[sorted(kept)[len(kept) // 2]]
+    q = torch.randn(3, 2, 8, generator=g)
+    want = torch.stack([torch.einsum("mkd,mkrd->mkr", q, kept[b]).amax(-1).sum(-1) for b in sorted(kept)])  # [NB, M]
+    assert idx.ids == sorted(kept)
+    torch.testing.assert_close(idx.scores(q), want)
+
+
+def test_the_slice_cache_stays_within_its_bytes_and_reads_each_block_once_a_call() -> None:
+    from sinkchat.memory.slices import SliceCache
+
+    reads: list[tuple[int, list[int]]] = []
+
+    def read(bid: int, layers: list[int]) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        reads.append((bid, sorted(layers)))
+        return 5, {i: (torch.full((2, 8, 4), float(bid)), torch.full((2, 8, 4), -float(bid))) for i in layers}
+
+    cache = SliceCache(10 * 2 * 2 * 8 * 4 * 4, [torch.ones(2)] * 3)  # room for 10 slices
+    got = cache.get_many([(1, 0), (1, 2), (2, 0), (1, 0)], 5, torch.float32, read)
+    assert reads == [(1, [0, 2]), (2, [0])] and float(got[(2, 0)][0][0, 0, 0]) == 2.0
+    for b in range(3, 30):
+        cache.get_many([(b, 0), (b, 1)], 5, torch.float32, read)
+        assert cache.nbytes <= cache.limit
+    reads.clear()
+    cache.get_many([(29, 0), (29, 1)], 5, torch.float32, read)
+    assert reads == []  # the most recent ones are still there
+    k, _ = cache.get_many([(29, 0)], 6, torch.float32, read)[(29, 0)]  # the recall position moved by one
+    assert not torch.equal(k, torch.full((2, 8, 4), 29.0))
