@@ -179,7 +179,8 @@ class NativeStep:
         self._layers = (self._per_layer(model.model.layers, spec, attn_out, mlp_out)
                         if spec.model_type in GEMMA_TYPES else None)
         self.prefill = NativePrefill.for_step(self, spec)  # chunks in one C call (native_prefill.py), or None
-        self.memory_region = self._layers is None  # attends a recall region (`base`, `used`): non-hybrid models
+        self.memory_region = True  # attends a recall region in front of its global layers' streams (`base`, `used`)
+        self.global_layers = spec.global_layers
         # what status lines show: which kernels' library runs the step, and which path feeds chunks
         self.status = f"native ({native.variant()}; prefill {'native' if self.prefill is not None else 'hf'})"
 
@@ -319,18 +320,21 @@ class NativeStep:
 
     def _call_region(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int,
                      base: int, used: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`__call__` over buffers with a recall region (non-hybrid models): sc_step_layers with every layer's
-        pointer at its first attended slot (base - used), attending `used` + pos + 1 slots, the token written last."""
-        if self._layers is not None:
-            raise ValueError("recalled memory on a hybrid model's native step")
-        self._check_buffers(keys, values)
-        cap = keys[0].shape[2]
-        if not 0 <= used <= base or not 0 <= base + pos < cap:
-            raise ValueError(f"slot {pos} (memory {used} of {base}) outside the cache (capacity {cap - base})")
+        """`__call__` over buffers with a recall region: sc_step_layers with each global layer's pointer at its
+        first attended slot (base - used), attending `used` + pos + 1 slots, the token written last; a hybrid
+        model's local rings as `_call_layers` passes them."""
+        if self._layers is None:
+            self._check_buffers(keys, values)
+            caps, ns = [keys[0].shape[2]] * self.n_layers, [pos + 1] * self.n_layers
+        else:
+            caps, ns = self._slices(keys, values, pos)
+        kp, vp = [b.data_ptr() for b in keys], [b.data_ptr() for b in values]
         skip = (base - used) * self.head_dim * keys[0].element_size()
-        return self._run_layers(tok, pos, n_gauge, None, [b.data_ptr() + skip for b in keys],
-                                [b.data_ptr() + skip for b in values], [cap] * self.n_layers,
-                                [used + pos + 1] * self.n_layers, keys[0].dtype)
+        for layer in self.global_layers:
+            if not 0 <= used <= base or not 0 <= base + pos < caps[layer]:
+                raise ValueError(f"slot {pos} (memory {used} of {base}) outside the cache ({caps[layer] - base})")
+            kp[layer], vp[layer], ns[layer] = kp[layer] + skip, vp[layer] + skip, used + pos + 1
+        return self._run_layers(tok, pos, n_gauge, self._layers, kp, vp, caps, ns, keys[0].dtype)
 
     def _run_layers(self, tok: int, pos: int, n_gauge: int, layers: native.StepLayers | None, keys: list[int],
                     values: list[int], caps: list[int], ns: list[int], dtype: torch.dtype
