@@ -448,3 +448,22 @@ def test_a_hybrid_native_step_with_memory_matches_the_transformers_forward(tmp_p
         worst = max(worst, float((ref.last_logits - fast.last_logits).abs().max()))
     assert fast.cache.layers[2].used > 0 and fast.memory.blocks >= 8
     assert worst < 2e-2
+
+
+def test_chunks_choose_every_call_and_decoding_every_few_and_right_after_a_chunk(tmp_path: Path) -> None:
+    """The feed's last token goes on its own and chooses with the queries of the chunk before it (so the question's
+    last token recalls by the question, not by what came before it); decoding keeps a choice for `every` tokens."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m"), chunk=16)
+    list(eng.feed_ids(IDS[:100]))
+    mem = eng.memory
+    assert mem.blocks > mem.topk
+    calls: list[int] = []
+    real = mem.choose
+    mem.choose = lambda position: calls.append(eng.ledger.seen) or real(position)  # type: ignore[method-assign]
+    list(eng.feed_ids(IDS[100:113]))  # 13 tokens: a chunk of 12, then the last one on its own
+    assert len(calls) == 2
+    calls.clear()
+    for tok in IDS[113:130]:
+        list(eng.feed_ids([tok]))
+    assert len(calls) == 2  # 17 single tokens after a choice: chosen again at the 8th and the 16th (every 8)

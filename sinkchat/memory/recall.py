@@ -60,6 +60,7 @@ class RecallMemory:
         self.queue_placed: tuple[int, ...] = ()
         self.chosen: list[list[int]] = [[] for _ in self.layers]
         self.since = 0  # single-token calls since the last choice
+        self.after_chunk = False  # the last call was a chunk: the next single token chooses with its queries
         self.forgotten = 0  # tokens reported forgotten, all reasons
 
     @classmethod
@@ -200,8 +201,10 @@ class RecallMemory:
             for layer in layers:
                 layer.used = 0
             return 0, events
-        fresh = not single or self.since >= self.every or any(p and p[0] != position for p in self.placed)
+        fresh = (not single or self.after_chunk or self.since >= self.every - 1
+                 or any(p and p[0] != position for p in self.placed))
         self.since = 0 if fresh else self.since + 1
+        self.after_chunk = not single
         chosen = self.choose(position) if fresh else self.chosen
         while True:
             try:
