@@ -17,6 +17,7 @@ Blocks the budget removes, or that fail to write or to read back, are reported (
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ from sinkchat.model.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 REPS = 4  # representative keys per block, layer and KV head (InfLLM: 4 per 128-token block)
+TRIM_EVERY = 1  # blocks between two returns of freed heap pages to the system (`_trim_heap`, ~2 ms: ~1.5% of a
+#                 block's prefill)
 EVERY = 8  # decode steps between two choices of blocks (a choice scores every block in every layer)
 
 
@@ -121,6 +124,8 @@ class RecallMemory:
         events: list[ForgottenEvent] = []
         while self.queued >= self.B:
             events += self._commit(self._take(self.B, position))
+            if self.next_id % TRIM_EVERY == 0:
+                _trim_heap()
         return events
 
     def _take(self, n: int, position: int) -> Block:
@@ -279,3 +284,22 @@ class RecallMemory:
     def close(self) -> None:
         """The session is over: its memory goes (files included)."""
         self.store.close(remove=True)
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the system (glibc's malloc_trim; elsewhere nothing). Why: a block's life
+    (stacked, rotated, encoded, written, its slices read back) frees ~1.5 MB of mixed-size allocations that glibc
+    kept: streaming 14,000 tokens (bundled model, cache 1,024) grew RSS by 267 MB with the memory on (0 with it
+    off); trimming after every block, by 93 MB, of which the slice cache (42 MB, bounded by --memory-ram) and the
+    index (10 MB, bounded by the disk budget) are most."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
+_LIBC: Any = None
