@@ -2,10 +2,11 @@
 range, and its tokenizer. A file sinkchat cannot run is refused here with one line, before anything is converted,
 packed or written to the cache dir.
 
-gguf-py's `GGUFReader` parses the header (it maps the file; nothing is read until a tensor's bytes are asked for).
-It is slow on big vocabularies (2.6 s on the bundled file, almost all of it the 49,152 tokens and 48,900 merges
-each becoming a numpy array), so the table of tensors it yields is kept in the converted folder and later starts do
-not parse the file at all (`TensorInfo`).
+The whole check is `scan`'s walk of the header: it decodes every value but the tokenizer's big arrays, and notes
+where each `tokenizer.*` field lies (their bytes are the tokenizer's key). gguf-py's `GGUFReader` did this before
+and was slow on big vocabularies (2.6-3.4 s on the bundled file, almost all of it the 49,152 tokens and 48,900
+merges each becoming a numpy array; 20 s on Gemma 3's 262k tokens); the table of tensors is kept in the converted
+folder, so later starts only `scan`.
 
 Before any of that, `scan` walks the header itself (skipping values it does not need) to find where it ends and where
 every tensor's bytes lie: 0.01-0.04 s on the bundled file, 0.04-0.06 s on Gemma 3's 262k-token vocabulary. A file cut short (a truncated download) is refused there, in
@@ -92,8 +93,9 @@ def check_magic(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ the header scan
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUFValueType -> bytes
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-_WANTED = (b"general.alignment", b"general.architecture", b"general.name")  # the only values `scan` decodes
+_STRING, _ARRAY = 8, 9
+_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_TOKENIZER = b"tokenizer."  # fields whose arrays `scan` skips (the vocabulary) and whose bytes key the tokenizer
 
 
 class _Short(Exception):
@@ -102,13 +104,14 @@ class _Short(Exception):
 
 @dataclass(frozen=True)
 class Header:
-    """What `scan` finds: where the header ends, every tensor's byte range, and three values."""
+    """What `scan` finds: where the header ends, every tensor's byte range, and the metadata values."""
 
     path: Path
     size: int  # bytes on disk
     data_start: int  # first byte of the tensor data: the header's end, aligned
     tensors: tuple[TensorInfo, ...]  # in the file's order, offsets absolute
-    values: dict[str, Any]  # general.alignment / architecture / name, where the file has them
+    values: dict[str, Any]  # every field's value as gguf-py's `contents()` gives it; tokenizer arrays: None
+    tokenizer_spans: tuple[tuple[str, int, int], ...] = ()  # (key, start, end) of each `tokenizer.*` field's bytes
 
     @property
     def data_end(self) -> int:
@@ -117,7 +120,7 @@ class Header:
 
 class _Cursor:
     def __init__(self, buf: Any, order: str) -> None:
-        self.buf, self.pos = buf, 0
+        self.buf, self.pos, self.order = buf, 0, order
         self.u32s, self.u64s = struct.Struct(order + "I"), struct.Struct(order + "Q")
 
     def u32(self) -> int:
@@ -146,6 +149,20 @@ class _Cursor:
         if n * least > len(self.buf) - self.pos:
             raise _Short
         return n
+
+    def decoded(self, vtype: int, key: bytes) -> Any:
+        """One value of type `vtype`, decoded (arrays as lists of their items); a tokenizer array is skipped: None."""
+        if vtype == _ARRAY and not key.startswith(_TOKENIZER):
+            etype, n = self.u32(), self.u64()
+            if etype in _FORMATS:
+                size = struct.calcsize(_FORMATS[etype])
+                self.skip(self.count(n, size) * size)
+                return list(struct.unpack_from(f"{self.order}{n}{_FORMATS[etype]}", self.buf, self.pos - n * size))
+            return [self.decoded(etype, key) for _ in range(self.count(n, 1 if etype != _STRING else 8))]
+        raw = self.value(vtype)
+        if vtype == _STRING:
+            return bytes(raw).decode("utf-8", "replace")
+        return struct.unpack(self.order + _FORMATS[vtype], raw)[0] if vtype in _FORMATS else None
 
     def value(self, vtype: int) -> Any:
         """Skip one value of type `vtype`; return it when it is a scalar or a string (arrays: None)."""
@@ -203,13 +220,14 @@ def _parse(path: Path, buf: Any) -> Header:
                         "(convert it again with a current llama.cpp)")
     n_tensors, n_kv = cur.u64(), cur.u64()
     values: dict[str, Any] = {}
+    spans = []
     for _ in range(cur.count(n_kv, 12)):
-        key = cur.string()
-        vtype = cur.u32()
-        v = cur.value(vtype)
-        if key in _WANTED:
-            values[key.decode()] = (struct.unpack(order + "I", v)[0] if vtype == _UINT32 else
-                                    bytes(v).decode("utf-8", "replace") if vtype == _STRING else None)
+        start = cur.pos
+        key = bytes(cur.string())
+        name = key.decode("utf-8", "replace")
+        values[name] = cur.decoded(cur.u32(), key)
+        if key.startswith(_TOKENIZER):
+            spans.append((name, start, cur.pos))
     rows = []
     for _ in range(cur.count(n_tensors, 24)):
         name = bytes(cur.string()).decode("utf-8", "replace")
@@ -220,7 +238,7 @@ def _parse(path: Path, buf: Any) -> Header:
         rows.append((name, cur.u32(), dims, cur.u64()))
     align = values.get("general.alignment") or 32
     start = cur.pos + (-cur.pos % align)
-    return Header(path, len(buf), start, tuple(_tensor(path, start, *r) for r in rows), values)
+    return Header(path, len(buf), start, tuple(_tensor(path, start, *r) for r in rows), values, tuple(spans))
 
 
 def _tensor(path: Path, start: int, name: str, qtype: int, dims: list[int], offset: int) -> TensorInfo:
@@ -270,8 +288,6 @@ def content_key(head: Header) -> str:
 def inspect(path: Path, head: Header | None = None) -> GGUFInfo:
     """Parse and check the file: GGUFError (one line) for a bad magic, a truncated file, an architecture or tensor
     type sinkchat does not run, or a vocabulary without a tokenizer. `head`: the file's `scan`, if already made."""
-    from gguf import GGUFReader
-
     head = head or scan(path)  # a file cut short is refused here, before gguf-py maps tensors it does not have
     arch = head.values.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -281,39 +297,27 @@ def inspect(path: Path, head: Header | None = None) -> GGUFInfo:
     for info in head.tensors:
         _check_tensor(path, info)
         tensors[info.name] = info
-    try:  # only now the slow parse (2.6 s on the bundled file): every refusal above took milliseconds
-        reader = GGUFReader(str(path), "r")
-    except (ValueError, IndexError, OSError, KeyError, TypeError) as e:  # gguf-py's parse errors
-        raise GGUFError(f"{path.name} is not a readable GGUF file (damaged: {str(e)[:120]})") from None
-    if "tokenizer.ggml.tokens" not in reader.fields or _field(reader, "tokenizer.ggml.model") not in ("gpt2", "llama"):
-        raise GGUFError(f"{path.name} has no tokenizer sinkchat can build (tokenizer.ggml.model "
-                        f"{_field(reader, 'tokenizer.ggml.model')!r}; a GPT-2 BPE or Llama SentencePiece one is needed)")
-    key_length = _field(reader, f"{arch}.attention.key_length")
+    values = head.values
+    model = values.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.tokens" not in values or model not in ("gpt2", "llama"):
+        raise GGUFError(f"{path.name} has no tokenizer sinkchat can build (tokenizer.ggml.model {model!r}; a GPT-2 "
+                        "BPE or Llama SentencePiece one is needed)")
+    key_length = values.get(f"{arch}.attention.key_length")
     return GGUFInfo(path=path, architecture=arch, tensors=tensors, size=head.size,
                     key_length=int(key_length) if key_length is not None else None,
-                    tokenizer_key=_tokenizer_key(reader),
-                    hparams={k.removeprefix(f"{arch}."): _field(reader, k) for k in reader.fields
-                             if k.startswith(f"{arch}.")},
-                    name=str(head.values.get("general.name") or ""))
+                    tokenizer_key=_tokenizer_key(head),
+                    hparams={k.removeprefix(f"{arch}."): v for k, v in values.items() if k.startswith(f"{arch}.")},
+                    name=str(values.get("general.name") or ""))
 
 
-def _tokenizer_key(reader: Any) -> str:
-    h = hashlib.sha256()
-    for key in sorted(k for k in reader.fields if k.startswith("tokenizer.")):
-        h.update(key.encode())
-        for part in reader.fields[key].parts:
-            h.update(memoryview(part).tobytes())
+def _tokenizer_key(head: Header) -> str:
+    """A hash of the bytes of every `tokenizer.*` field (key, type and value), in key order: two files with the same
+    tokenizer (quantizations of one model) share one conversion of it."""
+    h = hashlib.sha256(b"sinkchat-tokenizer-key-2\0")
+    with open(head.path, "rb") as f:
+        for _, start, end in sorted(head.tokenizer_spans):
+            h.update(os.pread(f.fileno(), end - start, start))
     return h.hexdigest()[:20]
-
-
-def _field(reader: Any, key: str) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except (ValueError, IndexError):
-        return None
 
 
 def _check_tensor(path: Path, t: TensorInfo) -> None:

@@ -270,11 +270,15 @@ def _install_table(model: nn.Module, table: nn.Module, tied: bool) -> None:
 
 
 def skeleton(config: Any) -> nn.Module:
-    """The model on the meta device (no memory): every weight is put in place by `load_weights`."""
+    """The model on the meta device (no memory): every weight is put in place by `load_weights`. A light model's
+    config (`gguf_light.LightConfig`) stands for its transformers model's own."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     from sinkchat.model.spec import attention_implementation
+
+    if hasattr(type(config), "real"):
+        config = config.real()
 
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -99,15 +99,16 @@ def save(model: nn.Module, out: Path, kernels: str) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def load(config: Any, out: Path, kernels: str) -> nn.Module | None:
-    """The model from the packed cache in `out`, or None when there is none for these kernels."""
+def load(config: Any, out: Path, kernels: str, into: nn.Module | None = None) -> nn.Module | None:
+    """The model from the packed cache in `out`, or None when there is none for these kernels. `into`: a module tree
+    to fill instead of transformers' skeleton of `config` (`gguf_light.LightModel`)."""
     try:
         man = json.loads((out / manifest_name(kernels)).read_text())
     except (OSError, ValueError):
         return None
     if man.get("version") != VERSION or man.get("kernels") != kernels or not (out / weights_name(kernels)).is_file():
         return None
-    model = skeleton(config)
+    model = skeleton(config) if into is None else into
     shells = {name: _shell(spec) for name, spec in man["modules"].items()}
     values = dict(read_tensors(out / weights_name(kernels)))
     for name, mod in shells.items():

