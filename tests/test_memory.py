@@ -467,3 +467,16 @@ def test_chunks_choose_every_call_and_decoding_every_few_and_right_after_a_chunk
     for tok in IDS[113:130]:
         list(eng.feed_ids([tok]))
     assert len(calls) == 2  # 17 single tokens after a choice: chosen again at the 8th and the 16th (every 8)
+
+
+def test_event_lines_say_where_evicted_tokens_went_and_why_forgotten_ones_left() -> None:
+    from sinkchat.core.events import EvictionEvent
+    from sinkchat.core.metrics import eviction_line
+
+    assert eviction_line(EvictionEvent(63, 4, 67, "old", "sink", 961, 0.0, True)).startswith(
+        "⟂ evicted 63 tokens [4,67) to memory (sink, 961 left)")
+    assert " to memory" not in eviction_line(EvictionEvent(63, 4, 67, "old", "sink", 961))
+    assert eviction_line(ForgottenEvent(64, 4, 68, "budget")) == \
+        "⟂ forgotten 64 tokens [4,68) (over the memory budget)"
+    assert "could not write" in eviction_line(ForgottenEvent(64, 4, 68, "disk"))
+    assert "checksum" in eviction_line(ForgottenEvent(64, 4, 68, "damaged"))

@@ -10,7 +10,7 @@ import click
 from sinkchat.apps.agent.protocol import (
     AgentErrorEvent, FinalRejectedEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
 )
-from sinkchat.core.events import EvictionEvent, TokenEvent
+from sinkchat.core.events import EvictionEvent, ForgottenEvent, TokenEvent
 from sinkchat.core.metrics import eviction_line
 
 
@@ -67,7 +67,7 @@ class Display:
             self.line(f"← {'ok' if ev.ok else 'error'} ({len(ev.text)} chars{cut}): {_abridge(ev.text, 200)}",
                       "green" if ev.ok else "red")
             self.status()
-        elif isinstance(ev, EvictionEvent):
+        elif isinstance(ev, (EvictionEvent, ForgottenEvent)):  # the recall memory's forgotten tokens too
             self.line(eviction_line(ev), "magenta")
         elif isinstance(ev, FinalRejectedEvent):
             self.line(f"! answer {_abridge(ev.answer, 80)!r} sent back: {_abridge('; '.join(ev.problems), 300)}",

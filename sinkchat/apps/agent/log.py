@@ -7,7 +7,7 @@ from typing import Any
 from sinkchat.apps.agent.protocol import (
     AgentErrorEvent, FinalRejectedEvent, ModelTextEvent, StepEvent, TaskDoneEvent, ToolCallEvent, ToolResultEvent,
 )
-from sinkchat.core.events import DoneEvent, EvictionEvent, PrefillEvent
+from sinkchat.core.events import DoneEvent, EvictionEvent, ForgottenEvent, PrefillEvent
 
 
 class AgentLog:
@@ -25,7 +25,7 @@ class AgentLog:
         self.gen_seconds = 0.0  # the last DoneEvent's
 
     def __call__(self, ev: Any) -> None:
-        if isinstance(ev, EvictionEvent):
+        if isinstance(ev, (EvictionEvent, ForgottenEvent)):
             self.slog.eviction(ev)
         elif isinstance(ev, PrefillEvent):
             self.fed_tokens += ev.tokens

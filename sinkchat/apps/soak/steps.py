@@ -65,10 +65,10 @@ def finite(t: Any) -> bool:
 
 def logged(events: Iterator[Any], slog: Any) -> Iterator[Any]:
     """Pass engine events on, logging evictions to the session log (buffered there until the next turn)."""
-    from sinkchat.core.events import EvictionEvent
+    from sinkchat.core.events import EvictionEvent, ForgottenEvent
 
     for ev in events:
-        if isinstance(ev, EvictionEvent):
+        if isinstance(ev, (EvictionEvent, ForgottenEvent)):  # the recall memory's forgotten tokens too
             slog.eviction(ev)
         yield ev
 

@@ -160,10 +160,10 @@ class Summarizer:
 
     def _fold(self, ev: Any) -> None:
         """One engine event into the metrics, and an eviction into the session log."""
-        from sinkchat.core.events import EvictionEvent
+        from sinkchat.core.events import EvictionEvent, ForgottenEvent
 
         self.metrics.fold(ev)
-        if isinstance(ev, EvictionEvent):
+        if isinstance(ev, (EvictionEvent, ForgottenEvent)):  # what the recall memory forgot: logged the same way
             self.slog.eviction(ev)
 
     def _events(self, events: Any) -> str:
