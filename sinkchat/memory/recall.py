@@ -54,7 +54,7 @@ class RecallMemory:
         self.region = self.topk * self.B + self.B - 1  # the blocks plus a queue of fewer than B tokens
         self.store = BlockStore(root, cfg.budget_mb << 20)
         self.index = Index()
-        self.slices = SliceCache(cfg.ram_mb << 20, self.inv_freqs)
+        self.slices = SliceCache(cfg.ram_mb << 20, self.inv_freqs, least=len(self.layers) * self.topk)
         self.next_id = 0
         self.queue: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]] = []  # k v ids abs slots
         self.queries: torch.Tensor | None = None  # [M, H, D] of the last token of the last call
