@@ -171,7 +171,10 @@ def representatives(block: Block, inv_freqs: list[torch.Tensor], r: int) -> torc
     farthest from the block's mean key (the tokens that set the block apart from its neighbours: a needle's digits
     among filler; measured against InfLLM-style alternatives in docs/memory.md)."""
     shifts = torch.from_numpy(-block.slots.astype(np.int64))
-    k = torch.stack([rotate(block.keys[i], f, shifts) for i, f in enumerate(inv_freqs)])  # [M, H, n, D] un-rotated
+    if all(torch.equal(f, inv_freqs[0]) for f in inv_freqs):  # one RoPE for every memory layer: one call
+        k = rotate(block.keys, inv_freqs[0], shifts)  # [M, H, n, D] un-rotated
+    else:
+        k = torch.stack([rotate(block.keys[i], f, shifts) for i, f in enumerate(inv_freqs)])
     r = min(r, k.shape[2])
     spread = (k - k.mean(dim=2, keepdim=True)).norm(dim=-1)  # [M, H, n]
     pick = spread.topk(r, dim=-1).indices.sort(dim=-1).values  # [M, H, r], in token order
