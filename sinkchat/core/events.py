@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sinkchat.memory.events import ForgottenEvent, RecallEvent  # noqa: F401 - the memory's, re-exported
+from sinkchat.memory.events import ForgottenEvent  # noqa: F401 - the memory's, re-exported
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,6 @@ class GaugeEvent:
     local: float | None = None
     local_per_layer: tuple[float, ...] = ()
     local_uniform: float | None = None
-    recalled: float | None = None  # the share on recalled memory blocks (None: no memory attended)
 
 
 @dataclass(frozen=True)
@@ -74,4 +73,4 @@ class DoneEvent:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-Event = PrefillEvent | EvictionEvent | TokenEvent | GaugeEvent | DoneEvent | ForgottenEvent | RecallEvent
+Event = PrefillEvent | EvictionEvent | TokenEvent | GaugeEvent | DoneEvent | ForgottenEvent

@@ -75,13 +75,12 @@ class SinkGauge:
 
         return hook
 
-    def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor | None) -> None:
-        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots (None: the
-        step's first slots were recalled memory, not the sinks: `measure` recomputes from the queries)."""
+    def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
+        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots (the
+        stream's first: past any recalled memory slots)."""
         if self.armed:
             self.queries = list(queries[list(self.measured), None])
-            # a ring's slots run oldest first: its window's start
-            self.shares = None if shares is None else (n, shares[list(self.measured)])
+            self.shares = (n, shares[list(self.measured)])  # a ring's slots run oldest first: its window's start
 
     def captured_queries(self) -> torch.Tensor | None:
         """The last forward's last-token pre-RoPE queries [L, H*D] in layer order (None: not captured)."""
@@ -129,7 +128,6 @@ class SinkGauge:
         if L == 0 or any(q is None for q in self.queries):
             return None
         g = len(self.layers)
-        recalled: list[float] = []
         if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
             first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
         else:
@@ -140,12 +138,10 @@ class SinkGauge:
                 first.append(float(probs[..., used : used + n].sum(-1).mean()))
                 if i < g:  # the newest slots' share: the global layers' only (status line's "recent")
                     last.append(float(probs[..., -n:].sum(-1).mean()))
-                    recalled.append(float(probs[..., :used].sum(-1).mean()))
         self.queries = [None] * len(self.attn)
         n, local = min(n, L), tuple(first[g:])
         window = self.attended_keys(cache.layers[self.local_layers[0]], L).shape[-2] if self.local_layers else 0
         return GaugeEvent(share=sum(first[:g]) / g, per_layer=tuple(first[:g]), recent=sum(last[:g]) / g,
                           uniform=n / L, n=n, holds_start=holds_start,
                           local=sum(local) / len(local) if local else None, local_per_layer=local,
-                          local_uniform=min(n, window) / window if window else None,
-                          recalled=sum(recalled) / g if recalled else None)
+                          local_uniform=min(n, window) / window if window else None)

@@ -14,13 +14,3 @@ class ForgottenEvent:
     first: int
     last: int
     reason: str  # "budget" | "disk" (the write failed) | "damaged" (a block failed its checksum when read back)
-
-
-@dataclass(frozen=True)
-class RecallEvent:
-    """What the last model call's attention read from the recall memory: per layer the blocks it chose; `spans`
-    the stream ranges [first, last) of every block recalled by some layer, oldest first."""
-
-    blocks: int
-    tokens: int
-    spans: tuple[tuple[int, int], ...]

@@ -27,7 +27,7 @@ import torch
 
 from sinkchat.config import MemoryConfig
 from sinkchat.memory.blocks import Block, representatives, rotate
-from sinkchat.memory.events import ForgottenEvent, RecallEvent
+from sinkchat.memory.events import ForgottenEvent
 from sinkchat.memory.index import Index
 from sinkchat.memory.slices import SliceCache
 from sinkchat.memory.store import BlockStore, StoreError, Where
@@ -258,14 +258,6 @@ class RecallMemory:
             return self.store.read_layers(bid, layers)
         except StoreError as e:
             raise StoreError(str(e), bid) from None
-
-    def recall_event(self) -> RecallEvent | None:
-        """The blocks the last `prepare` placed, over all layers (None: none)."""
-        where = self.store.where
-        ids = sorted({b for c in self.chosen for b in c if b in where})
-        if not ids:
-            return None
-        return RecallEvent(len(ids), sum(where[b].n for b in ids), tuple((where[b].first, where[b].last) for b in ids))
 
     def clear(self, cache: Any | None = None) -> None:
         """Drop everything (a /clear): the store's files too; counted as cleared by the ledger, not forgotten."""
