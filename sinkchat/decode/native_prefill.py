@@ -53,8 +53,7 @@ class NativePrefill:
     pos..pos+T-1, their k/v written into the buffers (the caller has made room and counts the slots)."""
 
     def __init__(self, step: Any) -> None:
-        self.step = step  # the NativeStep whose model struct, embedding and head this shares
-        self._kv: tuple[Any, ...] = ()
+        self.step = step  # the NativeStep whose model struct, embedding, head and buffer pointers this shares
 
     @classmethod
     def for_step(cls, step: Any, spec: ModelSpec) -> "NativePrefill | None":
@@ -63,17 +62,6 @@ class NativePrefill:
             log.info("native prefill off: %s", reason)
             return None
         return cls(step)
-
-    def _pointers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[Any, Any]:
-        """The C arrays of the buffers' addresses, rebuilt when any buffer moved (checked as the step checks)."""
-        ptrs = tuple(b.data_ptr() for b in keys + values)
-        key = (ptrs, keys[0].shape[2], keys[0].dtype)
-        if not self._kv or self._kv[0] != key:
-            self.step._check_buffers(keys, values)
-            kp = (ctypes.c_void_p * len(keys))(*ptrs[: len(keys)])
-            vp = (ctypes.c_void_p * len(values))(*ptrs[len(keys) :])
-            self._kv = (key, kp, vp, keys + values)  # the tensors too: their memory must outlive the pointers
-        return self._kv[1], self._kv[2]
 
     def __call__(self, ids: list[int], pos: int, keys: list[torch.Tensor], values: list[torch.Tensor],
                  all_logits: bool = False, base: int = 0, used: int = 0, queries: torch.Tensor | None = None
@@ -85,13 +73,12 @@ class NativePrefill:
         cap = keys[0].shape[2]
         if t < 1 or pos < 0 or not 0 <= used <= base or base + pos + t > cap:
             raise ValueError(f"slots [{pos}, {pos + t}) outside the cache (capacity {cap - base})")
-        kp, vp = self._pointers(keys, values)
+        kp, vp = step._pointers(keys, values)  # also says (kv_bf16) what these buffers hold
         if base - used:  # every layer's buffer from its first attended slot on (the heads stay cap slots apart)
             skip = (base - used) * step.head_dim * keys[0].element_size()
             kp = (ctypes.c_void_p * len(keys))(*[b.data_ptr() + skip for b in keys])
             vp = (ctypes.c_void_p * len(values))(*[b.data_ptr() + skip for b in values])
         m = step._m
-        m.kv_bf16 = int(keys[0].dtype == torch.bfloat16)  # the struct is the step's: say what these buffers hold
         with torch.no_grad():
             x = step.embed(torch.tensor(ids)).float().contiguous()  # [T, C]
         n_out = t if all_logits else 1

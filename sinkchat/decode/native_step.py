@@ -277,16 +277,8 @@ class NativeStep:
             return self._call_region(tok, pos, keys, values, n_gauge, base, used)
         if self._layers is not None:
             return self._call_layers(tok, pos, keys, values, n_gauge)
-        k0 = keys[0]
-        cap = k0.shape[2]
-        ptrs = tuple(b.data_ptr() for b in keys + values)  # every buffer: a new cache may reuse some addresses
-        key = (ptrs, cap, k0.dtype)
-        if not self._kv or self._kv[0] != key:
-            self._check_buffers(keys, values)
-            kp = (ctypes.c_void_p * len(keys))(*ptrs[: len(keys)])
-            vp = (ctypes.c_void_p * len(values))(*ptrs[len(keys) :])
-            self._kv = (key, kp, vp, keys + values)  # the tensors too: their memory must outlive the pointers
-            self._m.kv_bf16 = int(k0.dtype == torch.bfloat16)
+        cap = keys[0].shape[2]
+        kp, vp = self._pointers(keys, values)
         if not 0 <= pos < cap:
             raise ValueError(f"slot {pos} outside the cache (capacity {cap})")
         with torch.no_grad():
@@ -294,10 +286,25 @@ class NativeStep:
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
         gauge = torch.empty(self.n_layers, 2)
-        if native.sc_step(self._m, x.data_ptr(), pos, n_gauge, self._kv[1], self._kv[2], cap,
+        if native.sc_step(self._m, x.data_ptr(), pos, n_gauge, kp, vp, cap,
                           out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
             raise MemoryError("the native decode step ran out of memory")
         return self._logits(out), queries, gauge
+
+    def _pointers(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[Any, Any]:
+        """The C arrays of whole buffers' addresses, checked (`_check_buffers`) and built again only when a buffer
+        moved (a new cache may reuse some addresses: every one is compared); `kv_bf16` set for their dtype. The
+        decode step, the prefill and the recall-region path all go through here."""
+        k0 = keys[0]
+        ptrs = tuple(b.data_ptr() for b in keys + values)
+        key = (ptrs, k0.shape[2], k0.dtype)
+        if not self._kv or self._kv[0] != key:
+            self._check_buffers(keys, values)
+            kp = (ctypes.c_void_p * len(keys))(*ptrs[: len(keys)])
+            vp = (ctypes.c_void_p * len(values))(*ptrs[len(keys) :])
+            self._kv = (key, kp, vp, keys + values)  # the tensors too: their memory must outlive the pointers
+        self._m.kv_bf16 = int(k0.dtype == torch.bfloat16)
+        return self._kv[1], self._kv[2]
 
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         """[1, V] from the C step's output: its logits, or the head applied here; Gemma 2's final soft-cap."""
@@ -324,7 +331,7 @@ class NativeStep:
         first attended slot (base - used), attending `used` + pos + 1 slots, the token written last; a hybrid
         model's local rings as `_call_layers` passes them."""
         if self._layers is None:
-            self._check_buffers(keys, values)
+            self._pointers(keys, values)  # checked once per set of buffers, as the plain step checks them
             caps, ns = [keys[0].shape[2]] * self.n_layers, [pos + 1] * self.n_layers
         else:
             caps, ns = self._slices(keys, values, pos)

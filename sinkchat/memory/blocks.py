@@ -166,16 +166,12 @@ def rotate(k: torch.Tensor, inv_freq: torch.Tensor, shifts: torch.Tensor) -> tor
     return out
 
 
-def representatives(block: Block, inv_freqs: list[torch.Tensor], r: int) -> torch.Tensor:
-    """[M, H_kv, r, D] fp32 un-rotated keys that stand for the block in the index: per layer and KV head the r keys
-    farthest from the block's mean key (the tokens that set the block apart from its neighbours: a needle's digits
-    among filler; measured against InfLLM-style alternatives in docs/memory.md)."""
-    shifts = torch.from_numpy(-block.slots.astype(np.int64))
-    if all(torch.equal(f, inv_freqs[0]) for f in inv_freqs):  # one RoPE for every memory layer: one call
-        k = rotate(block.keys, inv_freqs[0], shifts)  # [M, H, n, D] un-rotated
-    else:
-        k = torch.stack([rotate(block.keys[i], f, shifts) for i, f in enumerate(inv_freqs)])
-    r = min(r, k.shape[2])
-    spread = (k - k.mean(dim=2, keepdim=True)).norm(dim=-1)  # [M, H, n]
+def representatives(keys: torch.Tensor, r: int) -> torch.Tensor:
+    """[M, H_kv, r, D] of a block's un-rotated keys [M, H_kv, n, D] that stand for it in the index: per layer and KV
+    head the r keys farthest from the block's mean key (the tokens that set the block apart from its neighbours: a
+    needle's digits among filler). Not yet measured against InfLLM's rule (the keys that received the most
+    attention while in the window), which needs attention statistics the decode step does not keep."""
+    r = min(r, keys.shape[2])
+    spread = (keys - keys.mean(dim=2, keepdim=True)).norm(dim=-1)  # [M, H, n]
     pick = spread.topk(r, dim=-1).indices.sort(dim=-1).values  # [M, H, r], in token order
-    return torch.gather(k, 2, pick[..., None].expand(*pick.shape, k.shape[-1]))
+    return torch.gather(keys, 2, pick[..., None].expand(*pick.shape, keys.shape[-1]))

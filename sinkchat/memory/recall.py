@@ -49,6 +49,8 @@ class RecallMemory:
     def __init__(self, cfg: MemoryConfig, layers: list[int], inv_freqs: list[torch.Tensor], n_heads: int,
                  n_kv: int, head_dim: int, root: Path, reps: int = REPS, every: int = EVERY) -> None:
         self.cfg, self.layers, self.inv_freqs = cfg, list(layers), [f.float() for f in inv_freqs]
+        # the one RoPE every memory layer rotates with (None: one per layer, Gemma 3's global layers may differ)
+        self.rope = self.inv_freqs[0] if all(torch.equal(f, self.inv_freqs[0]) for f in self.inv_freqs) else None
         self.n_heads, self.n_kv, self.head_dim, self.reps, self.every = n_heads, n_kv, head_dim, reps, every
         self.B, self.topk = cfg.block, cfg.topk
         self.region = self.topk * self.B + self.B - 1  # the blocks plus a queue of fewer than B tokens
@@ -118,8 +120,9 @@ class RecallMemory:
         layers = [cache.layers[i] for i in self.layers]
         if not layers[0].is_initialized or count <= 0:
             return []
-        k = torch.stack([layer.live()[0][0, :, start : start + count] for layer in layers])  # [M, H_kv, n, D]
-        v = torch.stack([layer.live()[1][0, :, start : start + count] for layer in layers])
+        live = [layer.live() for layer in layers]
+        k = torch.stack([lk[0, :, start : start + count] for lk, _ in live])  # [M, H_kv, n, D]
+        v = torch.stack([lv[0, :, start : start + count] for _, lv in live])
         self.queue.append((k, v, list(ids), list(abs_index), list(range(start, start + count))))
         events: list[ForgottenEvent] = []
         while self.queued >= self.B:
@@ -151,9 +154,8 @@ class RecallMemory:
 
     def _rotate(self, k: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
         """Keys [M, H_kv, n, D] of every memory layer rotated by shifts [n] (fp32, or fp64 keys in fp64)."""
-        f0 = self.inv_freqs[0]
-        if all(torch.equal(f, f0) for f in self.inv_freqs):
-            return rotate(k, f0, shifts)
+        if self.rope is not None:
+            return rotate(k, self.rope, shifts)
         return torch.stack([rotate(k[i], f, shifts) for i, f in enumerate(self.inv_freqs)])
 
     def _commit(self, block: Block) -> list[ForgottenEvent]:
@@ -164,7 +166,8 @@ class RecallMemory:
             log.warning("recall memory: block of tokens %d..%d not stored (%s)", block.first, block.last, e)
             return [self._forgot(block.n, block.first, block.last, "disk")]
         events = [self._unindex(w, bid) for bid, w in dropped]
-        self.index.add(block.id, representatives(block, self.inv_freqs, self.reps).to(block.keys.dtype))
+        unrotated = self._rotate(block.keys, torch.from_numpy(-block.slots.astype(np.int64)))  # [M, H_kv, n, D]
+        self.index.add(block.id, representatives(unrotated, self.reps).to(block.keys.dtype))
         return events
 
     def _unindex(self, w: Where, bid: int, reason: str = "budget") -> ForgottenEvent:
