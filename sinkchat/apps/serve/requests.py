@@ -178,12 +178,17 @@ def _common(body: dict[str, Any], req: ChatRequest) -> None:
     req.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
 
 
-def parse_chat(body: Any) -> ChatRequest:
-    """A /v1/chat/completions body -> ChatRequest, or ApiError(400) naming the field."""
+def _check_body(body: Any) -> None:
+    """What every completion body must be: a JSON object naming its model (ApiError(400) otherwise)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     if not isinstance(body.get("model"), str):
         raise bad("model is required (a string; see GET /v1/models)", "model")
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    """A /v1/chat/completions body -> ChatRequest, or ApiError(400) naming the field."""
+    _check_body(body)
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad("messages must be a non-empty list", "messages")
@@ -207,10 +212,7 @@ def parse_chat(body: Any) -> ChatRequest:
 
 def parse_completion(body: Any) -> ChatRequest:
     """A /v1/completions body (one string prompt) -> ChatRequest with `raw_prompt`."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    if not isinstance(body.get("model"), str):
-        raise bad("model is required (a string; see GET /v1/models)", "model")
+    _check_body(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
