@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ class RecallMemory:
         self.since = 0  # single-token calls since the last choice
         self.after_chunk = False  # the last call was a chunk: the next single token chooses with its queries
         self.forgotten = 0  # tokens reported forgotten, all reasons
+        self.born: dict[int, float] = {}  # block id -> wall time it was stored (its tokens' age)
+        self.recalled: dict[int, int] = {}  # block id -> most layers it was in at one call, since `take_recalled`
 
     @classmethod
     def for_spec(cls, cfg: MemoryConfig, spec: ModelSpec, root: Path) -> "RecallMemory":
@@ -166,12 +169,15 @@ class RecallMemory:
             log.warning("recall memory: block of tokens %d..%d not stored (%s)", block.first, block.last, e)
             return [self._forgot(block.n, block.first, block.last, "disk")]
         events = [self._unindex(w, bid) for bid, w in dropped]
+        self.born[block.id] = time.time()
         unrotated = self._rotate(block.keys, torch.from_numpy(-block.slots.astype(np.int64)))  # [M, H_kv, n, D]
         self.index.add(block.id, representatives(unrotated, self.reps).to(block.keys.dtype))
         return events
 
     def _unindex(self, w: Where, bid: int, reason: str = "budget") -> ForgottenEvent:
         self.index.remove(bid)
+        self.born.pop(bid, None)
+        self.recalled.pop(bid, None)
         self.slices.drop(bid)
         if any(bid in c for c in self.chosen):
             self.since = self.every  # a block in use is gone: choose again at the next call
@@ -225,7 +231,18 @@ class RecallMemory:
                 self.placed = [() for _ in self.layers]
                 chosen = self.choose(position)
         self.chosen = chosen
+        if fresh:
+            self._note(chosen)
         return used, events
+
+    def _note(self, chosen: list[list[int]]) -> None:
+        """Count what this call recalls, for the reply's report (`take_recalled`)."""
+        layers: dict[int, int] = {}
+        for c in chosen:
+            for bid in c:
+                layers[bid] = layers.get(bid, 0) + 1
+        for bid, n in layers.items():
+            self.recalled[bid] = max(self.recalled.get(bid, 0), n)
 
     def _fill(self, layers: list[Any], chosen: list[list[int]], position: int) -> int:
         """Write the queue and each layer's chosen blocks into its region (each part only where it changed);
@@ -269,6 +286,7 @@ class RecallMemory:
         self.index.clear()
         self.slices.clear()
         self.queue, self.queries = [], None
+        self.born, self.recalled = {}, {}
         self.placed = [() for _ in self.layers]
         self.queue_placed = ()
         self.chosen = [[] for _ in self.layers]
