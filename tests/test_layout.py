@@ -16,8 +16,9 @@ LAYERS = {
     "sinkchat": 0, "sinkchat.errors": 0, "sinkchat.textutil": 0, "sinkchat.prompts": 0,
     "sinkchat.config": 1,
     "sinkchat.kernels": 2,
-    "sinkchat.model": 3, "sinkchat.store": 3,
+    "sinkchat.model": 3,
     "sinkchat.memory": 3.5,  # the recall memory: below the Engine that it is injected into
+    "sinkchat.store": 3.7,  # snapshots carry the recall memory
     "sinkchat.core": 4,
     "sinkchat.decode": 5,
     "sinkchat.bootstrap": 6,

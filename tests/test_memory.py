@@ -351,27 +351,26 @@ def test_a_hybrid_model_recalls_on_its_global_layers_only(tmp_path: Path) -> Non
     assert out[-1].tokens == 4
 
 
-def test_a_loaded_snapshot_never_recalls_the_previous_conversation(tmp_path: Path, caplog: Any) -> None:
+def test_a_loaded_snapshot_recalls_its_own_conversation_and_never_the_one_it_replaced(tmp_path: Path) -> None:
     from sinkchat.store.snapshot import load_snapshot, save_snapshot
 
     model = tiny_model("llama", layers=1, score_std=3.0)
     eng = engine(model, memory(model, tmp_path / "m"))
     list(eng.feed_ids(IDS[:60]))
-    with caplog.at_level("WARNING"):
-        snap = save_snapshot(eng, tmp_path / "s.safetensors")  # the memory holds tokens: said, not silent
-    kept = set(eng.ledger.abs_index)
+    saved_blocks = list(eng.memory.index_ids)
+    assert saved_blocks
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    kept = {int(a) for bid in saved_blocks for a in eng.memory.store.read(bid).abs_index} | {
+        a for e in eng.memory.queue for a in e[3]}
     other = [(t + 7) % 120 + 1 for t in IDS[60:140]]
-    list(eng.feed_ids(other))  # another conversation fills the memory
-    assert eng.memory.blocks > 0
-    with caplog.at_level("WARNING"):
-        load_snapshot(eng, snap)
-    assert eng.memory.blocks == 0 and not eng.memory.queue and eng.cache.layers[0].used == 0
+    list(eng.feed_ids(other))  # another conversation fills the memory (appending to the linked segment too)
+    assert eng.memory.blocks > len(saved_blocks)
+    load_snapshot(eng, snap)
+    assert eng.memory.index_ids == saved_blocks and eng.cache.layers[0].used == 0
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
     list(eng.feed_ids(IDS[140:145]))
-    recalled = {a for e in eng.memory.queue for a in e[3]}
+    recalled = {int(a) for bid in eng.memory.chosen[0] for a in eng.memory.store.read(bid).abs_index}
     assert recalled and recalled <= kept  # only the loaded session's own tokens come back
-    said = [r.message for r in caplog.records]
-    assert any("does not carry the recall memory" in m for m in said)
-    assert any("evicted tokens are not in the recall memory" in m for m in said)
 
 
 def test_serve_refuses_memory_until_sessions_carry_their_own(tmp_path: Path) -> None:

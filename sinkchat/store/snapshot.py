@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ import torch
 
 from sinkchat.errors import UserError
 from sinkchat.config import SamplingConfig, data_dir
+from sinkchat.memory import persist
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +101,6 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
     """Write the engine's whole session state to `path` atomically; `extra` (JSON-able, e.g. the transcript
     pointer `log.pointer()`) comes back from load_snapshot. Call between turns, not mid-generation."""
     path = Path(path)
-    memory = getattr(engine, "memory", None)
-    if memory is not None and memory.tokens:
-        log.warning("the snapshot does not carry the recall memory yet: its %d tokens stay with this session only",
-                    memory.tokens)
     tensors: dict[str, torch.Tensor] = {f"cache.{k}": v.to("cpu") for k, v in engine.cache.state().items()}
     led = engine.ledger
     tensors["ledger.ids"] = torch.tensor(led.ids, dtype=torch.int64)
@@ -122,13 +120,40 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
         "extra": extra or {},
     }
     try:
-        header = json.dumps(head, ensure_ascii=False)
+        json.dumps(extra or {})
     except (TypeError, ValueError) as e:
         raise SnapshotError(f"snapshot extra is not JSON-able: {e}") from None
+    folder = _save_memory(engine, path, head, tensors)
+    header = json.dumps(head, ensure_ascii=False)
     meta = {"format": MAGIC, "version": str(FORMAT_VERSION), "header": header, "sha256": _digest(header, tensors)}
-    _atomic_save(tensors, meta, path)
+    try:
+        _atomic_save(tensors, meta, path)
+    except BaseException:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+    if getattr(engine, "memory", None) is not None:
+        persist.prune(path, folder.name if folder is not None else None)
     log.info("snapshot %s: %d tokens in cache, %d messages", path, engine.cache.length, len(engine.conv.messages))
     return path
+
+
+def _save_memory(engine: Any, path: Path, head: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path | None:
+    """The recall memory's state into `head` / `tensors` and its segments into a new folder beside `path`."""
+    memory = getattr(engine, "memory", None)
+    if memory is None:
+        return None
+    folder = persist.new_folder(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mem_head, mem_tensors = persist.save(memory, folder)
+    except (OSError, persist.MemoryStateError) as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise SnapshotError(f"cannot save the recall memory beside {path}: {getattr(e, 'strerror', None) or e}"
+                            ) from None
+    head["memory"] = mem_head
+    tensors.update({f"memory.{k}": v.to("cpu") for k, v in mem_tensors.items()})
+    return folder
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> None:
@@ -214,6 +239,7 @@ def load_snapshot(engine: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
     head, tensors = _read(path)
     _check_fits(engine, head, path)
     state = _decode(engine, head, tensors, path)
+    state.memory = _prepare_memory(engine, head, tensors, path)
     _commit(engine, state)
     head["path"] = str(path)
     log.info("loaded snapshot %s: %d tokens, %d messages", path, state.cache.length, len(state.messages))
@@ -234,6 +260,23 @@ class _Restored:
     reply_ids: list[int]
     sampling: SamplingConfig
     generator: torch.Generator | None
+    memory: Any = None  # persist.Restored: the saved recall memory, copied into a new store folder
+
+
+def _prepare_memory(engine: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> Any:
+    """The snapshot's recall memory rebuilt beside this session's (None: it has none, or this session runs
+    without one); SnapshotError, nothing touched, if it does not fit."""
+    memory, saved = getattr(engine, "memory", None), head.get("memory")
+    if saved is None or memory is None:
+        if saved is not None and saved.get("blocks"):
+            log.warning("the snapshot's recall memory (%d blocks) is not loaded: this session runs with --memory off",
+                        len(saved["blocks"]))
+        return None
+    mem = {k[len("memory."):]: v for k, v in tensors.items() if k.startswith("memory.")}
+    try:
+        return persist.prepare(memory, saved, mem, path)
+    except (persist.MemoryStateError, KeyError, TypeError, ValueError) as e:
+        raise SnapshotError(f"{path}: {e}") from None
 
 
 def _check_fits(engine: Any, head: dict[str, Any], path: Path) -> None:
@@ -291,8 +334,10 @@ def _commit(engine: Any, st: _Restored) -> None:
     engine.last_logits, engine.last_reply_ids = st.logits, st.reply_ids
     engine.sampling, engine.generator = st.sampling, st.generator
     memory = getattr(engine, "memory", None)
-    if memory is not None:  # what it holds belongs to the conversation that was here, not to the loaded one
+    if memory is not None and st.memory is not None:
+        persist.commit(memory, st.memory, engine.cache)
+    elif memory is not None:  # what it holds belongs to the conversation that was here, not to the loaded one
         memory.clear(engine.cache)
         if st.ledger.evicted:
-            log.warning("the loaded session's %d evicted tokens are not in the recall memory: snapshots do not "
-                        "carry it yet", st.ledger.evicted)
+            log.warning("the loaded session's %d evicted tokens are not in the recall memory: it was saved "
+                        "without one", st.ledger.evicted)

@@ -1,0 +1,106 @@
+"""Snapshots carry the recall memory (sinkchat/memory/persist.py): a loaded or resumed session recalls exactly what
+the saved one would have, a damaged or missing memory folder is refused before anything changes, and the folders of
+earlier saves go."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fakes import tiny_model
+from sinkchat.store.snapshot import SnapshotError, load_snapshot, save_snapshot
+from test_memory import IDS, engine, memory
+
+
+def _run(eng: Any, ids: list[int]) -> list[torch.Tensor]:
+    out = []
+    for t in ids:  # one token a call: the memory keeps its choice for `every` calls, which the snapshot must carry
+        list(eng.feed_ids([t]))
+        out.append(eng.last_logits.clone())
+    return out
+
+
+@pytest.mark.parametrize("at", [61, 66])  # two points of the choice's 8-call cycle
+def test_a_loaded_session_continues_exactly_as_the_saved_one(tmp_path: Path, at: int) -> None:
+    model = tiny_model("llama", layers=2, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a"))
+    list(eng.feed_ids(IDS[:48]))
+    _run(eng, IDS[48:at])
+    assert eng.memory.blocks >= 2 and eng.memory.queue
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    want = _run(eng, IDS[at:150])
+    other = engine(model, memory(model, tmp_path / "b"))
+    list(other.feed_ids(IDS[100:130]))  # a session with a memory of its own, replaced by the load
+    load_snapshot(other, snap)
+    got = _run(other, IDS[at:150])
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert other.memory.index_ids == eng.memory.index_ids
+    assert other.ledger.evicted == other.memory.tokens + other.memory.forgotten
+
+
+def test_a_missing_or_damaged_memory_folder_is_refused_and_nothing_changes(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a"))
+    list(eng.feed_ids(IDS[:70]))
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    folder = next(tmp_path.glob("s.memory-*"))
+    seg = sorted(folder.glob("seg-*.mem"))[0]
+    other = engine(model, memory(model, tmp_path / "b"))
+    list(other.feed_ids(IDS[80:130]))
+    before = (list(other.ledger.ids), other.memory.index_ids[:], other.memory.tokens, other.memory.store.root)
+    data = seg.read_bytes()
+    seg.write_bytes(data[: len(data) // 2])  # cut: a block listed past the end
+    with pytest.raises(SnapshotError, match="short|outside"):
+        load_snapshot(other, snap)
+    seg.write_bytes(b"X" * 8 + data[8:])  # the first record's header overwritten
+    with pytest.raises(SnapshotError, match="no block 0 where it says"):
+        load_snapshot(other, snap)
+    seg.write_bytes(data)
+    folder.rename(folder.with_name("elsewhere"))
+    with pytest.raises(SnapshotError, match="missing"):
+        load_snapshot(other, snap)
+    assert (list(other.ledger.ids), other.memory.index_ids, other.memory.tokens, other.memory.store.root) == before
+    assert other.memory.store.root.is_dir() and len(list(tmp_path.glob("b-*"))) == 0  # no stray store folders
+
+
+def test_saving_again_replaces_the_memory_folder_and_a_memory_off_session_says_it_left_it(
+        tmp_path: Path, caplog: Any) -> None:
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a"))
+    list(eng.feed_ids(IDS[:70]))
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    first = {p.name for p in tmp_path.glob("s.memory-*")}
+    list(eng.feed_ids(IDS[70:100]))
+    save_snapshot(eng, snap)
+    second = {p.name for p in tmp_path.glob("s.memory-*")}
+    assert len(first) == len(second) == 1 and first != second
+    folder = tmp_path / second.pop()
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in folder.iterdir())
+    off = engine(model, None)
+    with caplog.at_level("WARNING"):
+        load_snapshot(off, snap)
+    assert off.ledger.ids == eng.ledger.ids
+    assert any("recall memory" in r.message and "--memory off" in r.message for r in caplog.records)
+
+
+def test_save_then_load_through_the_cli_carries_the_memory(tmp_path: Path) -> None:
+    """The real CLI on the bundled model, memory on, a cache small enough that the first message is evicted into
+    the memory: /save, then --load gives the same next reply, and the snapshot's memory folder holds its blocks."""
+    from test_resume import run_chat
+
+    mem = ["--memory", "on", "--memory-block", "8", "--format", "jsonl"]
+    story = ("My locker code is 4417 and my cat is called Pixel. " + "The weather report said rain again. " * 12)
+    a = run_chat(mem, f"{story}\nName a color.\n/save snapm\nWhat is my locker code?\n", tmp_path)
+    assert a.returncode == 0, a.stderr[-1500:]
+    folders = list((tmp_path / "snapshots").glob("snapm.memory-*"))
+    assert len(folders) == 1 and list(folders[0].glob("seg-*.mem"))
+    b = run_chat(mem + ["--load", "snapm"], "What is my locker code?\n", tmp_path)
+    assert b.returncode == 0, b.stderr[-1500:]
+    want = [json.loads(ln)["answer"] for ln in a.stdout.splitlines()][-1]
+    assert json.loads(b.stdout.splitlines()[-1])["answer"] == want and want.strip()
+    assert "not in the recall memory" not in b.stderr
