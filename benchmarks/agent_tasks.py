@@ -15,6 +15,7 @@ input files a task changed or removed (issue 28: a copy task overwrote notes.txt
     python benchmarks/agent_tasks.py                     # constrained (default), all tasks
     python benchmarks/agent_tasks.py --no-constrain      # the same, unconstrained
     python benchmarks/agent_tasks.py --only 1-10,31      # a subset
+    python benchmarks/agent_tasks.py --only 43-48 --memory on   # tasks that need an earlier task's result
 """
 
 from __future__ import annotations
@@ -130,6 +131,14 @@ def tasks(f: dict[str, object]) -> list[Task]:
              file_is("units.txt", str(sum(units)))),
         Task("What port is set in config.json?", has(8443)),
         Task("Which host is set in config.json?", has("example.com")),
+        # issue 30: tasks that need an earlier task (run as one sequence, e.g. --only 43-48): each task starts from
+        # a fresh cache region, so only the recall memory (--memory on) can bring the earlier one back
+        Task("What is the launch code in docs/readme.md?", has("BLUE-42")),
+        Task("What is 37 times 43?", has(37 * 43)),
+        Task("Write the launch code you found two tasks ago to recall.txt.", file_is("recall.txt", "BLUE-42")),
+        Task("My favourite colour is teal. How many lines does docs/todo.txt have?", has(3)),
+        Task("What is 1250 divided by 5?", has(250)),
+        Task("Which favourite colour did I tell you two tasks ago?", has("teal")),
     ]
 
 
@@ -196,6 +205,8 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--cache", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--memory", choices=("on", "off"), default="off",
+                    help="the recall memory (earlier tasks recallable: the tasks 43-48)")
     args = ap.parse_args()
     from sinkchat.apps.agent.agent import Agent
     from sinkchat.apps.agent.tools.toolbox import build_default_tools
@@ -208,7 +219,7 @@ def main() -> int:
     facts = make_workspace(ws)
     all_tasks = tasks(facts)
     settings = build_settings({"temperature": args.temperature, "max_tokens": args.max_tokens,
-                               "cache_size": args.cache, "seed": 0})
+                               "cache_size": args.cache, "seed": 0, "memory": args.memory})
     engine = open_engine(settings, system=None)
     agent = Agent(engine, build_default_tools(ws), ws, constrain=not args.no_constrain)
     print(f"{'#':>3} {'steps':>5} {'valid':>5} {'failed':>6} {'result':>7} {'verif':>5}  task")

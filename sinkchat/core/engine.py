@@ -167,6 +167,17 @@ class Engine:
             self._forgotten = []
         return events
 
+    def set_aside(self, length: int) -> list[EvictionEvent | ForgottenEvent]:
+        """Take slots >= `length` out of the window into the recall memory (an agent's finished task, before the
+        next one starts from the same cache state): counted and shown as an eviction, so the tokens stay
+        recallable and accounted for. Without a memory, nothing to keep them in: use `cache.truncate`."""
+        if self.memory is None:
+            raise RuntimeError("set_aside keeps tokens in the recall memory: the engine has none")
+        n = self.cache.length - length
+        events = self._evict(Eviction(length, n)) if n > 0 else []
+        self.memory.hold_queue()
+        return events
+
     def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
         with deferred_sigint():

@@ -51,7 +51,7 @@ def save(memory: Any, folder: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     head = {
         "version": VERSION, "block": memory.B, "topk": memory.topk, "layers": memory.layers,
         "next_id": memory.next_id, "forgotten": memory.forgotten, "since": memory.since,
-        "after_chunk": memory.after_chunk, "q_pos": memory.q_pos, "chosen": memory.chosen,
+        "after_chunk": memory.after_chunk, "q_pos": memory.q_pos, "chosen": memory.chosen, "held": memory.held,
         "born": {str(b): t for b, t in memory.born.items()},
         "blocks": [[bid, w.segment, w.offset, w.size, w.first, w.last, w.n] for bid, w in store.where.items()],
         "segments": {str(s): n for s, n in store.sizes.items()}, "current": store.current,
@@ -182,7 +182,7 @@ def commit(memory: Any, r: Restored, cache: Any) -> None:
     memory.store, memory.index, memory.queue, memory.queries = r.store, r.index, r.queue, r.queries
     memory.slices.clear()
     memory.next_id, memory.forgotten, memory.q_pos = int(h["next_id"]), int(h["forgotten"]), int(h["q_pos"])
-    memory.since, memory.after_chunk = int(h["since"]), bool(h["after_chunk"])
+    memory.since, memory.after_chunk, memory.held = int(h["since"]), bool(h["after_chunk"]), int(h.get("held", 0))
     memory.chosen = [[int(b) for b in c] for c in h["chosen"]]
     if int(h["topk"]) != memory.topk:  # another top-k: choose again at the next call
         memory.since = memory.every

@@ -68,6 +68,7 @@ class RecallMemory:
         self.since = 0  # single-token calls since the last choice
         self.after_chunk = False  # the last call was a chunk: the next single token chooses with its queries
         self.forgotten = 0  # tokens reported forgotten, all reasons
+        self.held = 0  # queued tokens at the queue's front not attended: set aside (`hold_queue`), not the window's
         self.born: dict[int, float] = {}  # block id -> wall time it was stored (its tokens' age)
         self.recalled: dict[int, int] = {}  # block id -> most layers it was in at one call, since `take_recalled`
 
@@ -148,6 +149,7 @@ class RecallMemory:
             else:
                 self.queue[0] = (k[:, :, m:], v[:, :, m:], i[m:], a[m:], s[m:])
             need -= m
+        self.held = max(0, self.held - n)
         keys = torch.cat(ks, 2)
         keys = self._rotate(keys, position - torch.tensor(slots, dtype=torch.int64)).to(keys.dtype)
         block = Block(self.next_id, np.array(abs_, np.int64), np.array(ids, np.int32),
@@ -186,6 +188,14 @@ class RecallMemory:
     def _forgot(self, n: int, first: int, last: int, reason: str) -> ForgottenEvent:
         self.forgotten += n
         return ForgottenEvent(n, first, last, reason)
+
+    def hold_queue(self) -> None:
+        """The queued tokens were set aside, not slid out of the window (an agent's finished task): they stop being
+        attended as the window's continuation and wait to be recalled as part of a block like any other. Why: the
+        queue is attended because it is what slid out just before the window; a set-aside tail is not (the next
+        task starts from the checkpoint). Measured on agent_tasks 43-48 (bundled model): the same answers either
+        way, so this is for the rule's sake, not a measured gain."""
+        self.held = self.queued
 
     # ------------------------------------------------------------------------------------------ call side
     def observe(self, queries: torch.Tensor, position: int) -> None:
@@ -247,14 +257,14 @@ class RecallMemory:
     def _fill(self, layers: list[Any], chosen: list[list[int]], position: int) -> int:
         """Write the queue and each layer's chosen blocks into its region (each part only where it changed);
         returns the slots attended. The queue first, then the blocks in stream order, ending at the stream."""
-        q, k = self.queued, len(chosen[0])
+        q, k, h = self.queued - self.held, len(chosen[0]), self.held
         used = q + k * self.B
         qkey = (position, used, self.next_id, q)
         if q and self.queue_placed != qkey:
-            keys = torch.cat([e[0] for e in self.queue], 2)  # [M, H_kv, q, D] at their slots
-            slots = torch.tensor([s for e in self.queue for s in e[4]], dtype=torch.int64)
+            keys = torch.cat([e[0] for e in self.queue], 2)[:, :, h:]  # [M, H_kv, q, D] at their slots
+            slots = torch.tensor([s for e in self.queue for s in e[4]][h:], dtype=torch.int64)
             keys = self._rotate(keys, position - slots).to(keys.dtype)
-            values = torch.cat([e[1] for e in self.queue], 2)
+            values = torch.cat([e[1] for e in self.queue], 2)[:, :, h:]
             for i, layer in enumerate(layers):
                 layer.keys[0, :, layer.base - used : layer.base - used + q] = keys[i]
                 layer.values[0, :, layer.base - used : layer.base - used + q] = values[i]
@@ -286,7 +296,7 @@ class RecallMemory:
         self.index.clear()
         self.slices.clear()
         self.queue, self.queries = [], None
-        self.born, self.recalled = {}, {}
+        self.born, self.recalled, self.held = {}, {}, 0
         self.placed = [() for _ in self.layers]
         self.queue_placed = ()
         self.chosen = [[] for _ in self.layers]

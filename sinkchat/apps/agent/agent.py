@@ -114,6 +114,7 @@ class Agent:
         per_task = self.fresh_tasks and hasattr(self.engine, "cache")  # examples ordered for each task (rewound)
         if self.fresh_tasks:
             self.checkpoint.restore(self.engine)
+            yield from self.checkpoint.events  # the earlier task set aside into the recall memory
         if not self.primed:
             self.primed = not per_task
             for role, text in examples_for(task) if per_task else FEW_SHOT:

@@ -1,0 +1,47 @@
+"""An agent's earlier tasks stay recallable with the memory on: each task still starts from the checkpoint's cache
+(`apps/agent/checkpoint.py`), but the finished task is set aside into the recall memory (an eviction) instead of
+dropped, so every token stays in the window, the memory, or a `forgotten` event."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fakes import tiny_model
+from sinkchat.apps.agent.checkpoint import TaskCheckpoint
+from sinkchat.core.events import EvictionEvent
+from test_memory import IDS, engine, memory
+
+
+def test_a_finished_task_goes_to_the_memory_and_the_next_one_starts_from_the_checkpoint(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m"))
+    list(eng.feed_ids(IDS[:12]))  # the system prompt and examples
+    cp = TaskCheckpoint()
+    assert not cp.restore(eng)  # the first task records the checkpoint
+    start = eng.cache.length
+    list(eng.feed_ids(IDS[12:35]))  # task 1: 23 tokens, all still in the window
+    task1 = list(eng.ledger.abs_index[start:])
+    assert eng.ledger.evicted == 0
+    assert cp.restore(eng)
+    assert eng.cache.length == start and eng.ledger.abs_index == list(range(start))
+    assert [e.count for e in cp.events if isinstance(e, EvictionEvent)] == [23]
+    held = sorted({int(a) for b in eng.memory.index_ids for a in eng.memory.store.read(b).abs_index}
+                  | {a for e in eng.memory.queue for a in e[3]})
+    assert held == task1 and eng.ledger.evicted == eng.memory.tokens == 23
+    list(eng.feed_ids(IDS[35:45]))  # task 2: new stream indices after task 1's, and task 1 recallable
+    assert eng.ledger.abs_index[start:] == list(range(35, 45))
+    assert eng.memory.chosen[0] and eng.memory.held == eng.memory.queued == 7
+    assert eng.cache.layers[0].used == 8 * len(eng.memory.chosen[0])  # blocks only: task 1's tail is not the
+    # window's continuation, so it is not attended as one (it waits to be recalled in a block)
+    assert cp.restore(eng) and eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten == 33
+
+
+def test_without_the_memory_a_finished_task_is_rolled_back_as_before(tmp_path: Path) -> None:
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, None)
+    list(eng.feed_ids(IDS[:12]))
+    cp = TaskCheckpoint()
+    cp.restore(eng)
+    list(eng.feed_ids(IDS[12:35]))
+    assert cp.restore(eng) and not cp.events
+    assert eng.cache.length == 12 and eng.ledger.evicted == 0 and eng.ledger.seen == 12
