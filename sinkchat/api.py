@@ -50,13 +50,14 @@ class EngineState:
     last_reply_ids: list[int] = field(default_factory=list)
     reply_turn: bool = False
     generator: Any = None
+    memory: Any = None  # the conversation's own recall memory (None: the engine runs without one)
 
 
 def capture(engine: Any) -> EngineState:
     """The engine's current conversation as a state (the engine keeps using the same objects until `install`)."""
     led = {f.name: getattr(engine.ledger, f.name) for f in fields(engine.ledger)}
     return EngineState(engine.cache, engine.cache_cfg, led, engine.conv, engine.last_logits,
-                       list(engine.last_reply_ids), engine.reply_turn, engine.generator)
+                       list(engine.last_reply_ids), engine.reply_turn, engine.generator, engine.memory)
 
 
 def install(engine: Any, state: EngineState) -> None:
@@ -67,6 +68,7 @@ def install(engine: Any, state: EngineState) -> None:
         setattr(engine.ledger, k, v)
     engine.last_logits, engine.last_reply_ids = state.last_logits, list(state.last_reply_ids)
     engine.reply_turn, engine.generator = state.reply_turn, state.generator
+    engine.memory = state.memory
 
 
 def fresh_state(engine: Any, system: str | None) -> EngineState:
@@ -77,8 +79,19 @@ def fresh_state(engine: Any, system: str | None) -> EngineState:
 
     empty = Ledger()
     led = {f.name: getattr(empty, f.name) for f in fields(empty)}
-    return EngineState(engine.new_cache(engine.cache_cfg.capacity), engine.cache_cfg, led,
-                       Conversation(engine.tokenizer, system), None, [], False, None)
+    cache = engine.new_cache(engine.cache_cfg.capacity)
+    memory = None
+    if engine.memory is not None:  # a memory of its own: another conversation's evicted tokens never come back
+        memory = engine.memory.sibling()
+        memory.attach(cache)
+    return EngineState(cache, engine.cache_cfg, led, Conversation(engine.tokenizer, system), None, [], False, None,
+                       memory)
+
+
+def release(state: EngineState) -> None:
+    """A conversation that is over: its recall memory's folder goes (a snapshot of it keeps its own copy)."""
+    if state.memory is not None:
+        state.memory.close()
 
 
 # ------------------------------------------------------------------------------------------------ session

@@ -373,15 +373,6 @@ def test_a_loaded_snapshot_recalls_its_own_conversation_and_never_the_one_it_rep
     assert recalled and recalled <= kept  # only the loaded session's own tokens come back
 
 
-def test_serve_refuses_memory_until_sessions_carry_their_own(tmp_path: Path) -> None:
-    from click.testing import CliRunner
-
-    from sinkchat.cli import main
-
-    res = CliRunner().invoke(main, ["serve", "--memory", "on", "--port", "0"])
-    assert res.exit_code == 2 and "does not take --memory on yet" in res.output
-
-
 def test_the_index_keeps_its_rows_in_block_order_through_growth_and_removals() -> None:
     """Appends past the capacity (doubling, compacting), the oldest removed (the front moves), one from the
     middle: the scores stay those of a plain list of the same blocks, in the same order."""

@@ -348,3 +348,38 @@ def test_api_key_and_host_guard():
     out = subprocess.run([sys.executable, "-m", "sinkchat", "serve", "--host", "0.0.0.0"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "give --api-key" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sessions_keep_their_own_recall_memory_through_a_kill_9(tmp_path):
+    """--memory on: each session evicts into a memory of its own (its figures add up: evicted == held + forgotten),
+    a stateless request's memory goes with it, and a server killed -9 and restarted continues a session with its
+    memory as it was written through."""
+    model = save_tiny_chat_model(tmp_path / MODEL)
+    home = tmp_path / "home"
+    mem = ("--memory", "on", "--memory-block", "8", "--cache", "64")
+    proc, url = start_server(model, home, *mem)
+    try:
+        a = [{"role": "user", "content": "alpha " * 60}]
+        b = [{"role": "user", "content": "beta gamma " * 50}]
+        ra, rb = post(url, {"model": MODEL, "messages": a}, "m-a").json(), post(url, {"model": MODEL, "messages": b},
+                                                                                "m-b").json()
+        post(url, {"model": MODEL, "messages": a})  # stateless
+        fa, fb = (httpx.get(f"{url}/v1/sessions/{s}").json() for s in ("m-a", "m-b"))
+        for f in (fa, fb):
+            assert f["evicted"] > 0 and f["memory"]["tokens"] + f["memory"]["forgotten"] == f["evicted"]
+        assert fa["memory"] != fb["memory"]
+        assert len([d for d in (home / "memory").iterdir()]) == 3  # the idle one, m-a's and m-b's; not the stateless
+    finally:
+        proc.kill()
+        proc.wait(15)
+    proc, url = start_server(model, home, *mem)
+    try:
+        a += [{"role": "assistant", "content": ra["choices"][0]["message"]["content"]},
+              {"role": "user", "content": "and?"}]
+        r2 = post(url, {"model": MODEL, "messages": a}, "m-a").json()
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == ra["usage"]["total_tokens"]
+        m2 = r2["x_sinkchat"]["memory"]
+        assert m2["tokens"] >= fa["memory"]["tokens"] > 0  # brought back from its snapshot, then grown
+        assert m2["tokens"] + m2["forgotten"] == r2["x_sinkchat"]["evicted"]
+    finally:
+        stop(proc)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,13 @@ class RecallMemory:
         """The memory of a model: over its global layers (all of a non-hybrid model's), each with its RoPE."""
         layers = list(spec.global_layers)
         return cls(cfg, layers, [spec.inv_freq(i) for i in layers], spec.n_heads, spec.n_kv, spec.head_dim, root)
+
+    def sibling(self) -> "RecallMemory":
+        """An empty memory like this one (settings, layers, RoPE) in a store folder of its own beside this one's:
+        another conversation's (a `serve` session) on the same model."""
+        root = self.store.root.with_name(f"{self.store.root.name}-{secrets.token_hex(4)}")
+        return type(self)(self.cfg, self.layers, self.inv_freqs, self.n_heads, self.n_kv, self.head_dim, root,
+                          self.reps, self.every)
 
     # ------------------------------------------------------------------------------------------ what it holds
     @property

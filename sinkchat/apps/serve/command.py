@@ -58,9 +58,6 @@ def serve_command(host: str, port: int, api_key: str | None, system: str | None,
         if not is_local(host) and not api_key:
             raise ConfigError(f"--host {host} would expose the server beyond this machine: give --api-key too")
         settings = build_settings(opts)
-        if settings.memory.on:  # one RecallMemory per engine: sessions swapped through it would read each other's
-            raise ConfigError("sinkchat serve does not take --memory on yet: its sessions would share one recall "
-                              "memory; serve keeps each session's own cache without it")
         _serve(settings, host, port, api_key, system, session_dir or data_dir() / "serve" / "sessions",
                max_sessions, max_queue, max_body, no_log)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sinkchat.api import EngineState, capture, fresh_state, install
+from sinkchat.api import EngineState, capture, fresh_state, install, release
 from sinkchat.apps.serve.requests import ApiError, Msg
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ class SessionStore:
         """Capture the active conversation (its counters moved on) and put the idle one back."""
         if self.active is not None:
             self.active.state = capture(self.engine)
+            if self.active.sid is None:  # a stateless request's conversation is over
+                release(self.active.state)
             self.active = None
         install(self.engine, self.idle)
 
@@ -136,6 +138,8 @@ class SessionStore:
         sess = self.ram.get(sid)
         disk = p.stat().st_mtime_ns if p.is_file() else 0
         if sess is None or disk > sess.mtime:
+            if sess is not None:  # another server wrote it since: the copy here goes
+                release(sess.state)
             sess = self._load(sid, p, disk) if disk else self._new(sid, system)
             self.ram[sid] = sess
         self.ram.move_to_end(sid)
@@ -143,6 +147,7 @@ class SessionStore:
             old_id, old = self.ram.popitem(last=False)
             if old.log is not None:
                 old.log.close()
+            release(old.state)  # its memory lives on in its snapshot's folder
             log.info("session %s dropped from RAM (its snapshot stays on disk)", old_id)
         return sess
 
@@ -172,8 +177,10 @@ class SessionStore:
 
     def reset(self, sess: ServeSession, system: str | None) -> None:
         """Start the session's conversation over (a new system prompt or tools, nothing evicted yet)."""
+        old = sess.state
         sess.state = fresh_state(self.engine, system)
         install(self.engine, sess.state)
+        release(old)
         sess.history, sess.marks = [], {0: mark(self.engine)}
 
     def save(self, sess: ServeSession) -> None:
@@ -182,7 +189,9 @@ class SessionStore:
 
         evicted = self.engine.ledger.evicted
         sess.marks = {i: m for i, m in sess.marks.items() if m.evicted == evicted}
-        if sess.sid is None:
+        if sess.sid is None:  # a stateless request is over: its conversation (and memory) goes now
+            if sess is self.active:
+                self._park()
             return
         extra = {EXTRA_KEY: {"key": sess.key, "history": [msg_to_json(m) for m in sess.history],
                              "evictions": sess.evictions, "requests": sess.requests, "log_id": sess.log_id},
@@ -196,6 +205,10 @@ class SessionStore:
             if sess.log is not None:
                 sess.log.close()
                 sess.log = None
+            if sess is not self.active:
+                release(sess.state)
+        if self.active is not None:
+            release(capture(self.engine))
 
     def status(self, sid: str) -> dict[str, Any] | None:
         """GET /v1/sessions/{id}: the session's figures, from RAM or from its file's header."""
@@ -223,4 +236,11 @@ def figures(sess: ServeSession, st: EngineState) -> dict[str, Any]:
     return {"id": sess.sid, "object": "session", "in_ram": True, "cache_len": int(st.cache.length),
             "capacity": int(cfg.capacity), "sinks": int(cfg.n_sink), "policy": cfg.policy,
             "evicted": int(st.ledger["evicted"]), "evictions": sess.evictions, "messages": len(sess.history),
-            "requests": sess.requests, "seen": int(st.ledger["seen"]), "sink_share": sess.gauge}
+            "requests": sess.requests, "seen": int(st.ledger["seen"]), "sink_share": sess.gauge,
+            **({"memory": memory_figures(st.memory)} if st.memory is not None else {})}
+
+
+def memory_figures(memory: Any) -> dict[str, int]:
+    """The session's recall memory: what it holds, what it had to forget, its bytes on disk."""
+    return {"blocks": memory.blocks, "tokens": memory.tokens, "forgotten": memory.forgotten,
+            "disk_bytes": memory.disk_bytes}
