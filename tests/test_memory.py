@@ -470,3 +470,22 @@ def test_event_lines_say_where_evicted_tokens_went_and_why_forgotten_ones_left()
         "⟂ forgotten 64 tokens [4,68) (over the memory budget)"
     assert "could not write" in eviction_line(ForgottenEvent(64, 4, 68, "disk"))
     assert "checksum" in eviction_line(ForgottenEvent(64, 4, 68, "damaged"))
+
+
+def test_clear_counts_what_the_memory_held_and_a_cleared_memory_recalls_at_most_k(tmp_path: Path) -> None:
+    """A /clear drops the memory's tokens as forgotten (the ledger counted them evicted), and a memory with no
+    queries yet over a cache that then evicts many blocks at once recalls its k newest, never more (the region
+    holds k blocks: more once crashed the fill)."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m"), chunk=36)
+    list(eng.feed_ids(IDS[:100]))
+    held = eng.memory.tokens
+    assert held > 0
+    eng.clear()
+    assert eng.memory.tokens == 0 and eng.memory.forgotten == held
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+    list(eng.feed_ids(IDS[:36]))
+    eng.memory.queries = None  # as after a clear over a cache that holds tokens (/forget, /memory on)
+    list(eng.feed_ids(IDS[36:72]))  # one chunk that evicts 4 blocks before the call
+    assert eng.memory.blocks > 2 and all(len(c) == 2 for c in eng.memory.chosen)
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten

@@ -93,3 +93,42 @@ def test_chat_under_a_pty(tmp_path: Path):
     child.close()
     assert child.exitstatus == 0
     assert "Traceback" not in scr.text
+
+
+def test_chat_with_the_recall_memory_under_a_pty(tmp_path: Path):
+    """Issue 30: the toolbar's memory field, the recall line after a reply and /recall's text, on a terminal.
+    A fact given first, then enough text to push it out of a 192-token cache into the memory (blocks of 16)."""
+    exe = shutil.which("sinkchat") or str(Path(sys.executable).parent / "sinkchat")
+    cache_dir = "/tmp/sc-cache" if Path("/tmp/sc-cache").is_dir() else "/tmp/sc-cache-test"
+    env = dict(os.environ, SINKCHAT_CACHE_DIR=cache_dir, SINKCHAT_HOME=str(tmp_path), TERM="xterm-256color",
+               COLUMNS="160", LINES="50", OMP_WAIT_POLICY="PASSIVE")
+    args = ["--cache", "192", "--max-tokens", "8", "--temperature", "0", "--memory", "on", "--memory-block", "16"]
+    child = pexpect.spawn(exe, args, env=env, dimensions=(50, 160), encoding="utf-8", codec_errors="replace",
+                          timeout=30)
+    scr = Screen(child)
+    try:
+        scr.wait(r">>> ", timeout=240)
+        scr.wait(r"mem 0 blk · 0 tok · 0 B", timeout=10)  # on from the start, empty
+        child.send("My locker code is 4417. " + "The grass is green and the sky is blue. " * 30 + "\r")
+        mark = len(scr.text)
+        scr.wait(r"⟂ evicted \d+ tokens \[\d+,\d+\) to memory", timeout=120, start=mark)
+        line = scr.wait(r"↺ recalled (\d+) blocks?: tokens [\d,]+–[\d,]+.*? ago", timeout=120, start=mark)
+        at = mark + line.end()  # the toolbar drawn with the next prompt, after the recall line
+        tb = scr.wait(r"mem (\d+) blk · ([\d,]+) tok · [\d.]+ \w+", timeout=20, start=at)
+        blocks, tokens = int(tb.group(1)), int(tb.group(2).replace(",", ""))
+        assert blocks >= 1 and 16 * blocks <= tokens < 16 * (blocks + 1)  # whole blocks plus a queue under one
+        assert int(line.group(1)) <= blocks
+        child.send("/recall\r")
+        mark = len(scr.text)
+        scr.wait(r"the last reply read \d+ blocks? from the memory:", timeout=20, start=mark)
+        scr.wait(r"block 0 · tokens [\d,]+–[\d,]+ · \d+ s ago · in \d+/30 layers", timeout=20, start=mark)
+        scr.wait(r"locker code is 4417", timeout=20, start=mark)  # the first block's text, read back from disk
+        child.send("/bye\r")
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
+    child.close()
+    assert child.exitstatus == 0
+    assert "Traceback" not in scr.text
+    assert not list((tmp_path / "memory").glob("*/*"))  # the session's memory went with it

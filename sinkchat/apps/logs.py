@@ -113,6 +113,9 @@ def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
         parts.append(f"{len(evs)} evictions, {sum(e['count'] for e in evs)} tokens evicted")
     if gone:
         parts.append(f"{sum(e['count'] for e in gone)} tokens forgotten by the recall memory")
+    recalls = [e for e in data.get("events", []) if e["kind"] == "recalled"]
+    if recalls:
+        parts.append(f"{len(recalls)} replies read the recall memory")
     in_turns = sum(t["tokens"] for t in data["turns"])
     if s.get("tokens_counted") and s["tokens"] >= in_turns:
         parts.append(f"{s['tokens']} tokens processed: {in_turns} in the turns, {s['tokens'] - in_turns} between them")
@@ -142,7 +145,10 @@ def _tool_line(tc: dict[str, Any], markdown: bool) -> str:
 
 
 def _event_line(ev: dict[str, Any], markdown: bool) -> str:
-    """A slash command with its outcome, or the error text the agent fed back to the model."""
+    """A slash command with its outcome, or the error text the agent fed back to the model; what a reply read from
+    the recall memory ('recalled') as a line like an eviction's, where it happened among them."""
+    if ev["kind"] == "recalled":
+        return f"\n> *recalled* {ev['text']}" if markdown else f"  <recalled {ev['text']}>"
     detail = f" -> {ev['detail']}" if ev.get("detail") else ""
     if markdown:
         return f"\n> *{ev['kind']}*: `{ev['text']}`{detail}"

@@ -214,8 +214,8 @@ class RecallMemory:
     def choose(self, position: int) -> list[list[int]]:
         """Per memory layer, the ids of its top-k blocks in stream order (all of them while there are <= k)."""
         ids = self.index.ids
-        if len(ids) <= self.topk or self.queries is None:
-            return [list(ids) for _ in self.layers]
+        if len(ids) <= self.topk or self.queries is None:  # no queries yet (a memory opened or cleared over a
+            return [list(ids[-self.topk :]) for _ in self.layers]  # cache that holds tokens): the newest k blocks
         dt = torch.float64 if self.queries.dtype == torch.float64 else torch.float32
         q = self._rotate(self.queries.to(dt)[:, :, None], torch.tensor([self.q_pos - position]))[:, :, 0]  # [M, H, D]
         q = q.reshape(len(self.layers), self.n_kv, self.n_heads // self.n_kv, self.head_dim).sum(2)  # [M, H_kv, D]
@@ -297,8 +297,11 @@ class RecallMemory:
         except StoreError as e:
             raise StoreError(str(e), bid) from None
 
-    def clear(self, cache: Any | None = None) -> None:
-        """Drop everything (a /clear): the store's files too; counted as cleared by the ledger, not forgotten."""
+    def clear(self, cache: Any | None = None) -> int:
+        """Drop everything (a /clear, /forget): the store's files too. What it held is counted forgotten (the
+        ledger counted it evicted: `ledger.evicted == tokens + forgotten` still holds); returns how many tokens."""
+        dropped = self.tokens
+        self.forgotten += dropped
         self.store.close(remove=True)
         self.store = BlockStore(self.store.root, self.store.budget)
         self.index.clear()
@@ -311,6 +314,7 @@ class RecallMemory:
         if cache is not None:
             for i in self.layers:
                 cache.layers[i].used = 0
+        return dropped
 
     def close(self) -> None:
         """The session is over: its memory goes (files included)."""

@@ -90,10 +90,12 @@ def spans(memory: Any) -> list[tuple[int, int, int]]:
 def forget(memory: Any, cache: Any = None, reason: str = "/forget") -> list[ForgottenEvent]:
     """Drop everything the memory holds (its files too), reported: one `ForgottenEvent` per run of consecutive
     stream indices, counted in `memory.forgotten`, so `ledger.evicted == memory.tokens + memory.forgotten` still
-    holds (a /clear, by contrast, drops the window too and counts nothing). The memory stays on: what is evicted
+    holds (as a /clear does, which drops the window too). The memory stays on: what is evicted
     from now on goes to it as before."""
     events = [ForgottenEvent(n, first, last, reason) for first, last, n in spans(memory)]
-    n = memory.tokens
-    memory.clear(cache)
-    memory.forgotten += n
+    queries, q_pos = memory.queries, memory.q_pos
+    memory.clear(cache)  # counts what it held as forgotten
+    if cache is not None and cache.length:  # the conversation goes on: keep choosing with its last queries
+        memory.queries, memory.q_pos = queries, q_pos
     return events
+

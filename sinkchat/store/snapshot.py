@@ -338,6 +338,7 @@ def _commit(engine: Any, st: _Restored) -> None:
         persist.commit(memory, st.memory, engine.cache)
     elif memory is not None:  # what it holds belongs to the conversation that was here, not to the loaded one
         memory.clear(engine.cache)
+        memory.forgotten = st.ledger.evicted  # the loaded session's evictions: in no memory
         if st.ledger.evicted:
             log.warning("the loaded session's %d evicted tokens are not in the recall memory: it was saved "
                         "without one", st.ledger.evicted)

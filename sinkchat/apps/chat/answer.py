@@ -29,6 +29,7 @@ class TurnResult:
     done: DoneEvent | None = None
     interrupted: bool = False
     error: str | None = None
+    recalled: list[dict[str, Any]] | None = None  # blocks the turn read from the recall memory (None: memory off)
 
     @property
     def finish_reason(self) -> str:
@@ -46,4 +47,6 @@ class TurnResult:
                                "prompt_tokens": self.prompt_tokens, "prefill_seconds": round(self.prefill_seconds, 4)}
         if self.error is not None:
             rec["error"] = self.error
+        if self.recalled is not None:
+            rec["recalled"] = self.recalled
         return rec

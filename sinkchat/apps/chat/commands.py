@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
 from prompt_toolkit.document import Document
 
-from sinkchat.apps.chat import session
+from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.host import ChatHost
 from sinkchat.apps.render import eviction_line, stats_table
 from sinkchat.config import POLICIES, ConfigError, SamplingConfig
@@ -48,7 +48,7 @@ def cmd_help(loop: ChatHost, arg: str) -> None:
 
 
 def cmd_stats(loop: ChatHost, arg: str) -> None:
-    loop.r.table(stats_table(loop.stats()))
+    loop.r.table(stats_table(loop.stats(), recall.stats_rows(loop)))
 
 
 def _reconfigure(loop: ChatHost, **changes: Any) -> str:
@@ -138,12 +138,17 @@ def cmd_set(loop: ChatHost, arg: str) -> str | None:
 
 
 def cmd_clear(loop: ChatHost, arg: str) -> str:
-    """Empty the cache. Cleared tokens are not evictions: no event is folded, so the eviction figures stay."""
+    """Empty the cache (and the recall memory, which held the same conversation). Cleared tokens are not
+    evictions: no event is folded, so the eviction figures stay."""
     n = loop.engine.cache.length
+    mem = loop.engine.memory
+    held = mem.tokens if mem is not None else 0
     loop.engine.clear()
     loop.metrics.gauge = None  # it measured a cache that is gone; the next reply measures again
-    loop.r.info(f"cache and conversation cleared ({n} tokens dropped, not counted as evicted)")
-    return f"cache and conversation cleared ({n} tokens dropped)"
+    loop.last_recalled = []
+    also = f"; the recall memory's {held:,} tokens too" if held else ""
+    loop.r.info(f"cache and conversation cleared ({n} tokens dropped, not counted as evicted{also})")
+    return f"cache and conversation cleared ({n} tokens dropped{also})"
 
 
 def cmd_evictions(loop: ChatHost, arg: str) -> None:
@@ -213,6 +218,11 @@ COMMANDS: dict[str, Command] = {
     "/set": Command(cmd_set, "/set KEY VALUE", f"sampling: {', '.join(SET_KEYS)}", tuple(SET_KEYS)),
     "/clear": Command(cmd_clear, "/clear", "empty the cache and start over"),
     "/evictions": Command(cmd_evictions, "/evictions", "recent eviction events"),
+    "/recall": Command(recall.cmd_recall, "/recall [all]", "the text of the memory blocks the last reply read",
+                       ("all",)),
+    "/forget": Command(recall.cmd_forget, "/forget", "drop what the recall memory holds (asks first)", ("yes",)),
+    "/memory": Command(recall.cmd_memory, "/memory [on|off]", "the recall memory: its figures, or turn it on / off",
+                       ("on", "off")),
     "/save": Command(cmd_save, "/save NAME|FILE.json", "snapshot the session incl. KV cache (or a JSON transcript)",
                      paths=True),
     "/load": Command(cmd_load, "/load NAME|FILE.json", "restore a snapshot (or replay a JSON transcript)", paths=True),

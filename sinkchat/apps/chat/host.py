@@ -22,8 +22,13 @@ class ChatHost(Protocol):
     slog: Any  # a SessionLog, or a NullLog with --no-log
     auto_snapshot: Any  # an AutoSnapshot with --snapshot-every, else None
     interactive: bool
+    settings: Any  # the run's Settings (what /memory on opens a memory with), or None: the defaults
+    last_recalled: list[Any]  # the blocks the last reply read from the recall memory (`report.Recalled`)
+    recall_tally: list[int]  # [replies that read the memory, blocks they read] this session
 
     def stats(self) -> Stats: ...
+
+    def memory_stats(self) -> Any: ...
 
     def turn(self, text: str, log_user: bool = True) -> Any: ...
 

@@ -66,6 +66,7 @@ def make_prompt_session(loop: Any, history_file: Path | None = None) -> Any:
     style = Style.from_dict({
         "bottom-toolbar": "noreverse bg:#202020 #d0d0d0", "toolbar.policy": "bg:#005f87 #ffffff bold",
         "toolbar.kv": "bg:#303030 #87d7ff", "toolbar.evicted": "bg:#303030 #ffaf5f", "toolbar.gauge": "#5fd75f",
+        "toolbar.memory": "bg:#303030 #d7afff",
         "prompt": "bold #5fafff",
     })
     return PromptSession(history=history, key_bindings=kb, completer=SlashCompleter(), complete_while_typing=True,

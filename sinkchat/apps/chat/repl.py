@@ -29,9 +29,10 @@ from sinkchat.apps.chat.commands import Exit, dispatch
 from sinkchat.apps.chat.inputs import (  # noqa: F401 - lines_reader, stream_reader: re-exported for callers
     Reader, lines_reader, make_prompt_session, prompt_reader, stream_reader,
 )
-from sinkchat.apps.chat import session
+from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.loading import logs_after_spinner
 from sinkchat.apps.render import Renderer, live_stats, toolbar_fragments
+from sinkchat.memory import report
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ChatLoop:
 
     def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
                  interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
-                 auto_snapshot: Any = None) -> None:
+                 auto_snapshot: Any = None, settings: Any = None) -> None:
         from sinkchat.store.sessionlog import NullLog
 
         self.engine = engine
@@ -56,12 +57,29 @@ class ChatLoop:
         self.interactive = interactive
         self._model_nbytes = model_bytes(engine.model)
         self._deferred: list[EvictionEvent | ForgottenEvent] | None = None  # evictions of the turn under way
+        self.settings = settings  # what /memory on opens a memory with (None: the defaults)
+        self.last_recalled: list[Any] = []  # blocks the last reply read from the recall memory (/recall)
+        self.recall_tally = [0, 0]  # replies that read the memory, blocks they read
+        self._memory_stats: Any = None
         if self.r.stats is None:
             self.r.stats = self.stats
+        self.r.memory = self.memory_stats
 
     def stats(self) -> Stats:
         """What the toolbar, the status line and /stats show; eviction figures from `self.metrics` alone."""
         return live_stats(self.engine, self.metrics, self._model_nbytes)
+
+    def memory_stats(self) -> Any:
+        """The recall memory's figures (`report.MemoryStats`), None when it is off. Read from the live status's
+        thread too, while the engine may be adding a block: a reading that fails gives the last one."""
+        mem = self.engine.memory
+        if mem is None:
+            return None
+        try:
+            self._memory_stats = report.stats(mem)
+        except Exception:  # noqa: BLE001 - a dict changed size mid-read: the previous figures stand
+            pass
+        return self._memory_stats
 
     def toolbar(self) -> list[tuple[str, str]]:
         try:
@@ -70,7 +88,7 @@ class ChatLoop:
             width = get_app().output.get_size().columns
         except Exception:  # noqa: BLE001 - no running app (tests): full width
             width = 200
-        return toolbar_fragments(self.stats(), width)
+        return toolbar_fragments(self.stats(), width, self.memory_stats())
 
     # ------------------------------------------------------------------------------------------- events
     def on_event(self, ev: Event) -> None:
@@ -121,6 +139,7 @@ class ChatLoop:
                           else "message cut while being fed: the part already fed stays (it had evicted older tokens)")
             self.r.end_reply(res.done, res.interrupted, unsent)
             self._show_turn_evictions()
+            res.recalled = recall.show_after_reply(self)
         self.r.answer(res.record())
         self.r.status(self.stats())
         if res.interrupted and self.exit_on_interrupt:
@@ -187,6 +206,7 @@ class ChatLoop:
             self.metrics.fold(ev)
             if isinstance(ev, (EvictionEvent, ForgottenEvent)) and not quiet:
                 self.r.eviction(ev)
+        recall.take(self)  # what feeding it read is no reply's: the next reply's report starts here
         return eng.ledger.seen - before
 
     def handle(self, line: str) -> None:
@@ -286,7 +306,9 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
 @click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="text", show_default=True,
               help="text: replies as plain text; jsonl: one JSON object per message line read (keys: question, "
-                   "answer, tokens, finish_reason, seconds, prompt_tokens, prefill_seconds; error if it failed)")
+                   "answer, tokens, finish_reason, seconds, prompt_tokens, prefill_seconds; error if it failed; "
+                   "with --memory on, recalled: the memory blocks the turn read, each block, first, last (the stream "
+                   "range [first, last)), age_seconds, layers, of)")
 @click.option("--separator", default=None, metavar="LINE",
               help="text format: print LINE on a line of its own after every answer (e.g. '---'), so answers "
                    "spanning several lines can be split")
@@ -326,7 +348,7 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
 
             auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
-                        auto_snapshot=auto)
+                        auto_snapshot=auto, settings=settings)
         with _sigterm_exits() as closing:
             try:
                 _start(loop, load_name, resume_id, interactive, stdin)

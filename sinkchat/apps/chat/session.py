@@ -106,6 +106,10 @@ def do_resume(loop: ChatHost, session_id: int) -> None:
 
     replayed: list[Event] = []
     res = resume_session(loop.engine, loop.slog, session_id, on_event=replayed.append)
+    if loop.engine.memory is not None:  # what the replay read is no reply's: the next reply's report starts here
+        from sinkchat.memory.report import take_recalled
+
+        take_recalled(loop.engine.memory)
     restore_evictions(loop.metrics, res.extra)
     for ev in replayed:
         loop.metrics.fold(ev)
