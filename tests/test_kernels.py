@@ -18,69 +18,26 @@ reference.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import re
 import threading
 from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from kernel_helpers import SIMD, bits, check_work_buffer, lib as _lib, on, simd  # noqa: F401  (simd: the fixture)
+from kernel_helpers import q4_case as _q4_case
 from sinkchat.kernels import abi, native, variants
 
 I, P = ctypes.c_int, ctypes.c_void_p
 
 
-def _lib(variant: str) -> Any:
-    reason = native.unsupported(variant)
-    if reason:
-        pytest.skip(f"{variant} kernels: {reason}")
-    lib = native.library(variant)
-    assert lib is not None, f"the {variant} kernels did not load: {native.load_error(variant)}"
-    return lib
-
-
-def simd_variants() -> list[str]:
-    """The SIMD variants to test: all of this machine's architecture (each skips where the CPU lacks it; neon on x86
-    runs under qemu in tests/test_neon.py), and avxvnni_evex where that stands in for avxvnni (the CPU has AVX-512
-    VNNI, not AVX-VNNI)."""
-    out = [v for v in native.SIMD if abi.ARCH[v] == variants.machine()]
-    if native.lacks("avxvnni") and not native.lacks("avxvnni_evex"):
-        out.append("avxvnni_evex")
-    return out
-
-
-SIMD = simd_variants()
-
-
-@pytest.fixture(params=SIMD)
-def simd(request: pytest.FixtureRequest) -> str:
-    """Each SIMD variant in turn (skipped where the CPU lacks it; the reference must load too)."""
-    _lib(request.param)
-    _lib("ref")
-    return request.param
-
-
 @pytest.fixture
 def both(simd: str) -> tuple[Any, Any]:
     return _lib(simd), _lib("ref")
-
-
-@contextlib.contextmanager
-def on(variant: str) -> Iterator[None]:
-    prev = native.use(variant)
-    try:
-        yield
-    finally:
-        native.use(prev)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits (NaNs compare equal by payload, -0 differs from +0)."""
-    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
 
 
 # ---- build and handshake ---------------------------------------------------------------------------------------
@@ -231,36 +188,17 @@ def test_a_file_without_the_handshake_is_not_loaded(tmp_path):
 
 
 # ---- work buffers ------------------------------------------------------------------------------------------------
-def _q4_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (n, k), generator=g)
-    scale = torch.rand(n, k // 32, generator=g) * 0.05 + 0.001
-    zero = torch.randn(n, k // 32, generator=g) * 0.05
-    return native.pack_q4(q, scale, zero)
-
-
 @pytest.mark.parametrize("variant", native.VARIANTS)
 @pytest.mark.parametrize("m", [1, 5])
 def test_the_c_side_checks_the_work_buffer_and_allocates_only_without_one(variant, m):
-    lib = _lib(variant)
+    library = _lib(variant)
     n, k = 48, 96
-    qw, sw = _q4_case(n, k)
     x = torch.randn(m, k)
-    need = lib.sc_q4_work(m, k, 1)  # one thread's scratch: the least a kernel takes
-    assert need >= m * k  # the int8 activations at least
-    buf = torch.empty(need + 64, dtype=torch.uint8)
-    outs = []
-    for work, size in [(None, 0)] + [(buf.data_ptr() + off, need) for off in (0, 1, 17, 63)]:  # any alignment
-        y = torch.full((m, n), float("nan"))
-        assert lib.q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), None, y.data_ptr(), work, size) == 0
-        outs.append(y)
-    assert all(torch.equal(o, outs[0]) for o in outs)
-    y = torch.empty(m, n)
-    assert lib.q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), None, y.data_ptr(), buf.data_ptr(),
-                         need - 1) == -2  # SC_EWORK
-    hw, ws = native.pack_q8(torch.randint(-127, 128, (32, k), dtype=torch.int8)), torch.rand(32)
-    assert lib.q8_matmul(x.data_ptr(), m, k, 32, hw.data_ptr(), ws.data_ptr(), y.data_ptr(), buf.data_ptr(),
-                         lib.sc_q8_work(m, k, 1) - 1) == -2
+    check_work_buffer(library, "q4", x, n, *_q4_case(n, k), least=m * k)  # the int8 activations at least
+    hw, ws, y = native.pack_q8(torch.randint(-127, 128, (32, k), dtype=torch.int8)), torch.rand(32), torch.empty(m, 32)
+    buf = torch.empty(library.sc_q8_work(m, k, 1), dtype=torch.uint8)
+    assert library.q8_matmul(x.data_ptr(), m, k, 32, hw.data_ptr(), ws.data_ptr(), y.data_ptr(), buf.data_ptr(),
+                             buf.numel() - 1) == -2
 
 
 def test_no_kernel_allocates_but_where_it_was_given_no_buffer():
@@ -299,7 +237,7 @@ def test_the_activation_quantizer_is_bit_exact(simd):
     a = native.quantize_activations(x, simd)
     b = native.quantize_activations(x, "ref")
     for u, v in zip(a, b):
-        assert torch.equal(_bits(u), _bits(v))
+        assert torch.equal(bits(u), bits(v))
     assert a[0][3, 33:63].tolist() == [round(k + 0.5) for k in range(-16, 14)]  # Python's round: to even too
 
 
@@ -316,7 +254,7 @@ def test_q4_matmul_is_bit_exact(simd, n, k, m, bias):
     with on("ref"):
         y_ref = native.q4_matmul(x, qw, sw, b)
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(_bits(y_simd), _bits(y_ref))
+    assert torch.equal(bits(y_simd), bits(y_ref))
 
 
 @pytest.mark.parametrize("variant", native.VARIANTS)
@@ -339,7 +277,7 @@ def test_q8_matmul_is_bit_exact(simd, m):
         y_simd = native.q8_matmul(x, hw, scale)
     with on("ref"):
         y_ref = native.q8_matmul(x, hw, scale)
-    assert torch.equal(_bits(y_simd), _bits(y_ref))
+    assert torch.equal(bits(y_simd), bits(y_ref))
 
 
 @pytest.mark.parametrize("layout", ["table", "q8g", "q8k"])
@@ -374,7 +312,7 @@ def test_8bit_weights_at_the_extremes_are_exact(simd, layout, m):
     with on("ref"):
         y_ref = run()
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 1000
-    assert torch.equal(_bits(y), _bits(y_ref))
+    assert torch.equal(bits(y), bits(y_ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -395,7 +333,7 @@ def test_the_eviction_is_bit_exact(simd, dtype, rot, head_dim, rerotate):
             assert native.kv_evict(k, v, 4, 9, 40, None if cs is None else (cs, sn))
         out.append((k, v))
     for a, b in zip(out[0], out[1]):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
     assert not torch.equal(out[0][0], keys)
 
 
@@ -451,7 +389,7 @@ def test_every_simd_attention_has_the_avx512_bits(simd, dtype):
         for pos in (0, 15, 16, 37, 79):
             a, b = _attend(_lib(simd), m, q, keys, values, pos), _attend(wide, m, q, keys, values, pos)
             for x, y in zip(a, b):
-                assert torch.equal(_bits(x), _bits(y)), (head_dim, pos)
+                assert torch.equal(bits(x), bits(y)), (head_dim, pos)
 
 
 def test_every_simd_decode_step_has_the_avx512_bits(simd):
@@ -475,8 +413,8 @@ def test_every_simd_decode_step_has_the_avx512_bits(simd):
     (a, ca), (b, cb) = runs
     for t, (oa, ob) in enumerate(zip(a, b)):
         for name, x, y in zip(("logits", "queries", "gauge"), oa, ob):
-            assert torch.equal(_bits(x), _bits(y)), (t, name)
-    assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(ca, cb))
+            assert torch.equal(bits(x), bits(y)), (t, name)
+    assert all(torch.equal(bits(x), bits(y)) for x, y in zip(ca, cb))
 
 
 @pytest.mark.parametrize("kind,tied", [("llama", True), ("qwen2", False)])

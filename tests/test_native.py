@@ -16,6 +16,7 @@ from fakes import WordTokenizer, stream_logits as _stream, tiny_model
 from sinkchat.decode import select
 from sinkchat.model.spec import ModelSpec
 from sinkchat.model import int4
+from kernel_helpers import NATIVE, best_kernels  # noqa: F401  (the fixture: every test on the best variant)
 from sinkchat.kernels import native
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
@@ -24,15 +25,7 @@ from sinkchat.core.events import GaugeEvent
 # Skip only where no kernels can exist (no C compiler): a library that fails to build fails these tests. They run on
 # the best variant the CPU has (`native.best()`), or on the scalar reference where it has none (no AVX2); tests/
 # test_kernels.py holds every SIMD variant to the reference.
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_variant():
-    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
-    yield
-    native.use(prev)
+pytestmark = [NATIVE, pytest.mark.usefixtures("best_kernels")]
 
 
 def _linear(n: int, k: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:

@@ -22,25 +22,18 @@ from fakes import WordTokenizer, stream_logits as _stream
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.decode import select
+from kernel_helpers import NATIVE, best_kernels  # noqa: F401  (the fixture: every test on the best variant)
 from sinkchat.kernels import native
 from sinkchat.model import int4
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.spec import ModelSpec
 
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
+pytestmark = [NATIVE, pytest.mark.usefixtures("best_kernels")]
 
 SCORE_STD = 3.0  # peaked attention (see fakes.tiny_model): a wrong position, mask or scale moves logits by O(0.1)
 SHAPE = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              num_hidden_layers=3, intermediate_size=256, max_position_embeddings=512, tie_word_embeddings=False,
              bos_token_id=1, eos_token_id=2)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_variant():
-    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
-    yield
-    native.use(prev)
 
 
 def build(kind: str, seed: int = 0, **kw: Any) -> Any:

@@ -27,24 +27,17 @@ from sinkchat.core.engine import Engine
 from sinkchat.core.hybrid_cache import HybridKVCache, WindowLayer
 from sinkchat.decode import select
 from sinkchat.decode.native_step import why_not
+from kernel_helpers import NATIVE, best_kernels, on  # noqa: F401  (the fixture: every test on the best variant)
 from sinkchat.kernels import native
 from sinkchat.model.spec import ModelSpec
 from test_native_archs import mixed, pack
 
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
+pytestmark = [NATIVE, pytest.mark.usefixtures("best_kernels")]
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, max_position_embeddings=512, query_pre_attn_scalar=24)  # scale 24^-0.5, not head_dim's
 S, F = "sliding_attention", "full_attention"
 IDS = [(37 * i + 3) % 127 + 1 for i in range(110)]  # 12 prefilled, 98 one at a time through 40 slots
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_variant():
-    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
-    yield
-    native.use(prev)
 
 
 def gemma(arch: str, types: list[str], window: int = 8, seed: int = 0) -> Any:
@@ -176,31 +169,20 @@ def test_the_simd_step_agrees_with_the_reference_kernels(case):
     simd = _simd()
     engs = {}
     for variant in (simd, "ref"):
-        with _on(variant):
+        with on(variant):
             engs[variant] = engines(model)[1]
             list(engs[variant].feed_ids(IDS[:12]))
     close = []
     for tok in IDS[12:]:
         _copy_cache(engs[simd], engs["ref"])
         for variant, eng in engs.items():
-            with _on(variant):
+            with on(variant):
                 list(eng.feed_ids([tok]))
         diff = float((engs[simd].last_logits - engs["ref"].last_logits).abs().max())
         close.append(diff)
         _older_slots_identical(engs["ref"], engs[simd])
     assert engs[simd].ledger.evicted > 40 and max(close) < 4e-2, close
     assert sum(c < 1e-5 for c in close) >= 0.9 * len(close), close
-
-
-class _on:
-    def __init__(self, variant: str) -> None:
-        self.variant = variant
-
-    def __enter__(self) -> None:
-        self.prev = native.use(self.variant)
-
-    def __exit__(self, *exc: object) -> None:
-        native.use(self.prev)
 
 
 def test_what_the_native_step_declines_it_says_in_one_line():

@@ -26,19 +26,12 @@ from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.cache_policy import chunk_sizes
 from sinkchat.core.engine import Engine
 from sinkchat.decode import select
+from kernel_helpers import NATIVE, SIMD, best_kernels, bits, on  # noqa: F401  (best_kernels: the fixture)
 from sinkchat.kernels import native
 
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
+pytestmark = [NATIVE, pytest.mark.usefixtures("best_kernels")]
 
 IDS = [(37 * i + 3) % 120 + 1 for i in range(90)]  # 90 tokens through a 40-slot cache: evictions between chunks
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _kernel_variant():
-    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
-    yield
-    native.use(prev)
 
 
 def engines(model: Any, kv: str, chunk: int, **kw: Any) -> tuple[Engine, Engine]:
@@ -192,27 +185,20 @@ def _threaded_runs(model: Any, kv: str) -> list[tuple[torch.Tensor, list[torch.T
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_the_prefill_is_bit_identical_at_any_thread_count(kv):
     import test_native
-    from test_threads import _bits
 
     model = test_native._native_model("qwen2", True, **test_native.WIDE)  # 6 heads on 2 kv heads, a tied table
     same_as_the_decode_step(model, kv, 36, 0)  # the tied int8 table in C: logits bit for bit too
     runs = _threaded_runs(model, kv)
     for logits, cache in runs[1:]:
-        assert torch.equal(_bits(logits), _bits(runs[0][0]))
+        assert torch.equal(bits(logits), bits(runs[0][0]))
         for x, y in zip(cache, runs[0][1]):
-            assert torch.equal(_bits(x), _bits(y))
-
-
-def _simd_variants() -> list[str]:
-    from test_kernels import SIMD
-
-    return SIMD
+            assert torch.equal(bits(x), bits(y))
 
 
 MQA = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=1, intermediate_size=128)  # G >= SC_TILE
 
 
-@pytest.mark.parametrize("variant", _simd_variants())
+@pytest.mark.parametrize("variant", SIMD)
 @pytest.mark.parametrize("shape", ["D64", "D128", "MQA"])
 @pytest.mark.parametrize("kv", ["float32", "bfloat16"])
 def test_every_simd_prefill_attends_in_tiles_with_the_decode_steps_bits(variant, shape, kv):
@@ -222,10 +208,7 @@ def test_every_simd_prefill_attends_in_tiles_with_the_decode_steps_bits(variant,
     query heads on one kv head (and 32 on one: a tile a row), chunks of up to 36 rows (tiles of up to 9 and 12 rows)
     over a 40-slot cache (two slot blocks, the second partial; odd and even slot counts)."""
     import test_native
-    from test_kernels import on
 
-    if native.unsupported(variant):
-        pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
     model = test_native._native_model("llama", True, **(MQA if shape == "MQA" else getattr(test_native, shape)))
     with on(variant):
         same_as_the_decode_step(model, kv, 36, 0)  # the tied int8 table in C: logits bit for bit too

@@ -1,12 +1,14 @@
-"""The neon variant (csrc/matmul_neon.c, matmul_neon_k.c, attend_neon.c), cross-compiled for aarch64 and run under
-qemu-aarch64 against the x86 libraries in this process: slow (a minute of compiling and emulation), and skipped only
-where the tools are absent (aarch64-linux-gnu-gcc with its libc headers, qemu-aarch64).
+"""The neon variant (csrc/matmul_neon.c, matmul_neon_k.c, rows_neon.h, attend_neon.c), cross-compiled for aarch64
+and run under qemu-aarch64 against the x86 libraries in this process: slow (a minute of compiling and emulation),
+and skipped only where the tools are absent (aarch64-linux-gnu-gcc with its libc headers, qemu-aarch64).
 
 tests/neon_harness.c loads the neon library in the emulator and makes the very calls this test makes in-process on
 the reference: the handshake (ABI, variant, every struct size and Model offset), the activation quantizer, the SiLU, every
 matmul layout (one row, a few, past the prefill passes, with and without bias, the 8-bit extremes), the eviction,
 and at 3 threads again. All bit-exact to ref.c; attention bit-exact to the avx512 variant (attend_neon.c does its
-lanes and add tree in 128-bit registers) where this CPU has it, and within 4e-6 of ref.c in any case.
+lanes and add tree in 128-bit registers) where this CPU has it, and within 4e-6 of ref.c in any case; the prefill's
+attention tiles (hidden in the library: the harness links attend_neon.c itself) bit-identical to each query's own
+attention.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from kernel_helpers import bits, k_case, k_pack, q4_case, q8g_case
 from sinkchat.kernels import abi, native
 
 pytestmark = pytest.mark.slow
@@ -104,8 +107,10 @@ def neon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     lib = tmp / "sinkchat-neon.so"
     err = abi.build(GCC, "neon", lib)
     assert err is None, err
-    harness = tmp / "harness"
-    subprocess.run([GCC, "-O1", "-o", str(harness), str(Path(__file__).parent / "neon_harness.c"), "-ldl"], check=True)
+    harness = tmp / "harness"  # with attend_neon.c in it, built as the library builds it (its tiles are hidden there)
+    flags = [f for f in abi.CFLAGS["neon"] if f != "-shared"]
+    subprocess.run([GCC, *flags, "-I", str(abi.CSRC), "-o", str(harness), str(Path(__file__).parent / "neon_harness.c"),
+                    str(abi.CSRC / "attend_neon.c"), "-ldl", "-lm"], check=True)
 
     def run(calls: Calls) -> list[tuple[int, list[Any]]]:
         (tmp / "in.bin").write_bytes(calls.encode())
@@ -117,15 +122,11 @@ def neon(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return run
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
-
-
 def _same(a: list[tuple[int, list[Any]]], b: list[tuple[int, list[Any]]], calls: Calls) -> None:
     for (name, _), (rc_a, bufs_a), (rc_b, bufs_b) in zip(calls.calls, a, b):
         assert rc_a == rc_b, name
         for x, y in zip(bufs_a, bufs_b):
-            assert torch.equal(_bits(x), _bits(y)), name
+            assert torch.equal(bits(x), bits(y)), name
 
 
 def test_the_handshake(neon):
@@ -142,10 +143,6 @@ def test_the_handshake(neon):
 
 
 def _matmul_calls(calls: Calls) -> None:
-    from test_kernels import _q4_case
-    from test_q8g import _case as q8g_case
-    from test_qk import _case as k_case, _pack as k_pack
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(7, 128, generator=g)
     x[0, 3], x[1, :32], x[2, :32], x[4] = 40.0, 0.0, torch.arange(32) - 15.5, x[4] * 1e-30
@@ -158,7 +155,7 @@ def _matmul_calls(calls: Calls) -> None:
         x = torch.randn(m, k, generator=g)
         x[:, 5] = 30.0
         for bias in (None, torch.randn(n, generator=g)):
-            qw, sw = _q4_case(n, k, seed=n + k)
+            qw, sw = q4_case(n, k, seed=n + k)
             calls.add("q4_matmul", x, m, k, n, qw, sw, bias, torch.empty(m, n), None, 0)
             hw, hs = native.pack_q8g(*q8g_case(n, k, seed=n + k + m))
             calls.add("q8g_matmul", x, m, k, n, hw, hs, bias, torch.empty(m, n), None, 0)
@@ -240,4 +237,51 @@ def test_attention_is_the_avx512_variants_bits(neon):
         if native.unsupported("avx512") is None:
             wide = _attend(native.library("avx512"), m, q, keys, values, pos)
             for x, y in zip((out, scores, gauge), wide):
-                assert torch.equal(_bits(x), _bits(y)), (m.head_dim, pos)
+                assert torch.equal(bits(x), bits(y)), (m.head_dim, pos)
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+def _torch_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, scale: float, cap: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    s = (keys[:n].double() @ q.double()) * scale
+    if cap > 0:
+        s = torch.tanh(s / cap) * cap
+    p = torch.softmax(s, 0)
+    return p, p @ values[:n].double()
+
+
+def test_the_prefill_tiles_give_each_query_its_own_attention(neon):
+    """The prefill's attention tiles (attend_v16.h: sc_heads_attend on attend_neon.c's registers) under qemu: each
+    query of a tile bit-identical to sc_head_attend_cap on that query alone (the decode step's attention, which
+    test_attention_is_the_avx512_variants_bits holds to the avx512 bits), and within float rounding of torch. Head
+    dims 64 and 128 (the tiled ones; 48 goes a query at a time), fp32 and bf16 rows, with and without a soft-cap,
+    query lengths across one, two and three 32-slot blocks (odd and even, a 16-slot group split by none)."""
+    calls, cases = Calls(), []
+    ns = torch.tensor([1, 15, 16, 17, 32, 33, 64, 79, 80], dtype=torch.int32)
+    nq, cap = len(ns), 80
+    for dtype in (torch.float32, torch.bfloat16):
+        for d in (48, 64, 128):
+            for softcap in (0.0, 30.0):
+                torch.manual_seed(d + int(softcap))
+                q = torch.randn(nq, d) * 3
+                keys, values = torch.randn(cap, d).to(dtype), torch.randn(cap, d).to(dtype)
+                bf, scale = int(dtype == torch.bfloat16), d**-0.5
+                kv = torch.empty(32 * d + 2 * nq * d)  # kernels.h: sc_tile_floats(D, nq)
+                tile = calls.add("tiles", q, ns, nq, keys, values, bf, _f32_bits(scale), _f32_bits(softcap),
+                                 torch.zeros(nq, cap), cap, torch.empty(nq, d), d, kv)
+                heads = [calls.add("head", q[i], keys, values, int(n), bf, _f32_bits(scale), _f32_bits(softcap),
+                                   torch.empty(int(n)), torch.empty(d), d) for i, n in enumerate(ns)]
+                cases.append((tile, heads, q, keys.float(), values.float(), scale, softcap))
+    got = neon(calls)
+    for tile, heads, q, keys, values, scale, softcap in cases:
+        sc, out = got[tile][1][-3:-1]
+        for i, h in enumerate(heads):
+            n = int(ns[i])
+            h_sc, h_out = got[h][1][-2:]
+            assert torch.equal(bits(sc[i, :n]), bits(h_sc)) and torch.equal(bits(out[i]), bits(h_out)), (i, n)
+            p, o = _torch_attention(q[i], keys, values, n, scale, softcap)
+            torch.testing.assert_close(h_sc.double(), p, rtol=0, atol=4e-6)
+            torch.testing.assert_close(h_out.double(), o, rtol=0, atol=2e-5)

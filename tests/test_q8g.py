@@ -11,40 +11,16 @@ calls (`Int8GLinear.from_values`, `Int4Linear.from_values`, `.rows`).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import pytest
 import torch
 
+from kernel_helpers import NATIVE, SIMD, bits, check_work_buffer, on, simd  # noqa: F401  (simd: the fixture)
+from kernel_helpers import q8g_case as _case
 from sinkchat.kernels import native
-from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
 from sinkchat.model import int4
 from sinkchat.model.int8g import Int8GLinear
 
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
-
-
-@contextlib.contextmanager
-def on(variant: str) -> Iterator[None]:
-    if native.unsupported(variant):
-        pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
-    prev = native.use(variant)
-    try:
-        yield
-    finally:
-        native.use(prev)
-
-
-def _case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q int8 [N, K] over the whole range, d > 0 and m of either sign [N, K/16], all exact fp16 values."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    q[:, 0], q[:, 1] = -128, 127  # the extremes of the +128 storage
-    d = (torch.rand(n, k // 16, generator=g) * 0.02 + 1e-4).half().float()
-    m = (torch.randn(n, k // 16, generator=g) * 0.05).half().float()
-    return q, d, m
+pytestmark = NATIVE
 
 
 def _exact_weights(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -64,10 +40,6 @@ def _integer_model(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.T
     return ((isum * d.double()[None] + m.double()[None] * xh.sum(-1)[:, None]) * dxh[:, None]).sum(-1)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
 # (N, K, M): one row, a few rows, and past the prefill's 128-row pass
 @pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -82,7 +54,7 @@ def test_q8g_matmul_is_bit_exact_against_the_reference(simd, n, k, m, bias):
     with on("ref"):
         y_ref = native.q8g_matmul(x, hw, sw, b)
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(_bits(y_simd), _bits(y_ref))
+    assert torch.equal(bits(y_simd), bits(y_ref))
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -114,19 +86,10 @@ def test_q8g_rows_do_not_leak_into_each_other():
 
 def test_q8g_work_buffer_is_checked():
     with on("ref"):
-        lib = native.library()
+        library = native.library()
     n, k, m = 32, 64, 3
     hw, sw = native.pack_q8g(*_case(n, k))
-    x, y = torch.randn(m, k), torch.empty(m, n)
-    need = lib.sc_q8g_work(m, k, 1)
-    assert need >= m * k + 2 * 4 * m * k // 16  # int8 activations and the per-16 sums at least
-    buf = torch.empty(need + 64, dtype=torch.uint8)
-    args = (x.data_ptr(), m, k, n, hw.data_ptr(), sw.data_ptr(), None, y.data_ptr())
-    assert lib.q8g_matmul(*args, buf.data_ptr() + 1, need - 1) == -2  # SC_EWORK
-    assert lib.q8g_matmul(*args, buf.data_ptr() + 17, need) == 0
-    first = y.clone()
-    assert lib.q8g_matmul(*args, None, 0) == 0  # no buffer: allocated in C
-    assert torch.equal(y, first)
+    check_work_buffer(library, "q8g", torch.randn(m, k), n, hw, sw, least=m * k + 8 * m * k // 16)  # xq, per-16 sums
 
 
 def test_pack_q8g_refuses_what_the_kernel_cannot_take():

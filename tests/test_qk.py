@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,62 +20,19 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 from torch import nn
 
+from kernel_helpers import NATIVE, SIMD, best_kernels, bits, check_work_buffer, on, simd  # noqa: F401  (fixtures)
+# (also tests/test_threads.py's, from here)
+from kernel_helpers import k_case as _case, k_matmul as _matmul, k_pack as _pack  # noqa: F401
 from sinkchat.kernels import native
-from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
 from sinkchat.model import gguf_blocks, gguf_packed, int4
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
 from test_gguf_blocks import random_blocks
 
-pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
-                                reason=f"native kernels: {native.unsupported('ref')}")
+pytestmark = NATIVE
 
 LAYOUTS = ("q4k", "q8k")
 CLASS = {"q4k": Int4KLinear, "q8k": Int8KLinear}
-
-
-@contextlib.contextmanager
-def on(variant: str) -> Iterator[None]:
-    if native.unsupported(variant):
-        pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
-    prev = native.use(variant)
-    try:
-        yield
-    finally:
-        native.use(prev)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _case(layout: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random values over each field's whole range: q, d, dmin [N, K/256] (fp16 values of either sign, one
-    subnormal), sc, mn [N, K/sub]."""
-    g = torch.Generator().manual_seed(seed)
-    s = k // 256
-    d = (torch.randn(n, s, generator=g) * 0.01).half().float()
-    dmin = (torch.randn(n, s, generator=g) * 0.01).half().float()
-    d[0, 0], dmin[-1, -1] = 3e-6, -5e-7  # fp16 subnormals: vcvtph2ps and the reference's h2f agree on them too
-    if layout == "q4k":
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-        sc = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
-        mn = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
-        sc[0, 0], mn[0, 1] = 255, 255  # the byte's extremes
-        return q, d, dmin, sc, mn
-    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-    q[:, 0], q[:, 1] = -128, 127  # the extremes of the +128 storage
-    sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
-    mn = torch.randint(0, 256, (n, k // 16), generator=g, dtype=torch.uint8)
-    return q, d, dmin, sc, mn
-
-
-def _pack(layout: str, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (native.pack_q4k if layout == "q4k" else native.pack_q8k)(*values)
-
-
-def _matmul(layout: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return (native.q4k_matmul if layout == "q4k" else native.q8k_matmul)(x, w, sw, b)
 
 
 def _exact_weights(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
@@ -114,7 +70,22 @@ def test_k_matmuls_are_bit_exact_against_the_reference(simd, layout, n, k, m, bi
     with on("ref"):
         y_ref = _matmul(layout, x, w, sw, b)
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(_bits(y_simd), _bits(y_ref))
+    assert torch.equal(bits(y_simd), bits(y_ref))
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_q8k_without_mins_keeps_the_reference_bits(simd, m):
+    """Q6_K's q8k has dmin 0: there the AVX-512 prefill leaves the m terms out (rows512.h: q8_half0), which must give
+    the reference's bits. Row groups of dmin +0 and -0 between ones with mins, so both paths run in one call."""
+    q, d, dmin, sc, mn = _case("q8k", 80, 512, seed=m)
+    dmin[:16], dmin[32:48] = 0.0, -0.0
+    w, sw = _pack("q8k", q, d, dmin, sc, mn)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    with on(simd):
+        y_simd = _matmul("q8k", x, w, sw, None)
+    with on("ref"):
+        y_ref = _matmul("q8k", x, w, sw, None)
+    assert torch.equal(bits(y_simd), bits(y_ref))
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -149,20 +120,10 @@ def test_k_rows_do_not_leak_into_each_other(layout):
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
 def test_k_work_buffers_are_checked(layout, variant):
     with on(variant):
-        lib = native.library()
+        library = native.library()
     n, k, m = 32, 256, 3
     w, sw = _pack(layout, *_case(layout, n, k))
-    x, y = torch.randn(m, k), torch.empty(m, n)
-    need = getattr(lib, f"sc_{layout}_work")(m, k, 1)
-    assert need >= m * k + 4 * m * k // 32  # the int8 activations and their scales at least
-    buf = torch.empty(need + 64, dtype=torch.uint8)
-    fn = getattr(lib, f"{layout}_matmul")
-    args = (x.data_ptr(), m, k, n, w.data_ptr(), sw.data_ptr(), None, y.data_ptr())
-    assert fn(*args, buf.data_ptr() + 1, need - 1) == -2  # SC_EWORK
-    assert fn(*args, buf.data_ptr() + 17, need) == 0
-    first = y.clone()
-    assert fn(*args, None, 0) == 0  # no buffer: allocated in C
-    assert torch.equal(y, first)
+    check_work_buffer(library, layout, torch.randn(m, k), n, w, sw, least=m * k + 4 * m * k // 32)  # xq, dx at least
 
 
 def test_packing_refuses_what_the_kernels_cannot_take():
@@ -215,9 +176,9 @@ def test_rows_and_dequantized_are_gguf_dequantize_bit_for_bit(qtype):
     np.testing.assert_array_equal(p.dequantize(), want.numpy())
     lin = _linear(p)
     assert lin.layout == p.layout
-    assert torch.equal(_bits(lin.dequantized()), _bits(want))
+    assert torch.equal(bits(lin.dequantized()), bits(want))
     ids = torch.tensor([[0, 47, 5], [16, 16, 31]])
-    assert torch.equal(_bits(lin.rows(ids)), _bits(want[ids]))
+    assert torch.equal(bits(lin.rows(ids)), bits(want[ids]))
     assert lin.rows(torch.tensor(7)).shape == (768,) and lin.rows(torch.tensor([], dtype=torch.long)).shape == (0, 768)
     with pytest.raises(IndexError):
         lin.rows(torch.tensor([48]))
@@ -239,7 +200,7 @@ def test_the_kernels_compute_with_the_files_weights(qtype):
         with on(variant):
             outs.append(lin(x))
         torch.testing.assert_close(outs[-1].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
-    assert all(torch.equal(_bits(o), _bits(outs[-1])) for o in outs)
+    assert all(torch.equal(bits(o), bits(outs[-1])) for o in outs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -285,13 +246,6 @@ def test_the_packed_cache_can_rebuild_them(layout, bias):
 
 # ---- the decode step ---------------------------------------------------------------------------------------------
 K_SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512)
-
-
-@pytest.fixture(scope="module")
-def _kernel_variant():
-    prev = native.use(None if native.unsupported(native.best()) is None else "ref")
-    yield
-    native.use(prev)
 
 
 def _minmax_k(w: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
@@ -348,7 +302,7 @@ def _four(i: int, name: str, lin: nn.Linear) -> nn.Module:
             lambda: to_q8k(lin), lambda: to_q8k(lin, asym=True)][at]()
 
 
-@pytest.mark.usefixtures("_kernel_variant")
+@pytest.mark.usefixtures("best_kernels")
 @pytest.mark.parametrize("weights", ["q4k", "q8k", "q5k"])
 def test_native_step_on_k_quants_matches_the_transformers_forward(weights):
     from test_native_archs import build, compare, pack
@@ -360,7 +314,7 @@ def test_native_step_on_k_quants_matches_the_transformers_forward(weights):
     compare(model)
 
 
-@pytest.mark.usefixtures("_kernel_variant")
+@pytest.mark.usefixtures("best_kernels")
 @pytest.mark.parametrize("kind,kw", [("qwen3", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("qwen2", {})])
 def test_q4_q4k_q8g_q8k_linears_mix_in_one_model(kind, kw):
     """Every layout in one model; Phi-3's fused projections as row-group views of q4k / q8k buffers too."""
@@ -373,7 +327,7 @@ def test_q4_q4k_q8g_q8k_linears_mix_in_one_model(kind, kw):
     compare(model, kv="bfloat16" if kind == "qwen2" else "float32")
 
 
-@pytest.mark.usefixtures("_kernel_variant")
+@pytest.mark.usefixtures("best_kernels")
 def test_k_quant_model_is_close_to_the_float_model_of_its_dequantized_weights():
     """The q4k / q8k weights are the file's; what separates the packed model from a float one holding the same
     weights (transformers' forward on `dequantized()`) is the kernels' int8 activations: small next to the logits."""

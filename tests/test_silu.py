@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
-from test_kernels import simd  # noqa: F401  (the fixture: each SIMD variant in turn)
+from kernel_helpers import simd  # noqa: F401  (the fixture: each SIMD variant in turn)
 
 pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
                                 reason=f"native kernels: {native.unsupported('ref')}")

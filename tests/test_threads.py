@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
-from test_kernels import SIMD, simd  # noqa: F401  (simd: the fixture, each SIMD variant in turn)
+from kernel_helpers import SIMD, k_case, k_matmul, k_pack, q4_case, q8g_case, simd  # noqa: F401  (simd: the fixture)
 
 pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
                                 reason=f"native kernels: {native.unsupported('ref')}")
@@ -75,14 +75,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _matmul(layout: str, n: int, k: int, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> y through random weights of `layout` (N x K), with a bias where the layout takes one."""
-    from test_kernels import _q4_case
-    from test_q8g import _case as q8g_case
-    from test_qk import _case as k_case, _matmul as k_matmul, _pack as k_pack
 
     g = torch.Generator().manual_seed(seed)
     bias = torch.randn(n, generator=g)
     if layout == "q4":
-        qw, sw = _q4_case(n, k, seed)
+        qw, sw = q4_case(n, k, seed)
         return lambda x: native.q4_matmul(x, qw, sw, bias)
     if layout == "q8g":
         hw, sw = native.pack_q8g(*q8g_case(n, k, seed))

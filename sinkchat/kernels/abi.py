@@ -40,9 +40,9 @@ SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: 
 _V256 = ("matmul256.c", "matmul256_k.c", "attend256.c", *SHARED)
 SOURCES = {"avx512": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "avxvnni": _V256, "avx2": _V256,
            "neon": ("matmul_neon.c", "matmul_neon_k.c", "attend_neon.c", *SHARED), "ref": ("ref.c", *SHARED)}
-HEADERS = {"avx512": ("kernels.h", "simd512.h", "attend_v16.h"), "avxvnni": ("kernels.h", "simd256.h", "attend_v16.h"),
-           "avx2": ("kernels.h", "simd256.h", "attend_v16.h"), "neon": ("kernels.h", "simd_neon.h", "attend_v16.h"),
-           "ref": ("kernels.h",)}
+_H256 = ("kernels.h", "simd256.h", "rows256.h", "attend_v16.h")
+HEADERS = {"avx512": ("kernels.h", "simd512.h", "rows512.h", "attend_v16.h"), "avxvnni": _H256, "avx2": _H256,
+           "neon": ("kernels.h", "simd_neon.h", "rows_neon.h", "attend_v16.h"), "ref": ("kernels.h",)}
 VARIANT_ID = {"ref": 0, "avx512": 1, "avx2": 2, "avxvnni": 3, "neon": 4}  # csrc/kernels.h: SC_VARIANT_*
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so the scalar reference and the vector code
 # round at the same places (ref.c) and the tests can hold them bit-exact. -fvisibility=hidden: only SC_API exports.

@@ -14,34 +14,44 @@ static inline __attribute__((always_inline)) v16 dot_row(const float* qh, const 
     return acc;
 }
 
-// Scores (D = 64, 128): 16 slots a round through hsum16, times scale; the rest one by one.
-static inline __attribute__((always_inline)) void head_scores(const float* qh, const void* Kh, int n, int bf,
-                                                              float scale, float* sc, const int DC) {
+// Scores of slots [s0, e) of one query (D = 64, 128), the rows at Kb from slot s0 on (fp32, or bf16 when bf): 16
+// slots a round through hsum16, times scale; the rest one by one, which only the query's last block has (e == n: a
+// tile's block of SC_KVB slots ends on a multiple of 16 otherwise). The decode step's scores are one block of n slots.
+static inline __attribute__((always_inline)) void block_scores(const float* qh, const void* Kb, int bf, int s0, int e,
+                                                               int n, float scale, float* sc, const int DC) {
     const size_t D = (size_t)DC * 16;
-    int s = 0;
-    for (; s + 16 <= n; s += 16) {
+    int s = s0;
+    for (; s + 16 <= e; s += 16) {
         v16 v[16];
-        for (int j = 0; j < 16; j++) v[j] = dot_row(qh, Kh, (s + j) * D, bf, DC);
+        for (int j = 0; j < 16; j++) v[j] = dot_row(qh, Kb, (s - s0 + j) * D, bf, DC);
         v16_store(sc + s, v16_mul(hsum16(v), v16_set1(scale)));
     }
-    for (; s < n; s++) sc[s] = v16_sum(dot_row(qh, Kh, s * D, bf, DC)) * scale;
+    for (; s < e && e == n; s++) sc[s] = v16_sum(dot_row(qh, Kb, (s - s0) * D, bf, DC)) * scale;
 }
 
-// o = sum of p[s] * V[s] (D = 64, 128): even slots into a, odd ones into b (the FMA chains overlap), summed last.
-static inline __attribute__((always_inline)) void head_pv(const float* p, const void* Vh, int n, int bf, float* o,
-                                                          const int DC) {
+// o += p[s] * V[s] over slots [s0, e) (D = 64, 128), the rows at Vb from slot s0 on: even slots into a [DC], odd ones
+// into b (the FMA chains overlap); a last unpaired slot (into a) only in the query's last block (e == n).
+static inline __attribute__((always_inline)) void block_pv(const float* p, const void* Vb, int bf, int s0, int e, int n,
+                                                           v16* a, v16* b, const int DC) {
     const size_t D = (size_t)DC * 16;
-    v16 a[8], b[8];
-    for (int c = 0; c < DC; c++) a[c] = b[c] = v16_set1(0.0f);
-    int s = 0;
-    for (; s + 2 <= n; s += 2) {
+    int s = s0;
+    for (; s + 2 <= e; s += 2) {
         v16 p0 = v16_set1(p[s]), p1 = v16_set1(p[s + 1]);
         for (int c = 0; c < DC; c++) {
-            a[c] = v16_fma(p0, v16_kv(Vh, s * D + 16 * c, bf), a[c]);
-            b[c] = v16_fma(p1, v16_kv(Vh, (s + 1) * D + 16 * c, bf), b[c]);
+            a[c] = v16_fma(p0, v16_kv(Vb, (s - s0) * D + 16 * c, bf), a[c]);
+            b[c] = v16_fma(p1, v16_kv(Vb, (s + 1 - s0) * D + 16 * c, bf), b[c]);
         }
     }
-    for (int c = 0; s < n && c < DC; c++) a[c] = v16_fma(v16_set1(p[s]), v16_kv(Vh, s * D + 16 * c, bf), a[c]);
+    for (int c = 0; s < e && e == n && c < DC; c++)
+        a[c] = v16_fma(v16_set1(p[s]), v16_kv(Vb, (s - s0) * D + 16 * c, bf), a[c]);
+}
+
+// One query's o = sum of p[s] * V[s] over all n slots: one block_pv from zeroed accumulators, a + b last.
+static inline __attribute__((always_inline)) void head_pv(const float* p, const void* Vh, int n, int bf, float* o,
+                                                          const int DC) {
+    v16 a[8], b[8];
+    for (int c = 0; c < DC; c++) a[c] = b[c] = v16_set1(0.0f);
+    block_pv(p, Vh, bf, 0, n, n, a, b, DC);
     for (int c = 0; c < DC; c++) v16_store(o + 16 * c, v16_add(a[c], b[c]));
 }
 
@@ -49,8 +59,8 @@ static inline __attribute__((always_inline)) void head_pv(const float* p, const 
 void sc_head_attend_cap(const float* qh, const void* Kh, const void* Vh, int n, int bf, float scale, float softcap,
                         float* sc, float* o, int D) {
     switch (D) {  // constant chunk counts unroll the loops (accumulators in registers); other D: a chain a slot
-        case 64: head_scores(qh, Kh, n, bf, scale, sc, 4); break;
-        case 128: head_scores(qh, Kh, n, bf, scale, sc, 8); break;
+        case 64: block_scores(qh, Kh, bf, 0, n, n, scale, sc, 4); break;
+        case 128: block_scores(qh, Kh, bf, 0, n, n, scale, sc, 8); break;
         default:
             for (int s = 0; s < n; s++) {
                 v16 acc = v16_set1(0.0f);
@@ -88,35 +98,13 @@ static inline const float* kv_block(const void* base, int s0, int n, int bf, int
     return kv;
 }
 
-// head_scores over the block's slots [s0, e) (e <= s0 + SC_KVB, e <= n), the block's rows at Kb (row 0 = slot s0).
-static inline __attribute__((always_inline)) void block_scores(const float* qh, const float* Kb, int s0, int e, int n,
-                                                               float scale, float* sc, const int DC) {
-    const size_t D = (size_t)DC * 16;
-    int s = s0;
-    for (; s + 16 <= e; s += 16) {
-        v16 v[16];
-        for (int j = 0; j < 16; j++) v[j] = dot_row(qh, Kb, (s - s0 + j) * D, 0, DC);
-        v16_store(sc + s, v16_mul(hsum16(v), v16_set1(scale)));
-    }
-    for (; s < e && e == n; s++) sc[s] = v16_sum(dot_row(qh, Kb, (s - s0) * D, 0, DC)) * scale;
-}
-
-// head_pv over the block's slots [s0, e), its accumulators a | b in st [2][D] before and after.
-static inline __attribute__((always_inline)) void block_pv(const float* p, const float* Vb, int s0, int e, int n,
-                                                           float* st, const int DC) {
+// block_pv of one query of a tile, its accumulators a | b waiting in st [2][D] between blocks.
+static inline __attribute__((always_inline)) void tile_pv(const float* p, const float* Vb, int s0, int e, int n,
+                                                          float* st, const int DC) {
     const size_t D = (size_t)DC * 16;
     v16 a[8], b[8];
     for (int c = 0; c < DC; c++) a[c] = v16_load(st + 16 * c), b[c] = v16_load(st + D + 16 * c);
-    int s = s0;
-    for (; s + 2 <= e; s += 2) {
-        v16 p0 = v16_set1(p[s]), p1 = v16_set1(p[s + 1]);
-        for (int c = 0; c < DC; c++) {
-            a[c] = v16_fma(p0, v16_load(Vb + (s - s0) * D + 16 * c), a[c]);
-            b[c] = v16_fma(p1, v16_load(Vb + (s + 1 - s0) * D + 16 * c), b[c]);
-        }
-    }
-    for (int c = 0; s < e && e == n && c < DC; c++)
-        a[c] = v16_fma(v16_set1(p[s]), v16_load(Vb + (s - s0) * D + 16 * c), a[c]);
+    block_pv(p, Vb, 0, s0, e, n, a, b, DC);
     for (int c = 0; c < DC; c++) v16_store(st + 16 * c, a[c]), v16_store(st + D + 16 * c, b[c]);
 }
 
@@ -132,7 +120,7 @@ static inline __attribute__((always_inline)) void tile_attend(const float* const
         int e = s0 + SC_KVB < top ? s0 + SC_KVB : top;
         const float* Kb = kv_block(Kh, s0, e - s0, bf, D, kv);
         for (int i = 0; i < nq; i++)
-            if (ns[i] > s0) block_scores(qs[i], Kb, s0, e < ns[i] ? e : ns[i], ns[i], scale, sc + i * stride, DC);
+            if (ns[i] > s0) block_scores(qs[i], Kb, 0, s0, e < ns[i] ? e : ns[i], ns[i], scale, sc + i * stride, DC);
     }
     for (int i = 0; i < nq; i++) {
         if (softcap > 0) sc_softcap(sc + i * stride, ns[i], softcap);
@@ -143,7 +131,7 @@ static inline __attribute__((always_inline)) void tile_attend(const float* const
         int e = s0 + SC_KVB < top ? s0 + SC_KVB : top;
         const float* Vb = kv_block(Vh, s0, e - s0, bf, D, kv);
         for (int i = 0; i < nq; i++)
-            if (ns[i] > s0) block_pv(sc + i * stride, Vb, s0, e < ns[i] ? e : ns[i], ns[i], st + (size_t)i * 2 * D, DC);
+            if (ns[i] > s0) tile_pv(sc + i * stride, Vb, s0, e < ns[i] ? e : ns[i], ns[i], st + (size_t)i * 2 * D, DC);
     }
     for (int i = 0; i < nq; i++)
         for (int d = 0; d < D; d += 16) {

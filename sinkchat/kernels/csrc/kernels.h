@@ -315,14 +315,15 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
 // Output row groups [g0, g1) of one linear for activation rows [m0, m0 + mn): when a->M == 1 the one-row (decode)
 // path, else one prefill pass (mn <= sc_lin_pass(type)) with acc this thread's SC_ACC floats. Every output element
 // is computed by the same operations whatever the range, so a split of the groups or passes changes no bit.
-// The layouts' arithmetic, per lane: q4: acc = fmaf(isum, d*dx, acc), then acc = fmaf(m, sx, acc). q8g, per half
-// block h: acc_h = fmaf(isum_h, d_h*dx, acc_h), then acc_h = fmaf(m_h, sx16_h, acc_h), isum_h the exact integer dot;
-// two accumulators (halves 0, 1), summed last. The K-quants (matmul_k.c; ref.c), per 32-block b (sub-block j of
-// super-block b / 8), ds = d*sc_j and dm = dmin*mn_j in fp32 (exact): q4k: acc = fmaf(isum, ds*dx, acc), then
-// acc = fmaf(-dm, sx, acc); q8k: as q8g per half h with its own j, acc_h = fmaf(isum_h, ds*dx, acc_h), then
-// acc_h = fmaf(-dm, sx16_h, acc_h) (the AVX-512 prefill leaves it out where dmin is 0 throughout a row group: the
-// same bits). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
-void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
+// sc_lin_run (linear.c, every build) calls the variant's function for l->type, one per layout. Their arithmetic per
+// lane, one step for all four: per 32-block b (q4, q4k), or per half block h of it (q8g, q8k: an accumulator per half,
+// summed last), acc = fmaf(isum, ds*dx, acc), then acc = fmaf(mt, sx, acc), isum the exact integer dot (q8: less
+// 128 * the block's sum, the +128 storage) and sx the half's sum (sx16). q4, q8g: ds = d, mt = m (fp16). K-quants
+// (sub-block j of super-block b / 8): ds = d*sc_j, mt = -(dmin*mn_j), in fp32 and exact, so the second step is one
+// rounding of acc - dmin*mn_j*sx (the AVX-512 prefill leaves it out where dmin is 0 throughout a row group: the same
+// bits). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
+typedef void sc_run_fn(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
+sc_run_fn sc_lin_run, sc_q4_run, sc_q8g_run, sc_q4k_run, sc_q8k_run, sc_table_run;
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
 // Softmax attention of one query head qh [D] over n rows of Kh / Vh [n][D] (fp32, or bf16 when bf): the

@@ -1,7 +1,7 @@
 // The linears as jobs on the worker pool (shared by every build): quantize the input once, on the calling thread,
 // then split the output row groups (and, for prefill, the row passes) across the threads, each group computed by
-// one thread through the variant's sc_lin_run, which gives every output element the same instructions whatever
-// the split: the result is bit-identical at any thread count (tests/test_threads.py).
+// one thread through sc_lin_run (the variant's kernel for its layout), which gives every output element the same
+// instructions whatever the split: the result is bit-identical at any thread count (tests/test_threads.py).
 //
 // Why output row groups: a group is 16 rows in one 512-bit register, the unit every layout is stored in, so a
 // thread streams whole contiguous blocks of weights and writes its own outputs; nothing is reduced across threads.
@@ -43,6 +43,17 @@ typedef struct {
     float* acc;  // SC_ACC floats per slot (prefill), or NULL
     int nl, G, pass;
 } LinsJob;
+
+// The one dispatch of every build: each variant implements the five layouts' functions (kernels.h).
+void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    switch (l->type) {
+        case SC_LIN_TABLE: sc_table_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q8G: sc_q8g_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q4K: sc_q4k_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q8K: sc_q8k_run(l, a, m0, mn, g0, g1, acc); break;
+        default: sc_q4_run(l, a, m0, mn, g0, g1, acc);
+    }
+}
 
 static void lins_task(void* ctx, int lo, int hi, int slot) {
     const LinsJob* j = ctx;

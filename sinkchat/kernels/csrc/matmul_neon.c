@@ -2,7 +2,7 @@
 // matmul.c (avx512) with each 16-row group as four 4-row registers, every lane ref.c's operations in its order
 // (bit-exact; simd_neon.h). Prefill runs the one-row code row by row: the same bits, none of the x86 prefill's
 // weight reuse (not tuned: no ARM hardware here to measure it on).
-#include "simd_neon.h"
+#include "rows_neon.h"
 
 const int sc_variant_id = SC_VARIANT_NEON;
 
@@ -43,28 +43,6 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
         quant_row(x + (size_t)m * K, K, xq + (size_t)m * K, dx + (size_t)m * nb, sx + (size_t)m * nb);
 }
 
-// ---- q4: row m of the input, row groups g0..g1-1 ----------------------------------------------------------------
-static void q4_row(const sc_xq* xa, int m, int K, int N, int g0, int g1, const sc_q4_block* qw,
-                   const sc_q4_scales* sw, const float* bias, float* y) {
-    int nb = K / QB;
-    const int8_t* xm = xa->xq + (size_t)m * K;
-    const float *dx = xa->dx + (size_t)m * nb, *sx = xa->sx + (size_t)m * nb;
-    for (int g = g0; g < g1; g++) {
-        const sc_q4_block* wg = qw + (size_t)g * nb;
-        const sc_q4_scales* sg = sw + (size_t)g * nb;
-        float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
-        for (int b = 0; b < nb; b++) {
-            int8x16x2_t x = xblock(xm + b * QB);
-            for (int i = 0; i < 4; i++) {
-                float32x4_t isum = vcvtq_f32_s32(q4_dot(wg + b, i, x));
-                acc[i] = vfmaq_f32(acc[i], isum, vmulq_f32(f16x4(sg[b].d + 4 * i), vdupq_n_f32(dx[b])));
-                acc[i] = vfmaq_f32(acc[i], f16x4(sg[b].m + 4 * i), vdupq_n_f32(sx[b]));
-            }
-        }
-        for (int i = 0; i < 4; i++) put4(y + (size_t)m * N, g, i, acc[i], bias);
-    }
-}
-
 // ---- the int8 table: y[m, n] = (x[m] . (w[n] + 128) - corr[m]) * ws[n] (matmul.c: q8_table) ------------------------
 // dot(w + 128, x) = dot(q, x) + 128 * sum(x): both exact integers, so the float the x86 code converts.
 static void q8_table(const sc_xq* xa, int m, int K, int N, int g0, int g1, const sc_q8_block* hw, const float* ws,
@@ -91,41 +69,31 @@ static void q8_table(const sc_xq* xa, int m, int K, int N, int g0, int g1, const
     }
 }
 
-// ---- q8g: per half block k, acc_k + dot(q, x)*(d*dx), then + m*sx16 (ref.c: q8g_run); the halves summed last ------
-static void q8g_row(const sc_xq* xa, const sc_x16* xh, int m, int K, int N, int g0, int g1, const sc_q8_block* hw,
-                    const sc_q8g_scales* sw, const float* bias, float* y) {
-    int nb = K / QB, nh = K / 16;
-    const int8_t* xm = xa->xq + (size_t)m * K;
-    for (int g = g0; g < g1; g++) {
-        const sc_q8_block* wg = hw + (size_t)g * nb;
-        const sc_q8g_scales* sg = sw + (size_t)g * nb;
-        float32x4_t acc[2][4];
-        for (int k = 0; k < 2; k++)
-            for (int i = 0; i < 4; i++) acc[k][i] = vdupq_n_f32(0);
-        for (int b = 0; b < nb; b++) {
-            int8x16x2_t x = xblock(xm + b * QB);
-            float32x4_t dx = vdupq_n_f32(xa->dx[(size_t)m * nb + b]);
-            for (int k = 0; k < 2; k++) {
-                float32x4_t s16 = vdupq_n_f32(xh->sx16[(size_t)m * nh + 2 * b + k]);
-                for (int i = 0; i < 4; i++) {
-                    float32x4_t isum = vcvtq_f32_s32(q8_dot(wg + b, k, i, x.val[k]));
-                    acc[k][i] = vfmaq_f32(acc[k][i], isum, vmulq_f32(f16x4(sg[b].d[k] + 4 * i), dx));
-                    acc[k][i] = vfmaq_f32(acc[k][i], f16x4(sg[b].m[k] + 4 * i), s16);
-                }
-            }
-        }
-        for (int i = 0; i < 4; i++) put4(y + (size_t)m * N, g, i, vaddq_f32(acc[0][i], acc[1][i]), bias);
-    }
+// ---- the layouts' scale-forming steps and run functions (kernels.h), row by row -----------------------------------
+// q4: fp16 d and m per block of 32, rows 4i..4i+3 (span 1: j is 0).
+static inline void q4_scales(const void* sw, size_t t, int j, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + t + j;
+    *ds = f16x4(s->d + 4 * i), *mt = f16x4(s->m + 4 * i);
 }
 
-// kernels.h: row groups [g0, g1) of one linear for rows [m0, m0 + mn), row by row.
-void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+// q8g: fp16 d and m per half block k of 16 (span 1).
+static inline void q8g_scales(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q8g_scales* s = (const sc_q8g_scales*)sw + t + j;
+    *ds = f16x4(s->d[k] + 4 * i), *mt = f16x4(s->m[k] + 4 * i);
+}
+
+void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc;  // every row's accumulators are registers here
-    for (int m = m0; m < m0 + mn; m++) switch (l->type) {
-            case SC_LIN_TABLE: q8_table(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->y); break;
-            case SC_LIN_Q8G: q8g_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y); break;
-            case SC_LIN_Q4K: sc_q4k_run(l, a, m, 1, g0, g1, NULL); break;
-            case SC_LIN_Q8K: sc_q8k_run(l, a, m, 1, g0, g1, NULL); break;
-            default: q4_row(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y);
-        }
+    for (int m = m0; m < m0 + mn; m++) q4_row(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
+}
+
+void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++)
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8g_scales, 1);
+}
+
+void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++) q8_table(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->y);
 }

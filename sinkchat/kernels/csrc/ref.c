@@ -68,11 +68,17 @@ static int32_t q4_dot(const sc_q4_block* wb, int r, const int8_t* xb) {
     return isum;
 }
 
-// Every function below computes the outputs of row groups [g0, g1) for activation rows [m0, m0 + mn) (kernels.h:
-// sc_lin_run), each element by itself, so any split of the rows or groups gives the same bits.
-static void q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1) {
+// Every loop below computes the outputs of row groups [g0, g1) for activation rows [m0, m0 + mn) (kernels.h:
+// sc_lin_run), each element by itself, so any split of the rows or groups gives the same bits. A layout is its
+// family's loop (4-bit nibbles: q4, q4k; 8-bit bytes: q8g, q8k) plus its scale-forming step, as in the SIMD builds
+// (rows512.h): ds and mt of row r for block b (q8: its half h), whose per-lane step is acc = fmaf(isum, ds*dx, acc),
+// then acc = fmaf(mt, sx, acc).
+typedef void (*q4_scales_fn)(const void* sw, int nb, int g, int b, int r, float* ds, float* mt);
+typedef void (*q8_scales_fn)(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt);
+
+static inline __attribute__((always_inline)) void q4_family(const sc_lin* l, const sc_act* a, int m0, int mn, int g0,
+                                                            int g1, q4_scales_fn scales) {
     const sc_q4_block* qw = l->w;
-    const sc_q4_scales* sw = l->s;
     int K = a->K, nb = K / QB;
     for (int m = m0; m < m0 + mn; m++)
         for (int n = g0 * RG; n < g1 * RG; n++) {
@@ -80,12 +86,46 @@ static void q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int
             float acc = 0;
             for (int b = 0; b < nb; b++) {
                 size_t at = (size_t)m * nb + b;
-                const sc_q4_scales* sb = sw + (size_t)g * nb + b;
-                float isum = (float)q4_dot(qw + (size_t)g * nb + b, r, a->x.xq + (size_t)m * K + b * QB);
-                acc = fmaf(isum, h2f(sb->d[r]) * a->x.dx[at], acc);  // d*q*x: one product, one fused add
-                acc = fmaf(h2f(sb->m[r]), a->x.sx[at], acc);          // m*sum(x)
+                float ds, mt, isum = (float)q4_dot(qw + (size_t)g * nb + b, r, a->x.xq + (size_t)m * K + b * QB);
+                scales(l->s, nb, g, b, r, &ds, &mt);
+                acc = fmaf(isum, ds * a->x.dx[at], acc);  // d*q*x: one product, one fused add
+                acc = fmaf(mt, a->x.sx[at], acc);          // m*sum(x)
             }
             l->y[(size_t)m * l->N + n] = l->bias ? acc + l->bias[n] : acc;
+        }
+}
+
+// Row r of half h (sub-blocks 4h..4h+3) of a q8 block times the 16 int8 values they meet: sum of (q + 128) * x.
+static int32_t q8_half_dot(const sc_q8_block* wb, int r, int h, const int8_t* xb) {
+    int32_t isum = 0;
+    for (int s = 4 * h; s < 4 * h + 4; s++)
+        for (int t = 0; t < 4; t++) isum += wb->q[s][r][t] * xb[4 * s + t];
+    return isum;
+}
+
+// The 8-bit bytes by lanes as rows512.h's q8_half: per half block, the exact integer dot (the +128 taken off with
+// c16), then the step into that half's accumulator; the two halves' accumulators are added last.
+static inline __attribute__((always_inline)) void q8_family(const sc_lin* l, const sc_act* a, int m0, int mn, int g0,
+                                                            int g1, q8_scales_fn scales) {
+    const sc_q8_block* hw = l->w;
+    int K = a->K, nb = K / QB, nh = K / 16;
+    for (int m = m0; m < m0 + mn; m++)
+        for (int n = g0 * RG; n < g1 * RG; n++) {
+            int g = n / RG, r = n % RG;
+            float acc[2] = {0, 0};
+            for (int b = 0; b < nb; b++) {
+                float dx = a->x.dx[(size_t)m * nb + b];
+                for (int h = 0; h < 2; h++) {
+                    size_t at = (size_t)m * nh + 2 * b + h;
+                    int32_t isum = q8_half_dot(hw + (size_t)g * nb + b, r, h, a->x.xq + (size_t)m * K + b * QB);
+                    float ds, mt;
+                    scales(l->s, nb, g, b, h, r, &ds, &mt);
+                    acc[h] = fmaf((float)(isum - a->h.c16[at]), ds * dx, acc[h]);
+                    acc[h] = fmaf(mt, a->h.sx16[at], acc[h]);
+                }
+            }
+            float v = acc[0] + acc[1];
+            l->y[(size_t)m * l->N + n] = l->bias ? v + l->bias[n] : v;
         }
 }
 
@@ -109,100 +149,49 @@ static void q8_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g
         }
 }
 
-// Row r of half h (sub-blocks 4h..4h+3) of a q8 block times the 16 int8 values they meet: sum of (q + 128) * x.
-static int32_t q8_half_dot(const sc_q8_block* wb, int r, int h, const int8_t* xb) {
-    int32_t isum = 0;
-    for (int s = 4 * h; s < 4 * h + 4; s++)
-        for (int t = 0; t < 4; t++) isum += wb->q[s][r][t] * xb[4 * s + t];
-    return isum;
+// ---- the scale-forming steps ----------------------------------------------------------------------------------------
+// q4: fp16 d and m per block of 32; q8g: per half block of 16.
+static inline void q4_scales(const void* sw, int nb, int g, int b, int r, float* ds, float* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + (size_t)g * nb + b;
+    *ds = h2f(s->d[r]), *mt = h2f(s->m[r]);
 }
 
-// q8g, by lanes as matmul.c's q8g_half: per half block, the exact integer dot (the +128 taken off with c16), then
-// acc_h = fmaf(isum, d*dx, acc_h) and acc_h = fmaf(m, sx16, acc_h); the two halves' accumulators are added last.
-static void q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1) {
-    const sc_q8_block* hw = l->w;
-    const sc_q8g_scales* sw = l->s;
-    int K = a->K, nb = K / QB, nh = K / 16;
-    for (int m = m0; m < m0 + mn; m++)
-        for (int n = g0 * RG; n < g1 * RG; n++) {
-            int g = n / RG, r = n % RG;
-            float acc[2] = {0, 0};
-            for (int b = 0; b < nb; b++) {
-                const sc_q8g_scales* sb = sw + (size_t)g * nb + b;
-                float dx = a->x.dx[(size_t)m * nb + b];
-                for (int h = 0; h < 2; h++) {
-                    size_t at = (size_t)m * nh + 2 * b + h;
-                    int32_t isum = q8_half_dot(hw + (size_t)g * nb + b, r, h, a->x.xq + (size_t)m * K + b * QB);
-                    acc[h] = fmaf((float)(isum - a->h.c16[at]), h2f(sb->d[h][r]) * dx, acc[h]);
-                    acc[h] = fmaf(h2f(sb->m[h][r]), a->h.sx16[at], acc[h]);
-                }
-            }
-            float v = acc[0] + acc[1];
-            l->y[(size_t)m * l->N + n] = l->bias ? v + l->bias[n] : v;
-        }
+static inline void q8g_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    const sc_q8g_scales* s = (const sc_q8g_scales*)sw + (size_t)g * nb + b;
+    *ds = h2f(s->d[h][r]), *mt = h2f(s->m[h][r]);
 }
 
-// ---- K-quants (matmul_k.c's twins) ----------------------------------------------------------------------------------
-// ds = d*sc and dm = dmin*mn of sub-block j, row r: fp32 products of an fp16 and a small integer, exact.
+// The K-quants (matmul_k.c's twins): ds = d*sc and mt = -(dmin*mn) of sub-block j of super-block b / 8, products of an
+// fp16 and a small integer, exact; the m step is then one rounding of acc - dmin*mn*sx (as the vector fnmadd was).
 static inline float k_prod(uint16_t d, int v) { return h2f(d) * (float)v; }
 
-// q4k per lane: per 32-block b (sub-block b % 8 of super-block b / 8), acc = fmaf(isum, ds*dx, acc), then
-// acc = fmaf(-dm, sx, acc) (as the vector fnmadd: one rounding of acc - dm*sx).
-static void q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1) {
-    const sc_q4_block* qw = l->w;
-    const sc_q4k_scales* sw = l->s;
-    int K = a->K, nb = K / QB, ns = K / SC_QK;
-    for (int m = m0; m < m0 + mn; m++)
-        for (int n = g0 * RG; n < g1 * RG; n++) {
-            int g = n / RG, r = n % RG;
-            float acc = 0;
-            for (int b = 0; b < nb; b++) {
-                size_t at = (size_t)m * nb + b;
-                const sc_q4k_scales* ss = sw + (size_t)g * ns + b / 8;
-                float ds = k_prod(ss->d[r], ss->sc[b % 8][r]), dm = k_prod(ss->dmin[r], ss->mn[b % 8][r]);
-                float isum = (float)q4_dot(qw + (size_t)g * nb + b, r, a->x.xq + (size_t)m * K + b * QB);
-                acc = fmaf(isum, ds * a->x.dx[at], acc);
-                acc = fmaf(-dm, a->x.sx[at], acc);
-            }
-            l->y[(size_t)m * l->N + n] = l->bias ? acc + l->bias[n] : acc;
-        }
+static inline void q4k_scales(const void* sw, int nb, int g, int b, int r, float* ds, float* mt) {
+    const sc_q4k_scales* s = (const sc_q4k_scales*)sw + (size_t)g * (nb / 8) + b / 8;
+    *ds = k_prod(s->d[r], s->sc[b % 8][r]), *mt = -k_prod(s->dmin[r], s->mn[b % 8][r]);
 }
 
-// q8k per lane: as q8g_run, with half h of block b scaled by sub-block j = 2*(b % 8) + h of super-block b / 8.
-static void q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1) {
-    const sc_q8_block* hw = l->w;
-    const sc_q8k_scales* sw = l->s;
-    int K = a->K, nb = K / QB, nh = K / 16, ns = K / SC_QK;
-    for (int m = m0; m < m0 + mn; m++)
-        for (int n = g0 * RG; n < g1 * RG; n++) {
-            int g = n / RG, r = n % RG;
-            float acc[2] = {0, 0};
-            for (int b = 0; b < nb; b++) {
-                const sc_q8k_scales* ss = sw + (size_t)g * ns + b / 8;
-                float dx = a->x.dx[(size_t)m * nb + b];
-                for (int h = 0; h < 2; h++) {
-                    int j = 2 * (b % 8) + h;
-                    size_t at = (size_t)m * nh + 2 * b + h;
-                    float ds = k_prod(ss->d[r], ss->sc[j][r]), dm = k_prod(ss->dmin[r], ss->mn[j][r]);
-                    int32_t isum = q8_half_dot(hw + (size_t)g * nb + b, r, h, a->x.xq + (size_t)m * K + b * QB);
-                    acc[h] = fmaf((float)(isum - a->h.c16[at]), ds * dx, acc[h]);
-                    acc[h] = fmaf(-dm, a->h.sx16[at], acc[h]);
-                }
-            }
-            float v = acc[0] + acc[1];
-            l->y[(size_t)m * l->N + n] = l->bias ? v + l->bias[n] : v;
-        }
+// q8k: half h of block b is sub-block j = 2*(b % 8) + h.
+static inline void q8k_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    const sc_q8k_scales* s = (const sc_q8k_scales*)sw + (size_t)g * (nb / 8) + b / 8;
+    int j = 2 * (b % 8) + h;
+    *ds = k_prod(s->d[r], s->sc[j][r]), *mt = -k_prod(s->dmin[r], s->mn[j][r]);
 }
 
-void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    (void)acc;  // every output's accumulator is a local here
-    switch (l->type) {
-        case SC_LIN_TABLE: q8_table_run(l, a, m0, mn, g0, g1); break;
-        case SC_LIN_Q8G: q8g_run(l, a, m0, mn, g0, g1); break;
-        case SC_LIN_Q4K: q4k_run(l, a, m0, mn, g0, g1); break;
-        case SC_LIN_Q8K: q8k_run(l, a, m0, mn, g0, g1); break;
-        default: q4_run(l, a, m0, mn, g0, g1);
-    }
+// kernels.h: the layouts' run functions (every output's accumulator is a local here: acc unused).
+void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q4_family(l, a, m0, mn, g0, g1, q4_scales);
+}
+void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q4_family(l, a, m0, mn, g0, g1, q4k_scales);
+}
+void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8g_scales);
+}
+void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8k_scales);
+}
+void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_table_run(l, a, m0, mn, g0, g1);
 }
 
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D) {

@@ -1,7 +1,7 @@
-// 256-bit helpers of the avx2 and avxvnni variants (matmul256.c, matmul256_k.c, attend256.c), built with explicit
-// -mavx2 -mfma -mf16c (and -mavxvnni for avxvnni), never -march=native: the library then runs on any CPU with those
-// flags, and this CPU (which has AVX-512 too) can build and test both without the compiler slipping an AVX-512
-// instruction in.
+// 256-bit helpers of the avx2 and avxvnni variants (matmul256.c, matmul256_k.c, rows256.h, attend256.c), built
+// with explicit -mavx2 -mfma -mf16c (and -mavxvnni for avxvnni), never -march=native: the library then runs on any
+// CPU with those flags, and this CPU (which has AVX-512 too) can build and test both without the compiler slipping
+// an AVX-512 instruction in.
 //
 // The layouts keep 16 rows in 64 bytes (one 512-bit register). Here a row group is two halves, rows 0-7 and 8-15
 // (bytes 0..31 and 32..63 of each sub-block), each one 256-bit register with a 32-bit lane per row: every lane does
@@ -10,10 +10,6 @@
 #include <immintrin.h>
 
 #include "kernels.h"
-
-// The K-quant layouts' sc_lin_run (matmul256_k.c), called by matmul256.c's.
-void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
-void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 
 static inline __m256 f16x8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 

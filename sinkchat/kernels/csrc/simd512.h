@@ -1,12 +1,8 @@
-// AVX-512 helpers of the avx512 variant (matmul.c, matmul_k.c, attend.c); built with -march=native only.
+// AVX-512 helpers of the avx512 variant (matmul.c, matmul_k.c, rows512.h, attend.c); built with -march=native only.
 #pragma once
 #include <immintrin.h>
 
 #include "kernels.h"
-
-// The K-quant layouts' sc_lin_run (matmul_k.c), called by matmul.c's.
-void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
-void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 
 static inline __m512 f16x16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));

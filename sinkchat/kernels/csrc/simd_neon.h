@@ -1,4 +1,4 @@
-// NEON helpers of the neon variant (matmul_neon.c, matmul_neon_k.c, attend_neon.c), built with
+// NEON helpers of the neon variant (matmul_neon.c, matmul_neon_k.c, rows_neon.h, attend_neon.c), built with
 // -march=armv8.2-a+dotprod: the sdot instruction (vdotq_laneq_s32), 4 int8 products per 32-bit lane.
 //
 // A 16-row group is four 128-bit registers here (rows 4i..4i+3: bytes 16i..16i+15 of each sub-block), each lane
@@ -10,10 +10,6 @@
 #include <arm_neon.h>
 
 #include "kernels.h"
-
-// The K-quant layouts' sc_lin_run (matmul_neon_k.c), called by matmul_neon.c's.
-void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
-void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 
 static inline float32x4_t f16x4(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
 

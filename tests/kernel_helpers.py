@@ -1,0 +1,148 @@
+"""What the native-kernel tests share: which variants to test and how to switch to one, raw bits, random weight blocks
+of each layout over their whole ranges, and the work-buffer check every matmul gets. One copy here (they were
+copied into test_kernels, test_q8g, test_qk and the test_native* files, and drifted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from sinkchat.kernels import abi, native, variants
+
+# Skip only where no kernels can exist (no C compiler): a library that fails to build fails the tests instead.
+NATIVE = pytest.mark.skipif(native.unsupported("ref") is not None,
+                            reason=f"native kernels: {native.unsupported('ref')}")
+
+
+def lib(variant: str) -> Any:
+    """`variant`'s loaded library; skips where the CPU or compiler cannot run it, fails where it should and did not."""
+    reason = native.unsupported(variant)
+    if reason:
+        pytest.skip(f"{variant} kernels: {reason}")
+    out = native.library(variant)
+    assert out is not None, f"the {variant} kernels did not load: {native.load_error(variant)}"
+    return out
+
+
+def simd_variants() -> list[str]:
+    """The SIMD variants to test: all of this machine's architecture (each skips where the CPU lacks it; neon on x86
+    runs under qemu in tests/test_neon.py), and avxvnni_evex where that stands in for avxvnni (the CPU has AVX-512
+    VNNI, not AVX-VNNI)."""
+    out = [v for v in native.SIMD if abi.ARCH[v] == variants.machine()]
+    if native.lacks("avxvnni") and not native.lacks("avxvnni_evex"):
+        out.append("avxvnni_evex")
+    return out
+
+
+SIMD = simd_variants()
+
+
+@pytest.fixture(params=SIMD)
+def simd(request: pytest.FixtureRequest) -> str:
+    """Each SIMD variant in turn (skipped where the CPU lacks it; the reference must load too)."""
+    lib(request.param)
+    lib("ref")
+    return request.param
+
+
+def best_or_ref() -> str:
+    """The variant the product would run here: the best SIMD one, or the scalar reference where none runs."""
+    return native.best() if native.unsupported(native.best()) is None else "ref"
+
+
+@pytest.fixture(scope="module")
+def best_kernels() -> Iterator[None]:
+    """A module's tests on best_or_ref() (test_kernels holds every SIMD variant to the reference)."""
+    prev = native.use(best_or_ref())
+    yield
+    native.use(prev)
+
+
+@contextlib.contextmanager
+def on(variant: str | None) -> Iterator[None]:
+    """Run the block on `variant` (skipped where it cannot run here; None: as SINKCHAT_KERNELS says)."""
+    if variant is not None and native.unsupported(variant):
+        pytest.skip(f"{variant} kernels: {native.unsupported(variant)}")
+    prev = native.use(variant)
+    try:
+        yield
+    finally:
+        native.use(prev)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (NaNs compare equal by payload, -0 differs from +0)."""
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.int8}[t.element_size()])
+
+
+# ---- random weights of each layout --------------------------------------------------------------------------------
+def q4_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed q4 weights [N, K]: nibbles over 0..15, positive scales, zero points of either sign."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // 32, generator=g) * 0.05 + 0.001
+    zero = torch.randn(n, k // 32, generator=g) * 0.05
+    return native.pack_q4(q, scale, zero)
+
+
+def q8g_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q int8 [N, K] over the whole range, d > 0 and m of either sign [N, K/16], all exact fp16 values."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, 0], q[:, 1] = -128, 127  # the extremes of the +128 storage
+    d = (torch.rand(n, k // 16, generator=g) * 0.02 + 1e-4).half().float()
+    m = (torch.randn(n, k // 16, generator=g) * 0.05).half().float()
+    return q, d, m
+
+
+def k_case(layout: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """K-quant values over each field's whole range: q, d, dmin [N, K/256] (fp16 values of either sign, one
+    subnormal), sc, mn [N, K/sub] (q4k: per 32, unsigned; q8k: per 16, signed scales)."""
+    g = torch.Generator().manual_seed(seed)
+    s = k // 256
+    d = (torch.randn(n, s, generator=g) * 0.01).half().float()
+    dmin = (torch.randn(n, s, generator=g) * 0.01).half().float()
+    d[0, 0], dmin[-1, -1] = 3e-6, -5e-7  # fp16 subnormals: vcvtph2ps and the reference's h2f agree on them too
+    if layout == "q4k":
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        sc = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
+        mn = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
+        sc[0, 0], mn[0, 1] = 255, 255  # the byte's extremes
+        return q, d, dmin, sc, mn
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[:, 0], q[:, 1] = -128, 127  # the extremes of the +128 storage
+    sc = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    mn = torch.randint(0, 256, (n, k // 16), generator=g, dtype=torch.uint8)
+    return q, d, dmin, sc, mn
+
+
+def k_pack(layout: str, *values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (native.pack_q4k if layout == "q4k" else native.pack_q8k)(*values)
+
+
+def k_matmul(layout: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return (native.q4k_matmul if layout == "q4k" else native.q8k_matmul)(x, w, sw, b)
+
+
+# ---- work buffers -------------------------------------------------------------------------------------------------
+def check_work_buffer(library: Any, layout: str, x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor,
+                      least: int) -> None:
+    """One matmul's work buffer (`layout`_matmul, sized by sc_`layout`_work for one thread): at least `least` bytes;
+    one byte short refused (SC_EWORK) at any alignment; that size taken at any alignment; none given, one allocated
+    in C. Every run the same bits."""
+    m, k = x.shape
+    need = getattr(library, f"sc_{layout}_work")(m, k, 1)
+    assert need >= least
+    buf, fn = torch.empty(need + 64, dtype=torch.uint8), getattr(library, f"{layout}_matmul")
+    outs = []
+    for work, size in [(None, 0)] + [(buf.data_ptr() + off, need) for off in (0, 1, 17, 63)]:
+        y = torch.full((m, n), float("nan"))
+        args = (x.data_ptr(), m, k, n, w.data_ptr(), s.data_ptr(), None, y.data_ptr())
+        assert fn(*args, buf.data_ptr() + 1, need - 1) == -2  # SC_EWORK
+        assert fn(*args, work, size) == 0
+        outs.append(y)
+    assert all(torch.equal(bits(o), bits(outs[0])) for o in outs)
