@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
-from kernel_helpers import SIMD, k_case, k_matmul, k_pack, q4_case, q8g_case, simd  # noqa: F401  (simd: the fixture)
+from kernel_helpers import SIMD, k_case, k_matmul, k_pack, on, q4_case, q8g_case, simd  # noqa: F401  (simd: the fixture)
+from kernel_helpers import bits as _bits
 
 pytestmark = pytest.mark.skipif(native.unsupported("ref") is not None,
                                 reason=f"native kernels: {native.unsupported('ref')}")
@@ -59,18 +60,6 @@ def pool(n: int, deal: bool = False, grain: int = 0) -> Iterator[None]:
             lib.sc_set_grain(g)
             lib.sc_set_deal(d)
 
-
-@contextlib.contextmanager
-def on(variant: str) -> Iterator[None]:
-    prev = native.use(variant)
-    try:
-        yield
-    finally:
-        native.use(prev)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _matmul(layout: str, n: int, k: int, seed: int) -> Callable[[torch.Tensor], torch.Tensor]:
