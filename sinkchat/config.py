@@ -65,6 +65,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_MEMORY_BLOCK": ("64", "tokens per recall-memory block"),
     "SINKCHAT_MEMORY_TOPK": ("4", "recall-memory blocks each layer attends to at a time"),
     "SINKCHAT_MEMORY_RAM": ("64", "MB of recalled blocks kept in RAM (least recently used go first)"),
+    "SINKCHAT_MEMORY_BITS": ("16", "bits a stored key / value takes in the recall memory: 16 (the cache's own, exact) "
+                                   "or 8 (int8 with a scale per token and head: half the disk)"),
 }
 MEMORY_MODES = ("on", "off")
 
@@ -258,6 +260,7 @@ class MemoryConfig:
     block: int = 64
     topk: int = 4
     ram_mb: int = 64
+    bits: int = 16
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
@@ -270,6 +273,8 @@ class MemoryConfig:
             raise ConfigError("--memory-topk must be between 1 and 64")
         if self.ram_mb < 1:
             raise ConfigError("--memory-ram must be at least 1 (MB)")
+        if self.bits not in (8, 16):
+            raise ConfigError(f"--memory-bits must be 8 or 16, not {self.bits!r}")
 
     @property
     def on(self) -> bool:
@@ -328,6 +333,7 @@ def settings_from_env() -> Settings:
             block=env("SINKCHAT_MEMORY_BLOCK", int),
             topk=env("SINKCHAT_MEMORY_TOPK", int),
             ram_mb=env("SINKCHAT_MEMORY_RAM", int),
+            bits=env("SINKCHAT_MEMORY_BITS", int),
         ),
     )
 

@@ -489,3 +489,37 @@ def test_clear_counts_what_the_memory_held_and_a_cleared_memory_recalls_at_most_
     list(eng.feed_ids(IDS[36:72]))  # one chunk that evicts 4 blocks before the call
     assert eng.memory.blocks > 2 and all(len(c) == 2 for c in eng.memory.chosen)
     assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+
+
+def test_eight_bit_records_halve_the_disk_and_read_back_within_half_a_step(tmp_path: Path) -> None:
+    """--memory-bits 8: a record's keys and values as int8 with an fp32 scale per token and head (absmax / 127):
+    ~half the bytes of bf16, each value back within half a quantization step, checked by the same CRCs; an engine
+    with it recalls (its logits differ from 16-bit storage, slightly) and keeps every token accounted for."""
+    from sinkchat.memory.blocks import HEADER, Block, Shape, layer_of, tokens_of
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(3, 2, 16, 8, generator=g).bfloat16(), torch.randn(3, 2, 16, 8, generator=g).bfloat16()
+    blk = Block(7, np.arange(16, dtype=np.int64), np.arange(16, dtype=np.int32), np.full(16, 4, np.int32), k, v)
+    rec8, rec16 = blk.encode(8), blk.encode(16)
+    assert len(rec8) < 0.8 * len(rec16)
+    back = Block.decode(rec8[: HEADER.size], rec8[HEADER.size :])
+    for orig, got in ((k, back.keys), (v, back.values)):
+        step = orig.float().abs().amax(-1, keepdim=True) / 127
+        assert float(((got - orig.float()).abs() - step / 2).max()) <= 1e-6
+    sh = Shape.of(rec8[: HEADER.size])
+    _, _, _, crcs = tokens_of(sh, rec8[HEADER.size : HEADER.size + sh.meta])
+    chunk = bytearray(rec8[sh.layer_at(1) : sh.layer_at(1) + sh.chunk])
+    chunk[3] ^= 1
+    with pytest.raises(ValueError, match="checksum"):
+        layer_of(sh, bytes(chunk), crcs[1], 1)
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    runs = {}
+    for bits in (16, 8):
+        mem = RecallMemory.for_spec(MemoryConfig("on", 64, 8, 2, 64, bits), ModelSpec.from_model(model),
+                                    tmp_path / f"m{bits}")
+        eng = engine(model, mem)
+        list(eng.feed_ids(IDS))
+        assert eng.ledger.evicted == mem.tokens + mem.forgotten
+        runs[bits] = (eng.last_logits.clone(), mem.disk_bytes)
+    diff = float((runs[8][0] - runs[16][0]).abs().max())
+    assert 0 < diff < 0.05 and runs[8][1] < 0.8 * runs[16][1]

@@ -19,9 +19,11 @@ MAGIC = b"SCMB"
 # magic, version, n, layers, H_kv, D, dtype, block id, payload bytes, crc32 of the layer table and the token arrays
 HEADER = struct.Struct("<4sHHHHHBxQQI")
 VERSION = 2  # 2: a CRC32 per layer, so one layer's keys and values are read (and checked) alone
-DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float64}  # fp64: a reference model's cache (tests)
+# fp64: a reference model's cache (tests); int8: 8-bit storage (`encode(bits=8)`), each [H_kv, n, D] half of a
+# layer's chunk int8 values then fp32 scales [H_kv, n] (absmax per token and head / 127)
+DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float64, 3: torch.int8}
 CODES = {v: k for k, v in DTYPES.items()}
-ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8}
+ESIZE = {torch.float32: 4, torch.bfloat16: 2, torch.float64: 8, torch.int8: 1}
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class Shape:
 
     @property
     def chunk(self) -> int:
-        """Bytes of one layer's keys and values."""
-        return 2 * self.h * self.n * self.d * ESIZE[self.dtype]
+        """Bytes of one layer's keys and values (8-bit: and their scales)."""
+        scales = 4 * self.h * self.n if self.dtype == torch.int8 else 0
+        return 2 * (self.h * self.n * self.d * ESIZE[self.dtype] + scales)
 
     def layer_at(self, layer: int) -> int:
         return HEADER.size + self.meta + layer * self.chunk
@@ -89,15 +92,18 @@ class Block:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def encode(self) -> bytes:
-        """The on-disk record (`Shape`): header, layer CRC table, token arrays, each layer's keys and values."""
+    def encode(self, bits: int = 16) -> bytes:
+        """The on-disk record (`Shape`): header, layer CRC table, token arrays, each layer's keys and values: as the
+        cache holds them (bits 16), or int8 with an fp32 scale per token and head (bits 8: half the bytes)."""
         m, h, n, d = self.keys.shape
-        chunks = [_raw(self.keys[i]) + _raw(self.values[i]) for i in range(m)]
+        enc = _q8 if bits == 8 else _raw
+        chunks = [enc(self.keys[i]) + enc(self.values[i]) for i in range(m)]
         table = struct.pack(f"<{m}I", *[zlib.crc32(c) for c in chunks])
         meta = table + self.abs_index.astype("<i8").tobytes() + self.ids.astype("<i4").tobytes() + \
             self.slots.astype("<i4").tobytes()
         payload = meta + b"".join(chunks)
-        head = HEADER.pack(MAGIC, VERSION, n, m, h, d, CODES[self.keys.dtype], self.id, len(payload),
+        code = CODES[torch.int8 if bits == 8 else self.keys.dtype]
+        head = HEADER.pack(MAGIC, VERSION, n, m, h, d, code, self.id, len(payload),
                            zlib.crc32(meta))
         return head + payload
 
@@ -130,8 +136,26 @@ def layer_of(sh: Shape, chunk: bytes, crc: int, layer: int) -> tuple[torch.Tenso
     """One layer's keys and values [H_kv, n, D] from its bytes, checked against its CRC."""
     if len(chunk) != sh.chunk or zlib.crc32(chunk) != crc:
         raise ValueError(f"block {sh.bid} layer {layer} fails its checksum")
-    half = sh.chunk // 2
-    return (_tensor(chunk[:half], sh.dtype, (sh.h, sh.n, sh.d)), _tensor(chunk[half:], sh.dtype, (sh.h, sh.n, sh.d)))
+    half, shape = sh.chunk // 2, (sh.h, sh.n, sh.d)
+    if sh.dtype == torch.int8:
+        return _dq8(chunk[:half], shape), _dq8(chunk[half:], shape)
+    return _tensor(chunk[:half], sh.dtype, shape), _tensor(chunk[half:], sh.dtype, shape)
+
+
+def _q8(t: torch.Tensor) -> bytes:
+    """[H, n, D] as int8 values then fp32 scales [H, n]: absmax per token and head over D, / 127."""
+    t = t.float()
+    scale = t.abs().amax(-1) / 127.0  # [H, n]
+    q = torch.round(t / scale.clamp_min(1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous().numpy().tobytes() + scale.contiguous().numpy().astype("<f4").tobytes()
+
+
+def _dq8(raw: bytes, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The fp32 [H, n, D] an `_q8` half stands for."""
+    h, n, d = shape
+    q = torch.frombuffer(bytearray(raw[: h * n * d]), dtype=torch.int8).reshape(shape)
+    scale = torch.frombuffer(bytearray(raw[h * n * d :]), dtype=torch.float32).reshape(h, n)
+    return q.float() * scale[..., None]
 
 
 def _raw(t: torch.Tensor) -> bytes:

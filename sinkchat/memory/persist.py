@@ -124,7 +124,7 @@ def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor],
     where = {int(b[0]): Where(*map(int, b[1:])) for b in head["blocks"]}
     _check_records(folder, sizes, where)
     store = BlockStore(memory.store.root.with_name(f"{memory.store.root.name}-{secrets.token_hex(3)}"),
-                       memory.store.budget)
+                       memory.store.budget, memory.store.bits)
     try:
         for seg, size in sizes.items():
             _copy(folder / store._path(seg).name, store._path(seg), size)

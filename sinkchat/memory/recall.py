@@ -56,7 +56,7 @@ class RecallMemory:
         self.n_heads, self.n_kv, self.head_dim, self.reps, self.every = n_heads, n_kv, head_dim, reps, every
         self.B, self.topk = cfg.block, cfg.topk
         self.region = self.topk * self.B + self.B - 1  # the blocks plus a queue of fewer than B tokens
-        self.store = BlockStore(root, cfg.budget_mb << 20)
+        self.store = BlockStore(root, cfg.budget_mb << 20, cfg.bits)
         self.index = Index()
         self.slices = SliceCache(cfg.ram_mb << 20, self.inv_freqs, least=len(self.layers) * self.topk)
         self.next_id = 0
@@ -303,7 +303,7 @@ class RecallMemory:
         dropped = self.tokens
         self.forgotten += dropped
         self.store.close(remove=True)
-        self.store = BlockStore(self.store.root, self.store.budget)
+        self.store = BlockStore(self.store.root, self.store.budget, self.store.bits)
         self.index.clear()
         self.slices.clear()
         self.queue, self.queries = [], None

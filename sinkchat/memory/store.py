@@ -43,11 +43,11 @@ class StoreError(OSError):
 class BlockStore:
     """Blocks of one session under `root`, at most `budget` bytes on disk (the oldest segments go first)."""
 
-    def __init__(self, root: Path, budget: int) -> None:
+    def __init__(self, root: Path, budget: int, bits: int = 16) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
-        self.budget = budget
+        self.budget, self.bits = budget, bits  # bits: how records are written (8: int8 keys / values)
         self.segment_bytes = max(1, budget // SEGMENTS)
         self.where: dict[int, Where] = {}  # block id -> location, oldest first
         self.sizes: dict[int, int] = {}  # segment -> bytes written
@@ -64,7 +64,7 @@ class BlockStore:
     def append(self, block: Block) -> list[tuple[int, Where]]:
         """Write `block`; returns what the budget pushed out to make room (the blocks of the oldest segments).
         OSError (disk full, ...) propagates: the caller reports the block forgotten."""
-        record = block.encode()
+        record = block.encode(self.bits)
         if len(record) > self.budget:
             raise OSError(errno.EFBIG, f"one block ({len(record)} bytes) exceeds the memory budget")
         dropped: list[tuple[int, Where]] = []
