@@ -126,7 +126,16 @@ def _start_record(engine: Any, scenario: str, sample_every: float, limits: dict[
             "scenario": scenario, "policy": c.policy, "capacity": c.capacity, "n_sink": c.n_sink,
             "evict_chunk": c.evict_chunk, "model": getattr(engine.loaded, "source", None),
             "quant": getattr(engine.loaded, "quant", None),
-            "sample_every": sample_every, "limits": limits, "thresholds": asdict(th), "input": input_path}
+            "sample_every": sample_every, "limits": limits, "thresholds": asdict(th), "input": input_path,
+            "memory": _memory_record(engine)}
+
+
+def _memory_record(engine: Any) -> dict[str, Any]:
+    """The recall memory the run had (`--memory on`): the recall and memory-disk rows are n/a without it."""
+    mem = getattr(engine, "memory", None)
+    if mem is None:
+        return {"mode": "off"}
+    return {"mode": "on", "budget": mem.store.budget, "block": mem.B, "topk": mem.topk, "root": str(mem.store.root)}
 
 
 def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:

@@ -32,12 +32,17 @@ def _line(soak: Any, rec: dict[str, Any]) -> str:
     calls = f" | calls ok {ok}/{ok + failed}" if ok is not None and failed is not None else ""
     remain = f" left {max(0.0, soak.duration - el) / 60:.1f}m" if soak.duration else ""
     local = "" if rec.get("gauge_local") is None else f" local {rec['gauge_local']:.2f}"  # hybrid models
+    mem = "" if rec.get("mem_tokens") is None else (
+        f" | mem {rec['mem_blocks']} blk {rec['mem_tokens']} tok {human_bytes(rec['mem_disk_bytes'])}"
+        + ("" if rec.get("recall_memory") is None else
+           f" recall {rec['recall_memory_ok']}/{rec['recall_memory']} (window {rec['recall_window_ok']}/"
+           f"{rec['recall_window']})"))
     return (f"[{el / 60:6.1f}m{remain}] steps {rec['steps']} tok {rec['tokens']} evicted {rec['evicted']} | "
             f"rss {human_bytes(rec['rss'])} kv {human_bytes(rec['cache_bytes'])} | dec {f(rec['decode_tok_s'], '.1f')} "
             f"pre {f(rec['prefill_tok_s'], '.0f')} tok/s | p50/p99 {f(rec['p50_ms'], '.0f')}/{f(rec['p99_ms'], '.0f')} ms"
             f" | ppl {f(rec.get('ppl'), '.2f')} | sink {f(rec.get('gauge'), '.2f')}{local} | "
             f"done {rec.get('jobs_ok', '-')}/{rec.get('jobs', '-')}{calls} | "
-            f"err {rec['errors']} faults {rec['faults']}")
+            f"err {rec['errors']} faults {rec['faults']}{mem}")
 
 
 class Display:

@@ -34,6 +34,12 @@ SERIES = {  # file name -> (title, [(field, label)], unit scale, unit)
     "valid_calls": ("agent tool calls valid and ran ok", [("valid_call_share", "run so far"),
                                                           ("interval_valid_call_share", "per interval")], 0.01, "%"),
     "cuda": ("CUDA memory", [("cuda", "allocated"), ("cuda_peak", "peak")], MIB, "MiB"),
+    "memory": ("recall memory (--memory on)", [("mem_tokens", "tokens held"), ("mem_forgotten", "tokens forgotten")],
+               1, "tokens"),
+    "memory_disk": ("recall memory on disk", [("mem_disk_peak", "on disk (peak)"), ("mem_budget", "budget")], MIB,
+                    "MiB"),
+    "recall": ("planted facts recalled (run so far)", [("recall_memory_share", "asked beyond the window"),
+                                                       ("recall_window_share", "asked in the window")], 0.01, "%"),
 }
 
 
@@ -45,7 +51,10 @@ def figures(samples: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
 
     return {k: ends(k) for k in ("rss", "cache_bytes", "cache_len", "decode_tok_s", "prefill_tok_s", "ppl", "gauge",
                                  "tokens", "evicted", "p50_ms", "p99_ms", "jobs", "jobs_ok", "faulted_steps",
-                                 "tool_calls_ok", "tool_calls_failed")}
+                                 "tool_calls_ok", "tool_calls_failed", "mem_blocks", "mem_tokens", "mem_forgotten",
+                                 "mem_disk_bytes", "recall_planted", "recall_window", "recall_window_ok",
+                                 "recall_memory", "recall_memory_ok", "recall_lost", "recall_kept",
+                                 "recall_tokens_taken_back", "recall_memory_block")}
 
 
 PlotLines = list[tuple[str, list[tuple[float, float]]]]
@@ -79,9 +88,10 @@ def plot_all(directory: Path, samples: list[dict[str, Any]], warm: float, th: Th
         fig, ax = plt.subplots(figsize=(8, 3.6))
         for label, pts in lines:
             ax.plot([t / div for t, _ in pts], [v / scale for _, v in pts], marker=".", ms=3, label=label)
+        if name in ("valid_calls", "recall"):
+            ax.set_ylim(-5, 105)
         if name == "valid_calls" and th is not None:
             ax.axhline(th.min_valid_calls / scale, color="red", ls="--", lw=1, label="threshold")
-            ax.set_ylim(-5, 105)
         if warm > 0:
             ax.axvspan(0, warm / div, color="grey", alpha=0.15, label="warm-up")
         ax.set_xlabel(f"elapsed ({unit})")
@@ -99,8 +109,10 @@ def plot_all(directory: Path, samples: list[dict[str, Any]], warm: float, th: Th
 
 
 def _fmt(key: str, v: Any) -> str:
-    if key in ("rss", "cache_bytes"):
+    if key in ("rss", "cache_bytes", "mem_disk_bytes"):
         return f"{v / MIB:.1f} MiB"
+    if key.startswith("recall_") or key in ("mem_blocks", "mem_tokens", "mem_forgotten"):
+        return str(int(v))  # counts
     return str(int(v)) if isinstance(v, float) and v.is_integer() and abs(v) >= 10 else f"{v:.2f}"
 
 
@@ -114,7 +126,7 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
             ("elapsed", f"{(num(last.get('elapsed')) or 0) / 60:.1f} min"),
             ("steps", last.get("steps")), ("tokens processed", last.get("tokens")),
             ("end", (end or {}).get("reason", "missing")), ("samples", len(samples)),
-            ("warm-up excluded", f"{warmup_seconds(samples, th):.0f} s"),
+            ("warm-up excluded", f"{warmup_seconds(samples, th):.0f} s"), ("recall memory", _memory_line(header)),
             ("handled faults", ", ".join(f"{k} {v}" for k, v in ((end or {}).get("fault_kinds") or {}).items()) or "-")]
     out = [f"# sinkchat soak report: {word}", ""]
     out += [f"- **{k}**: {v}" for k, v in info] + ["", "## Verdicts", "",
@@ -127,6 +139,14 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
     out += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots]
     out += ["", f"Thresholds: `{json.dumps(asdict(th))}`", ""]
     return "\n".join(out)
+
+
+def _memory_line(header: dict[str, Any]) -> str:
+    mem = header.get("memory")
+    if not isinstance(mem, dict) or mem.get("mode") != "on":
+        return "off"
+    return (f"on: budget {(num(mem.get('budget')) or 0) / MIB:g} MiB, blocks of {mem.get('block')} tokens, top-"
+            f"{mem.get('topk')}; facts planted and asked every other step")
 
 
 def render_json(header: dict[str, Any], samples: list[dict[str, Any]], end: dict[str, Any] | None,

@@ -10,6 +10,14 @@ peak come from the engine's `ForwardTally`, which sees every model call), writes
 `--sample-every` seconds to DIR/metrics.jsonl (flushed and fsynced, so a killed run can still be judged with
 `sinkchat soak report DIR`) and to the session log, and survives whatever a step raises: the engine rolls a broken
 forward back, so the cache stays consistent and the next step just runs.
+
+With the recall memory on, a `RecallProbe` (recall.py) plants facts and asks for them around every other step;
+its tokens go through the live cache and count in the token total, but it is no step of its own: its events make
+no Outcome, no perplexity bin (the tap is paused), no throughput or latency figure. Each sample then carries the
+memory's figures (`mem_*`: blocks, tokens, forgotten, disk bytes and their peak since the last sample, budget) and
+the probes' running counts (`recall_*`); each probe is also a `probe` record. A probe is taken back once answered
+(its tokens leave the cache and the ledger: `recall_tokens_taken_back` counts them), so the run's token total is
+the ledger's evicted tokens, plus the cache's, plus those.
 """
 
 from __future__ import annotations
@@ -25,10 +33,11 @@ from typing import Any, Callable
 
 from sinkchat.apps.runlog import ForwardTally
 from sinkchat.apps.soak.display import Display
+from sinkchat.apps.soak.recall import Probe, RecallProbe, memory_figures
 from sinkchat.apps.soak.records import Recorder
 from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome, ToolCall
 from sinkchat.apps.soak.tap import NllTap
-from sinkchat.core.events import GaugeEvent, PrefillEvent, TokenEvent
+from sinkchat.core.events import EvictionEvent, GaugeEvent, PrefillEvent, TokenEvent
 from sinkchat.core.metrics import Metrics, cuda_bytes, percentile, rss_bytes
 from sinkchat.errors import UserError
 
@@ -110,6 +119,11 @@ class Soak:
         self.fatal: BaseException | None = None  # a UserError that ended the run
         self.fault_kinds: dict[str, int] = {}
         self.samples: deque[dict[str, Any]] = deque(maxlen=120)  # for the live sparklines
+        self.memory = getattr(engine, "memory", None)
+        self.recall = (RecallProbe.for_scenario(scenario, seed=int(getattr(scenario, "seed", 0) or 0),
+                                                clock=lambda: time.monotonic() - self.t0, slog=lambda: self.slog)
+                       if self.memory is not None else None)
+        self.mem_peak = self.memory.disk_bytes if self.memory is not None else 0  # disk bytes, since the last sample
 
     @property
     def tokens(self) -> int:
@@ -187,10 +201,57 @@ class Soak:
             self._log_event("job", f"{'done' if ev.ok else 'NOT done'}: {ev.detail[:300]}")
         else:
             self.iv.fold(ev)
-            self.processed += ev.tokens if isinstance(ev, PrefillEvent) else int(isinstance(ev, TokenEvent))
+            self._count(ev)
         self._check_tap()
         if time.monotonic() >= self.next_sample:
             self.sample()
+
+    def _count(self, ev: Any) -> None:
+        """Tokens for an engine double without a tally; the memory's disk peak after each eviction (blocks are
+        written, and the budget enforced, as evicted tokens come in)."""
+        self.processed += ev.tokens if isinstance(ev, PrefillEvent) else int(isinstance(ev, TokenEvent))
+        if self.memory is not None and isinstance(ev, EvictionEvent):
+            self.mem_peak = max(self.mem_peak, self.memory.disk_bytes)
+
+    def probe(self, actions: Callable[[Any], Any]) -> None:
+        """Run recall-probe `actions` (RecallProbe.before / after) on the live cache: their tokens are counted, their
+        Probes recorded, nothing else of theirs folded (the tap is paused: no perplexity bin of theirs). An exception
+        is an error, as in a step; the scenario's `recover` puts the engine back."""
+        self.tap.paused = True
+        try:
+            for ev in actions(self.engine):
+                if isinstance(ev, Probe):
+                    self._record_probe(ev)
+                else:
+                    self._count(ev)
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # noqa: BLE001 - counted like a step's
+            self.error("recall_probe", e)
+            recover = getattr(self.scenario, "recover", None)
+            if recover:
+                recover(self.engine, e)
+        finally:
+            self.tap.paused = False
+            self._check_tap()
+
+    def _record_probe(self, p: Probe) -> None:
+        self.rec.write({"kind": "probe", "elapsed": round(time.monotonic() - self.t0, 3), "where": p.where,
+                        "right": p.right, "age_tokens": p.age_tokens, "age_s": p.age_s, "topic": p.topic,
+                        "value": p.value, "answer": p.answer[:200], "first": p.first, "end": p.end,
+                        "block_layers": p.block_layers})
+        self._log_event("recall", f"{p.where} probe {'right' if p.right else 'wrong'}: the {p.topic} = {p.value}, "
+                                  f"{p.age_tokens} tokens ago; answered {p.answer[:80]!r}")
+
+    def _memory_fields(self) -> dict[str, Any]:
+        if self.memory is None:
+            return {}
+        out = memory_figures(self.memory)
+        out["mem_disk_peak"] = max(self.mem_peak, out["mem_disk_bytes"])
+        self.mem_peak = out["mem_disk_bytes"]
+        if self.recall is not None:
+            out.update(self.recall.figures())
+        return out
 
     def sample(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -221,6 +282,7 @@ class Soak:
             "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,
         }
         rec.update(self._call_counts())
+        rec.update(self._memory_fields())
         self.rec.write(rec)
         self.samples.append(rec)
         self.on_sample(rec)
@@ -242,6 +304,8 @@ class Soak:
         out: dict[str, Any] = {"steps": self.steps, "tokens": self.tokens, "errors": self.errors,
                                "faults": self.faults, "fault_kinds": self.fault_kinds, "attempts": self.attempts,
                                "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok}
+        if self.recall is not None:
+            out.update(self.recall.figures())
         if self.calls_tools:
             out.update({"tool_calls_ok": self.calls["ok"], "tool_calls_failed": self.calls["failed"],
                         "tool_calls_invalid": self.calls["invalid"]})
@@ -254,7 +318,11 @@ class Soak:
             reason = self.limit_reached()
             if reason:
                 return reason
+            probing = self.recall is not None and self.recall.due(self.steps)
+            if probing:
+                self.probe(self.recall.before)  # type: ignore[union-attr]
             gen = self.scenario.step(self.engine)
+            stepped = False
             self.attempts += 1
             self.step_faulted = False
             try:
@@ -264,6 +332,7 @@ class Soak:
                         break
                 else:
                     self.steps += 1
+                    stepped = True
                 consecutive = 0
             except InputExhausted:
                 return "input exhausted"
@@ -284,6 +353,8 @@ class Soak:
                 self._check_tap()
                 self.faulted_steps += self.step_faulted
                 self.step_faulted = False
+            if probing and stepped and not self.limit_reached():
+                self.probe(self.recall.after)  # type: ignore[union-attr]
             if time.monotonic() >= self.next_sample:
                 self.sample()
 

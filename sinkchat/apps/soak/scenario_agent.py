@@ -45,6 +45,7 @@ class AgentScenario:
     name = "agent"
     unit = "tasks done right"
     calls_tools = True  # the runner records tool_calls_ok / tool_calls_failed in every sample
+    recall_window_after = False  # --memory on: each task sets the last one aside, a plant with it (recall.py)
     recover = staticmethod(recover)
     slog: Any = NullLog()
 

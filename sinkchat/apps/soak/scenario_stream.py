@@ -26,6 +26,7 @@ class StreamScenario:
 
     name = "stream"
     unit = "blocks fed"
+    recall_style = "text"  # --memory on: facts planted and asked as raw text in the stream (recall.py)
     recover = staticmethod(recover)
     slog: Any = NullLog()
 

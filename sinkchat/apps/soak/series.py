@@ -74,14 +74,22 @@ def _share(ok: Any, failed: Any) -> float | None:
     return a / (a + b) if a is not None and b is not None and a + b > 0 else None
 
 
+def _ratio(ok: Any, total: Any) -> float | None:
+    a, n = num(ok), num(total)
+    return a / n if a is not None and n else None
+
+
 def with_call_shares(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The samples with the agent's valid-call share added, for the plot: `valid_call_share` over the run so far
     and `interval_valid_call_share` over each sample's own interval (absent where no call was counted, so an
-    interval without calls is a gap, not a 0%)."""
+    interval without calls is a gap, not a 0%); with the recall memory on, the share of planted facts recalled so far,
+    asked beyond the window (`recall_memory_share`) and in it (`recall_window_share`)."""
     out = []
     for s in samples:
         extra = {"valid_call_share": _share(s.get("tool_calls_ok"), s.get("tool_calls_failed")),
                  "interval_valid_call_share": _share(s.get("interval_tool_calls_ok"),
-                                                     s.get("interval_tool_calls_failed"))}
+                                                     s.get("interval_tool_calls_failed")),
+                 "recall_memory_share": _ratio(s.get("recall_memory_ok"), s.get("recall_memory")),
+                 "recall_window_share": _ratio(s.get("recall_window_ok"), s.get("recall_window"))}
         out.append({**s, **{k: v for k, v in extra.items() if v is not None}})
     return out

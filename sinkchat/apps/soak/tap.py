@@ -19,6 +19,7 @@ class NllTap:
         self.inner = engine.feed_ids
         self.scores: list[float] = []
         self.nonfinite: list[str] = []
+        self.paused = False  # while True (the soak's recall probes), feeds pass through unscored
         engine.feed_ids = self.feed_ids
 
     def detach(self) -> None:
@@ -44,6 +45,9 @@ class NllTap:
         import torch
 
         ids = list(ids)
+        if self.paused:
+            yield from self.inner(ids, all_logits=all_logits)
+            return
         last = self.engine.last_logits
         if ids and last is not None and finite(last):
             self._score(last[None], ids[:1])

@@ -22,6 +22,8 @@ class Thresholds:
     max_fault_share: float = 0.5  # max share of steps with at least one handled fault or error
     min_valid_calls: float = 0.9  # agent: min share of its tool calls that were valid and ran ok
     max_success_drift: float = 0.10  # max change of the job-done share, last 10 minutes vs first 10 (20 min runs)
+    max_recall_drift: float = 0.10  # --memory on: max change of the planted facts recalled from beyond the window,
+    # last window vs first, and max shortfall of the last window against the in-window ceiling (each plus 2 SE)
     warmup_s: float | None = None  # default: 10% of the run, at most 10 minutes
 
 
@@ -46,6 +48,10 @@ THRESHOLD_FLAGS = [
     click.option("--max-success-drift", "max_success_drift", type=click.FloatRange(0, 1), default=None,
                  help="max change of the share of steps done right, last 10 minutes vs first 10 (judged on runs "
                       "of 20 minutes or more) [0.10]"),
+    click.option("--max-recall-drift", "max_recall_drift", type=click.FloatRange(0, 1), default=None,
+                 help="--memory on: max change of the share of planted facts recalled from beyond the window, last "
+                      "window (an hour, or a third of a shorter run) vs first, and max shortfall against the share "
+                      "answered with the fact in the window; each plus two standard errors [0.10]"),
     click.option("--warmup", "warmup_s", type=click.FloatRange(0), default=None,
                  help="seconds excluded at the start [a tenth of the run, at most 600]"),
 ]
