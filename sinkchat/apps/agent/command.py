@@ -202,7 +202,7 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
     to be written holds what it asks. Exit status: 0 every task verified; 3 a task ended unverified (one line says
     why); 1 an error; 2 bad usage; 130 interrupted (Ctrl-C). write_file never replaces a file the task does not
     name; every change is journaled, and --undo puts it back."""
-    from sinkchat.core.metrics import Metrics, human_bytes, model_bytes, rss_bytes
+    from sinkchat.core.metrics import Metrics, model_bytes, rss_bytes
 
     opts = pop_common(kw)
     setup_logging(opts["verbose"] or 0)
@@ -216,14 +216,8 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         extra = load_extra_tools(tools_module)
         ws = open_workspace(workspace, create_workspace)
         mode = approve or ("ask" if interactive else "never-shell")
-        mcp_servers, mcp_tools = start_mcp(mcp_commands)
-        try:
-            tools = _toolbox(ws, allow_shell and not _shell_refused(mode, approve is not None, interactive),
-                             max_result_chars, extra, not no_builtin_tools, mcp_tools)
-        except BaseException:
-            if mcp_servers is not None:
-                mcp_servers.close()
-            raise
+        shell = allow_shell and not _shell_refused(mode, approve is not None, interactive)
+        mcp_servers, tools = _tools_with_mcp(ws, shell, max_result_chars, extra, not no_builtin_tools, mcp_commands)
         engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
         agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
                       constrain=not no_constrain, fresh_tasks=not keep_context)
@@ -248,16 +242,36 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
             slog.close()
             if mcp_servers is not None:
                 mcp_servers.close()
-        c = agent.counts
-        click.echo(f"agent: {c.tasks} task(s), {tally.unverified} unverified, {c.steps} step(s), "
-                   f"tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
-                   f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
-                   f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
-                   + _constraint_note(agent.constraint), err=True)
+        click.echo(_summary(agent, tally, metrics, rss0), err=True)
     if interrupted:
         sys.exit(130)  # Ctrl-C: 128 + SIGINT, as a shell reports it (the project's convention), never 0
     if tally.unverified:
         sys.exit(EXIT_UNVERIFIED)
+
+
+def _tools_with_mcp(ws: Any, shell: bool, max_result_chars: int, extra: Any, builtin: bool,
+                    mcp_commands: tuple[str, ...]) -> tuple[Any, Any]:
+    """The MCP servers started (None: none asked for) and the toolbox with their tools; the servers stopped again
+    when the toolbox cannot be built."""
+    mcp_servers, mcp_tools = start_mcp(mcp_commands)
+    try:
+        return mcp_servers, _toolbox(ws, shell, max_result_chars, extra, builtin, mcp_tools)
+    except BaseException:
+        if mcp_servers is not None:
+            mcp_servers.close()
+        raise
+
+
+def _summary(agent: Any, tally: Any, metrics: Any, rss0: int) -> str:
+    """The closing line: tasks, steps, calls, replies, evictions, RSS before and after."""
+    from sinkchat.core.metrics import human_bytes, rss_bytes
+
+    c = agent.counts
+    return (f"agent: {c.tasks} task(s), {tally.unverified} unverified, {c.steps} step(s), "
+            f"tool calls ok {c.calls_ok} / failed {c.calls_failed}, "
+            f"unusable replies {c.unusable}, final answers {c.finals}; evictions {metrics.eviction_count} "
+            f"({metrics.evicted} tokens); rss {human_bytes(rss0)} → {human_bytes(rss_bytes())}"
+            + _constraint_note(agent.constraint))
 
 
 @dataclass
