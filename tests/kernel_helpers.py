@@ -89,6 +89,16 @@ def q4_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return native.pack_q4(q, scale, zero)
 
 
+def q40_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_0 values: q [N, K] over 0..15 and d [N, K/32] fp16 values of either sign (Q4_0's d is the signed max / -8),
+    one of them subnormal and one zero."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    d = (torch.randn(n, k // 32, generator=g) * 0.01).half().float()
+    d[0, 0], d[-1, -1] = float(torch.tensor(3e-6).half()), 0.0  # an fp16 subnormal (vcvtph2ps = h2f), a zero d
+    return q, d
+
+
 def q8g_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q int8 [N, K] over the whole range, d > 0 and m of either sign [N, K/16], all exact fp16 values."""
     g = torch.Generator().manual_seed(seed)

@@ -102,3 +102,23 @@ def test_float_values_of_the_bundled_model_are_gguf_dequantize_bit_for_bit() -> 
         raw = np.asarray(t.data).reshape(-1, t.data.shape[-1])[:256]  # a sample of rows: the whole file takes 15 s
         want = np.asarray(dequantize(raw, t.tensor_type), dtype=np.float32)
         np.testing.assert_array_equal(_bits(gguf_blocks.to_float(t.tensor_type, raw)), _bits(want), err_msg=t.name)
+
+
+def test_q4_0_is_held_at_its_own_bits() -> None:
+    """Q4_0 for the native kernels (layout q40, `native.pack_q40`): the bytes held are as many as the file's (16 of
+    nibbles and an fp16 d per 32 weights: 18, where q4 held 20) and are the file's bits, put back by
+    `native.q40_gguf_bytes`; the weights unpacked from them are gguf-py's, signed zeros included."""
+    import torch
+
+    from sinkchat.kernels import native
+
+    raw = random_blocks(T.Q4_0, rows=48, k=256, seed=9)
+    raw[0, 0:2] = np.array([3e-6], dtype=np.float16).view(np.uint8)  # a subnormal d
+    raw[1, 18:20] = np.array([-0.0], dtype=np.float16).view(np.uint8)  # a -0 d
+    p = gguf_blocks.unpack(T.Q4_0, raw)
+    qw, sw = native.pack_q40(torch.from_numpy(p.q), torch.from_numpy(p.d))
+    assert qw.numel() * qw.element_size() + sw.numel() * sw.element_size() == raw.nbytes == 48 * 8 * 18
+    np.testing.assert_array_equal(native.q40_gguf_bytes(qw, sw), raw)
+    np.testing.assert_array_equal(_bits(native.q40_unpack(qw, sw).numpy()), _bits(dequantize(raw, T.Q4_0)))
+    ids = torch.tensor([47, 0, 16, 1])
+    np.testing.assert_array_equal(_bits(native.q40_unpack(qw, sw, ids).numpy()), _bits(dequantize(raw, T.Q4_0)[ids]))

@@ -127,6 +127,67 @@ def test_packs_for_other_kernels_live_side_by_side(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left behind
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_q4_0_file_is_held_at_its_own_bytes(arch, tmp_path, cache):
+    """A Q4_0 GGUF on the native kernels: every Q4_0 tensor (the linears, and the tied token table) in `Int4Q0Linear`
+    holding exactly the file's bytes (`native.q40_gguf_bytes` puts them back; Llama's q / k rows in transformers'
+    order, as llama.cpp's permutation is undone; Qwen2's biases beside them); the packed cache (v2: v1 held Q4_0 as
+    q4) reads it back the same, and a v1 pair left in the folder is never read."""
+    import numpy as np
+
+    import gguf_models as gm
+    from gguf import GGMLQuantizationType as T
+    from sinkchat.kernels import native
+    from sinkchat.model import gguf_load
+    from sinkchat.model.int4q0 import Int4Q0Linear
+
+    if native.unsupported(native.variant()):
+        pytest.skip(f"native kernels: {native.unsupported(native.variant())}")
+    model = gm.tiny_model(arch, seed=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          intermediate_size=256, num_hidden_layers=1, tie_word_embeddings=True)
+    path = gm.write_gguf(model, tmp_path / "q40.gguf", "Q4_0")
+    loaded = loader.load(ModelConfig(model=str(path), threads=1))
+    table = gguf_convert.tensor_table(Path(loaded.path))
+    kernels = loader.q4_kernels(ModelConfig(model=str(path)).decoder, loaded.model.config)
+    assert kernels == "native" and loaded.quantized_fraction == 1.0
+    mods = {n: m for n, m in loaded.model.named_modules() if isinstance(m, Int4Q0Linear)}
+    names = {n: gguf_load.hf_name(n, arch) for n, ti in table.items() if ti.qtype == T.Q4_0}
+    assert len(names) == 8  # token_embd + 7 linears, all Q4_0
+    held = 0
+    with open(path, "rb") as f:
+        for gname, hf in names.items():
+            t = table[gname]
+            mod = loaded.model.get_input_embeddings().table if hf == "model.embed_tokens.weight" else \
+                mods[hf.removesuffix(".weight")]
+            assert isinstance(mod, Int4Q0Linear), gname
+            raw = gguf_load.read_raw(f, t)
+            heads = {"attn_q": 4, "attn_k": 2}.get(gname.split(".")[2] if gname.startswith("blk.") else "")
+            heads = heads if arch == "llama" else None  # llama.cpp permutes Llama's q / k rows only
+            want = gguf_load._unpermute(raw, heads) if heads else raw
+            assert mod.qw.nbytes + mod.sw.nbytes == t.nbytes, gname  # the file's size, no m
+            np.testing.assert_array_equal(native.q40_gguf_bytes(mod.qw, mod.sw), want, err_msg=gname)
+            held += t.nbytes
+    assert loaded.model.get_output_embeddings() is loaded.model.get_input_embeddings().table  # tied: held once
+    if arch == "qwen2":
+        assert mods["model.layers.0.self_attn.q_proj"].bias is not None
+    folder = Path(loaded.path)
+    assert (folder / "packed-v2-native.json").is_file() and gguf_packed.weights_name("native").startswith("packed-v2")
+    for name in ("packed-v1-native.json", "packed-v1-native.safetensors", "packed-v1-torch.json"):
+        (folder / name).write_bytes(b"an older version's pack")
+    again = gguf_packed.load(loaded.model.config, folder, "native")
+    assert again is not None
+    left = {p.name for p in folder.iterdir() if p.name.startswith("packed-")}  # v1's native pair dropped on reading v2
+    assert left == {"packed-v2-native.json", "packed-v2-native.safetensors", "packed-v1-torch.json"}
+    a, b = loaded.model.state_dict(), again.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, loaded.model(ids).logits, rtol=0, atol=0)
+    (folder / "packed-v2-native.json").rename(folder / "packed-v1-native.json")  # an old pair's names: not read
+    (folder / "packed-v2-native.safetensors").rename(folder / "packed-v1-native.safetensors")
+    assert gguf_packed.load(loaded.model.config, folder, "native") is None
+
+
 # ------------------------------------------------------------------------------------------------ cut short
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:

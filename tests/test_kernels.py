@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from kernel_helpers import SIMD, bits, check_work_buffer, lib as _lib, on, simd  # noqa: F401  (simd: the fixture)
-from kernel_helpers import q4_case as _q4_case
+from kernel_helpers import q4_case as _q4_case, q40_case
+from test_neon import neon  # noqa: F401  (the fixture: the neon library under qemu-aarch64, or a skip)
 from sinkchat.kernels import abi, native, variants
 
 I, P = ctypes.c_int, ctypes.c_void_p
@@ -255,6 +256,60 @@ def test_q4_matmul_is_bit_exact(simd, n, k, m, bias):
         y_ref = native.q4_matmul(x, qw, sw, b)
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
     assert torch.equal(bits(y_simd), bits(y_ref))
+
+
+@pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q40_matmul_is_bit_exact(simd, n, k, m, bias):
+    """Q4_0 at its own bits (q40: d alone, m = -8·d formed in the kernel): SIMD == reference, both paths."""
+    qw, sw = native.pack_q40(*q40_case(n, k, seed=n + k))
+    x = torch.randn(m, k)
+    x[:, 5] = 30.0
+    b = torch.randn(n) if bias else None
+    with on(simd):
+        y_simd = native.q40_matmul(x, qw, sw, b)
+    with on("ref"):
+        y_ref = native.q40_matmul(x, qw, sw, b)
+    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
+    assert torch.equal(bits(y_simd), bits(y_ref))
+
+
+@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_q40_gives_the_bits_q4_gave_for_the_same_tensor(variant, m):
+    """A Q4_0 tensor was held as q4 with m = -8·d (fp16, exact); q40 holds d alone and forms -8·d in fp32: every
+    output the same bits as before, on every variant, decode and prefill. The nibble blocks are the same bytes."""
+    _lib(variant)
+    q, d = q40_case(64, 256, seed=m)
+    qw, sw = native.pack_q40(q, d)
+    qw4, sw4 = native.pack_q4_dm(q, d, -8 * d)
+    assert torch.equal(qw, qw4) and torch.equal(sw4[:, :, 1], (-8 * sw4[:, :, 0].float()).half())
+    assert qw.numel() + sw.numel() * 2 == 64 * 256 // 32 * 18  # Q4_0's 18 bytes a block (q4: 20)
+    assert qw4.numel() + sw4.numel() * 2 == 64 * 256 // 32 * 20
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+    b = torch.randn(64)
+    with on(variant):
+        assert torch.equal(bits(native.q40_matmul(x, qw, sw, b)), bits(native.q4_matmul(x, qw4, sw4, b)))
+        assert torch.equal(bits(native.q40_matmul(x, qw, sw, None)), bits(native.q4_matmul(x, qw4, sw4, None)))
+
+
+@pytest.mark.parametrize("variant", native.VARIANTS)
+@pytest.mark.parametrize("m", [1, 5])
+def test_q40_work_buffers_are_checked(variant, m):
+    library = _lib(variant)
+    x = torch.randn(m, 96)
+    check_work_buffer(library, "q40", x, 48, *native.pack_q40(*q40_case(48, 96)), least=m * 96)
+
+
+def test_q40_packing_refuses_what_the_kernels_cannot_take():
+    q, d = q40_case(32, 64)
+    with pytest.raises(ValueError, match="outside 0..15"):
+        native.pack_q40(q.int() + 1, d)
+    with pytest.raises(ValueError):
+        native.pack_q40(q[:20], d[:20])
+    qw, sw = native.pack_q40(q, d)
+    with pytest.raises(ValueError, match="q40 scales"):
+        native.q40_matmul(torch.randn(1, 64), qw, sw.float(), None)
 
 
 @pytest.mark.parametrize("variant", native.VARIANTS)
@@ -511,3 +566,36 @@ def test_the_decode_step_with_k_quant_linears_agrees_to_float_rounding(simd, kin
             torch.testing.assert_close(x[:, :, t], y[:, :, t], rtol=0, atol=0.2)
         close += max(diffs) < 1e-5
     assert close >= 0.9 * 40, close
+
+
+@pytest.mark.slow
+def test_q40_on_neon_is_the_references_bits(neon):
+    """The neon q40 step (matmul_neon.c: q40_scales) under qemu-aarch64 (tests/test_neon.py's harness, which makes
+    any exported call): the reference's bits and q4's, one row, a few, past the prefill passes, with and without
+    bias, on 1 thread and 3."""
+    from test_neon import Calls, _same
+
+    calls = Calls()
+    g = torch.Generator().manual_seed(4)
+    for threads in (1, 3):
+        calls.add("sc_set_threads", threads)
+        calls.add("sc_set_grain", 0)
+        for n, k, m in [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)]:
+            x = torch.randn(m, k, generator=g)
+            x[:, 5] = 30.0
+            q, d = q40_case(n, k, seed=n + k)
+            for bias in (None, torch.randn(n, generator=g)):
+                calls.add("q40_matmul", x, m, k, n, *native.pack_q40(q, d), bias, torch.empty(m, n), None, 0)
+                calls.add("q4_matmul", x, m, k, n, *native.pack_q4_dm(q, d, -8 * d), bias, torch.empty(m, n), None, 0)
+    got, want = neon(calls), calls.local("ref")
+    is_mm = [i for i, (name, _) in enumerate(calls.calls) if name.endswith("matmul")]
+    _same([got[i] for i in is_mm], [want[i] for i in is_mm], _sub(calls, is_mm))
+    assert all(torch.equal(bits(got[i][1][-1]), bits(got[i + 1][1][-1])) for i in is_mm[::2])  # q40 == q4
+
+
+def _sub(calls: Any, at: list[int]) -> Any:
+    from test_neon import Calls
+
+    c = Calls()
+    c.calls = [calls.calls[i] for i in at]
+    return c

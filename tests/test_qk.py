@@ -1,4 +1,5 @@
-"""The K-quant layouts q4k (Q4_K) and q8k (Q5_K, Q6_K), their kernels, and `Int4KLinear` / `Int8KLinear`.
+"""The K-quant layouts q4k (Q4_K) and q8k (Q5_K, Q6_K), their kernels, and `Int4KLinear` / `Int8KLinear`; and Q4_0's
+own layout q40 (`Int4Q0Linear`), held to gguf-py's weights and to the bits the q4 layout gave for Q4_0 before.
 
 - SIMD against the scalar reference (csrc/ref.c): bit-exact, one-row (decode) and many-row (prefill, across its
   passes) paths, with and without bias, N not a multiple of 64.
@@ -24,7 +25,9 @@ from kernel_helpers import NATIVE, SIMD, best_kernels, bits, check_work_buffer, 
 # (also tests/test_threads.py's, from here)
 from kernel_helpers import k_case as _case, k_matmul as _matmul, k_pack as _pack  # noqa: F401
 from sinkchat.kernels import native
+from kernel_helpers import q40_case
 from sinkchat.model import gguf_blocks, gguf_packed, int4
+from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
 from test_gguf_blocks import random_blocks
@@ -347,3 +350,133 @@ def _float_copy(lin: Any) -> nn.Linear:
     if lin.bias is not None:
         out.bias.data = lin.bias.data.clone()
     return out
+
+
+# ---- Q4_0 at its own bits: q40 (`Int4Q0Linear`) ------------------------------------------------------------------
+def _q40_file(rows: int, k: int, seed: int) -> tuple[np.ndarray, Int4Q0Linear]:
+    raw = _file_blocks(T.Q4_0, rows=rows, k=k, seed=seed)
+    p = gguf_blocks.unpack(T.Q4_0, raw)
+    return raw, Int4Q0Linear.from_values(torch.from_numpy(p.q), torch.from_numpy(p.d))
+
+
+def test_q40_rows_and_dequantized_are_gguf_dequantize_bit_for_bit():
+    raw, lin = _q40_file(48, 768, seed=11)
+    want = torch.from_numpy(dequantize(raw, T.Q4_0))
+    assert lin.layout == "q40" and lin.qw.shape == (3, 24, 4, 16, 4) and lin.sw.shape == (3, 24, 16)
+    assert lin.qw.nbytes + lin.sw.nbytes == raw.nbytes  # the file's size: 18 bytes a block
+    np.testing.assert_array_equal(native.q40_gguf_bytes(lin.qw, lin.sw), raw)  # and its very bits
+    assert torch.equal(bits(lin.dequantized()), bits(want))
+    ids = torch.tensor([[0, 47, 5], [16, 16, 31]])
+    assert torch.equal(bits(lin.rows(ids)), bits(want[ids]))
+    assert lin.rows(torch.tensor(7)).shape == (768,) and lin.rows(torch.tensor([], dtype=torch.long)).shape == (0, 768)
+    with pytest.raises(IndexError):
+        lin.rows(torch.tensor([48]))
+
+
+def test_q40_kernels_compute_with_the_files_weights_and_give_q4s_bits():
+    """From real blocks: the kernel is its integer model over gguf-py's weights (fp64), SIMD and reference alike, and
+    bit for bit what the q4 layout (m = -8·d stored) computed for the same tensor."""
+    raw, lin = _q40_file(32, 512, seed=7)
+    p = gguf_blocks.unpack(T.Q4_0, raw)
+    old = int4.Int4Linear.from_values(torch.from_numpy(p.q), torch.from_numpy(p.d), torch.from_numpy(p.m),
+                                      kernels="native")
+    assert (old.qw.nbytes + old.sw.nbytes) * 18 == (lin.qw.nbytes + lin.sw.nbytes) * 20
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(3))
+    xq, dx, _ = native.quantize_activations(x)
+    w = torch.from_numpy(dequantize(raw, T.Q4_0)).double().reshape(32, 16, 32)
+    ref = torch.einsum("mbi,nbi,mb->mn", xq.double().reshape(3, 16, 32), w, dx.double())
+    outs = []
+    for variant in [v for v in (*SIMD, "ref") if not native.unsupported(v)]:
+        with on(variant):
+            outs.append(lin(x))
+            assert torch.equal(bits(outs[-1]), bits(old(x))) and torch.equal(bits(lin(x[:1])), bits(old(x[:1])))
+        torch.testing.assert_close(outs[-1].double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert all(torch.equal(bits(o), bits(outs[-1])) for o in outs)
+
+
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_q40_linears_are_linears(kernels):
+    q, d = q40_case(64, 96, seed=5)
+    bias = torch.randn(64)
+    lin = Int4Q0Linear.from_values(q, d, bias=bias, kernels=kernels)
+    assert lin.bias.dtype == torch.float32 and not lin.bias.requires_grad
+    x = torch.randn(2, 3, 96)
+    y = lin(x)
+    exact = x.double() @ (d.double().repeat_interleave(32, 1) * (q.double() - 8)).T + bias.double()
+    assert y.shape == (2, 3, 64) and (y.double() - exact).abs().max() < (0.03 if kernels == "native" else 1e-5) * \
+        exact.abs().max()
+    assert lin(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    state = Int4Q0Linear(96, 64, bias=True, kernels=kernels)
+    state.load_state_dict(lin.state_dict())  # the buffers are the whole weight
+    assert torch.equal(state(x), y)
+    with pytest.raises(ValueError, match="% 32"):
+        Int4Q0Linear(80, 64)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_packed_cache_can_rebuild_q40(bias):
+    lin = Int4Q0Linear.from_values(*q40_case(32, 256, seed=2), bias=torch.randn(32) if bias else None)
+    assert gguf_packed.CLASSES[type(lin).__name__] is type(lin) and gguf_packed.VERSION >= 2  # v1 held Q4_0 as q4
+    spec = {"class": type(lin).__name__, "attrs": gguf_packed._attrs(lin),
+            "params": [k for k, p in lin.named_parameters(recurse=False) if p is not None]}
+    assert spec["attrs"] == {"in_features": 256, "out_features": 32, "kernels": "native",
+                             **({} if bias else {"bias": None})}
+    shell = gguf_packed._shell(spec)
+    for name, t in lin.state_dict().items():
+        if name in spec["params"]:
+            setattr(shell, name, nn.Parameter(t.clone(), requires_grad=False))
+        else:
+            shell.register_buffer(name, t.clone())
+    x = torch.randn(2, 256)
+    assert torch.equal(shell(x), lin(x)) and torch.equal(shell.rows(torch.tensor([3])), lin.rows(torch.tensor([3])))
+
+
+def q40_values(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ggml's Q4_0 of a float weight [N, K]: per 32, d = (the value of largest magnitude) / -8 (fp16), q = round(w/d
+    + 8) in 0..15. Returns q uint8 [N, K], d [N, K/32]."""
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // 32, 32)
+    at = wg.abs().argmax(-1, keepdim=True)
+    d = (wg.gather(-1, at) / -8).squeeze(-1).half().float()  # [N, K/32]
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.floor(wg * inv[..., None] + 8.5), 0, 15)
+    return q.to(torch.uint8).reshape(n, k), d
+
+
+def to_q40(lin: nn.Linear) -> Int4Q0Linear:
+    return Int4Q0Linear.from_values(*q40_values(lin.weight), bias=lin.bias)
+
+
+def _as_q4(lin: nn.Linear) -> int4.Int4Linear:
+    """The same Q4_0 values as the q4 layout held them before q40 (m = -8·d)."""
+    q, d = q40_values(lin.weight)
+    return int4.Int4Linear.from_values(q, d, -8 * d, lin.bias, kernels="native")
+
+
+@pytest.mark.usefixtures("best_kernels")
+@pytest.mark.parametrize("kind,kw", [("llama", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("qwen2", {})])
+def test_a_q4_0_model_on_q40_gives_the_bits_it_gave_on_q4(kind, kw):
+    """The native decode step and prefill (lin_type SC_LIN_Q40; Phi-3's fused projections as row-group views of
+    q40 buffers; Qwen2's biases) on q40 linears: logits and caches bit for bit those of the same model with its Q4_0
+    linears held as q4, as every Q4_0 file loaded before; and within the usual bounds of transformers' forward."""
+    from test_native_archs import build, compare, engines, pack
+
+    new = pack(build(kind, **K_SHAPE, **kw), lambda i, n, lin: to_q40(lin))
+    old = pack(build(kind, **K_SHAPE, **kw), lambda i, n, lin: _as_q4(lin))
+    assert {m.layout for m in new.modules() if hasattr(m, "layout")} == {"q40"}
+    assert {m.layout for m in old.modules() if hasattr(m, "layout")} == {"q4"}
+    ids = [(37 * i + 3) % 500 + 1 for i in range(60)]
+    runs = []
+    for model in (new, old):
+        _, fast = engines(model, "float32")
+        assert fast.step.prefill is not None  # the chunk goes through C's prefill
+        list(fast.feed_ids(ids[:40]))  # a prefill of 40 rows
+        logits = [fast.last_logits.clone()]
+        for t in ids[40:]:  # then decode steps
+            list(fast.feed_ids([t]))
+            logits.append(fast.last_logits.clone())
+        runs.append((torch.stack(logits), [(la.keys.clone(), la.values.clone()) for la in fast.cache.layers]))
+    assert torch.equal(bits(runs[0][0]), bits(runs[1][0])) and runs[0][0].abs().max() > 0.1
+    assert all(torch.equal(bits(a[0]), bits(b[0])) and torch.equal(bits(a[1]), bits(b[1]))
+               for a, b in zip(runs[0][1], runs[1][1]))
+    compare(new)

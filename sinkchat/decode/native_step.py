@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from sinkchat.model import int4
+from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
 from sinkchat.kernels import native
@@ -41,8 +42,8 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
             "mlp.up_proj", "mlp.down_proj")
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # Phi-3: parts in this order along the rows
-_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3}  # csrc/kernels.h: SC_LIN_Q4, SC_LIN_Q8G, SC_LIN_Q4K, SC_LIN_Q8K
-_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear)  # one class per layout above
+_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3, "q40": 5}  # csrc/kernels.h: SC_LIN_Q4, _Q8G, _Q4K, _Q8K, _Q40
+_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear, Int4Q0Linear)  # one class per layout above
 
 
 def why_not(model: Any, spec: ModelSpec) -> str | None:
@@ -71,7 +72,7 @@ def _weights_refusal(model: Any, spec: ModelSpec) -> str | None:
     for layer in base.layers:
         lins = [layer.get_submodule(name) for name in spec.linears]
         if not all(_is_native(lin) for lin in lins):
-            return "linears not all packed for the native kernels (q4, q8g, q4k or q8k)"
+            return "linears not all packed for the native kernels (q4, q8g, q4k, q8k or q40)"
         if hasattr(layer.self_attn, "sinks"):
             return "attention variant (learned sinks)"
         if spec.norm.qk_norm and not all(_per_head_norm(getattr(layer.self_attn, n, None), spec)

@@ -1,5 +1,6 @@
 """The weight layouts the native kernels read (csrc/kernels.h: sc_q4_block / sc_q4_scales, sc_q8_block, q8g's
-sc_q8_block / sc_q8g_scales, and the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales): packing from integer
+sc_q8_block / sc_q8g_scales, the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales, and Q4_0's q40: sc_q4_block /
+sc_q40_scales): packing from integer
 values and scales, and unpacking rows back to fp32 in torch. Pure torch, no library: `native` re-exports every
 function here (`native.pack_q4`, `native.pack_q8g`, `native.pack_q4k`, ...).
 """
@@ -7,6 +8,8 @@ function here (`native.pack_q4`, `native.pack_q8g`, `native.pack_q4k`, ...).
 from __future__ import annotations
 
 import torch
+
+import numpy as np
 
 from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES, QB, QK, RG
 
@@ -34,6 +37,46 @@ def pack_q4_dm(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch
     dm = torch.stack([d.to(torch.float16), m.to(torch.float16)], -1)  # [N, K/32, 2]
     sw = dm.reshape(n // RG, RG, k // QB, 2).permute(0, 2, 3, 1).contiguous()  # [g, b, 2, r]
     return qw, sw
+
+
+def pack_q40(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_0 at its own bits: q [N, K] in 0..15 and d [N, K/32] (fp16 values; stored fp16), w = d·(q − 8)
+    -> (qw, sw): qw the q4 nibbles, uint8 [N/16, K/32, 4, 16, 4] (as `pack_q4`), and sw fp16 [N/16, K/32, 16]
+    (sc_q40_scales: block b's d of rows 16g..16g+15). 16 + 2 bytes per row and 32 weights, the file's 18: no m is
+    stored; the kernels form m = −8·d in fp32 (exact), the value `pack_q4` held, so the same bits as q4."""
+    n, k = q.shape
+    if n % RG or k % QB or d.shape != (n, k // QB):
+        raise ValueError(f"q40 weights {tuple(q.shape)}, d {tuple(d.shape)}: want N % {RG} == 0, K % {QB} == 0, "
+                         f"d [N, K/{QB}]")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("q40 values outside 0..15")
+    sw = d.to(torch.float16).reshape(n // RG, RG, k // QB).permute(0, 2, 1)  # [g, b, r]
+    return _nibble_blocks(q), sw.contiguous()
+
+
+def q40_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q40` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]): d·(q − 8) in fp32, as
+    gguf-py's dequantize computes Q4_0 (exact, signed zeros included: the two agree bit for bit)."""
+    if rows is None:
+        b = qw.permute(0, 3, 1, 2, 4).reshape(qw.shape[0] * RG, qw.shape[1], 4, 4)  # [N, K/32, s, t]
+        d = sw.permute(0, 2, 1).reshape(sw.shape[0] * RG, -1)  # [N, K/32]
+    else:
+        b = qw[rows // RG, :, :, rows % RG, :]  # [n, K/32, s, t]
+        d = sw[rows // RG, :, rows % RG]  # [n, K/32]
+    q = torch.stack([b & 15, b >> 4], -2).float().reshape(b.shape[0], b.shape[1], QB)  # [n, K/32, 32]: 8s + 4h + t
+    return (d.float()[..., None] * (q - 8)).reshape(b.shape[0], b.shape[1] * QB)
+
+
+def q40_gguf_bytes(qw: torch.Tensor, sw: torch.Tensor) -> np.ndarray:
+    """A `pack_q40` layout back to the GGUF tensor's own bytes, uint8 [N, K/32 · 18] (per block: fp16 d, then 16
+    bytes with weight j in the low nibble of byte j and weight j + 16 in the high one): every bit the file had, from
+    nothing but what is held (tests, benchmarks/q4_0_bits.py)."""
+    n, nb = qw.shape[0] * RG, qw.shape[1]
+    b = qw.permute(0, 3, 1, 2, 4).reshape(n, nb, 4, 4)  # [N, K/32, s, t]
+    q = torch.stack([b & 15, b >> 4], -2).reshape(n, nb, QB)  # [N, K/32, 32] in column order
+    qs = q[..., :16] | (q[..., 16:] << 4)  # [N, K/32, 16]
+    d = sw.permute(0, 2, 1).reshape(n, nb, 1).contiguous().view(torch.uint8)  # [N, K/32, 2]
+    return torch.cat([d, qs], -1).reshape(n, nb * 18).numpy()
 
 
 def _nibble_blocks(q: torch.Tensor) -> torch.Tensor:

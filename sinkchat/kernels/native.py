@@ -58,8 +58,8 @@ from sinkchat.kernels.abi import (  # noqa: F401  (StepModel, StepLayers, ACT_*,
     ACT_GELU_TANH, ACT_SILU, QB, QK, RG, NativeABIError, StepLayers, StepModel)
 from sinkchat.kernels import abi
 from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native.pack_q4, native.pack_q8g, ...)
-    pack_q4, pack_q4_dm, pack_q4k, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q8_rows, q8g_unpack,
-    q8k_unpack)
+    pack_q4, pack_q4_dm, pack_q4k, pack_q40, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q40_gguf_bytes,
+    q40_unpack, q8_rows, q8g_unpack, q8k_unpack)
 from sinkchat.kernels.variants import (  # noqa: F401  (the binding's API: native.unsupported, native.best, ...)
     CPU_FLAGS, SIMD, VARIANTS, best, lacks, unsupported)
 from sinkchat.kernels import variants as _variants
@@ -314,6 +314,28 @@ def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.T
     y = torch.empty(m, n)
     _check_rc(lib.q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr, size),
               "q4_matmul")
+    return y
+
+
+def q40_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q40` weights (Q4_0: w = d·(q − 8) per 32), plus bias [N] if given:
+    the same bits as `q4_matmul` on the same tensor packed as q4 (m = −8·d)."""
+    x = x.float().contiguous()
+    m, k = x.shape
+    n = qw.shape[0] * RG
+    if qw.shape[1:] != (k // QB, 4, RG, 4) or k % QB or qw.dtype != torch.uint8 or not qw.is_contiguous():
+        raise ValueError(f"q40 weights {tuple(qw.shape)} do not fit x {tuple(x.shape)}")
+    if sw.shape != (n // RG, k // QB, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
+        raise ValueError(f"q40 scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
+    if bias is not None:
+        bias = bias.float().contiguous()
+        if bias.numel() != n:
+            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
+    lib = _lib()
+    ptr, size = work_buffer(_work_size(lib, "sc_q40_work", m, k))
+    y = torch.empty(m, n)
+    _check_rc(lib.q40_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
+                             size), "q40_matmul")
     return y
 
 

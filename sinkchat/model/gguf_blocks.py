@@ -3,7 +3,7 @@ ever forming the weights in float.
 
 | GGUF type | values | per | w = | kernel layout (module) | exact? |
 |---|---|---|---|---|---|
-| Q4_0 | 0..15 | 32 | d·(q−8) | q4 (`Int4Linear`): d, m = −8d | yes (fp16 d; −8d is a power-of-two multiple) |
+| Q4_0 | 0..15 | 32 | d·(q−8) | q40 (`Int4Q0Linear`; torch's: q4, m = −8d): d alone | yes (fp16 d; −8d exact) |
 | Q4_1 | 0..15 | 32 | d·q + m | q4: d, m | yes |
 | Q4_K | 0..15 | 32 of 256 | (d·sc)·q − dmin·mn | q4k (`Int4KLinear`): fp16 d, dmin, integer sc, mn | yes |
 | Q8_0 | −127..127 | 32 | d·q | q8g (`Int8GLinear`): d, 0 per 16 | yes |

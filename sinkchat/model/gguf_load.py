@@ -3,9 +3,11 @@ copy on disk.
 
 Each tensor's bytes are read with plain reads (not the mmap: mapped pages that were touched count as resident until
 unmapped, which would double the peak), taken apart by `gguf_blocks` into the integers and scales its type holds,
-and packed for the kernels at once: Q4_0 / Q4_1 / Q4_K into `Int4Linear` ("q4"), Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K
-into `Int8GLinear` ("q8g"). The token table is packed the same way and serves both the embedding lookups (rows
-unpacked on demand) and, when tied, the output head. Norms and biases are read as fp32.
+and packed for the kernels at once: for the native kernels Q4_0 into `Int4Q0Linear` ("q40": its own 18 bytes a
+block), Q4_K / Q5_K / Q6_K into `Int4KLinear` / `Int8KLinear` ("q4k" / "q8k"), Q4_1 into `Int4Linear` ("q4") and
+Q8_0 / Q5_0 / Q5_1 into `Int8GLinear` ("q8g"); for torch's, the 4-bit types into `Int4Linear`. The token table is
+packed the same way and serves both the embedding lookups (rows unpacked on demand) and, when tied, the output head.
+Norms and biases are read as fp32.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbouring dims; transformers'
 pairs halves); rows are whole quant blocks, so undoing that is a row permutation of the packed integers and scales.
@@ -24,6 +26,7 @@ from torch import nn
 
 from sinkchat.model import gguf_blocks, int4
 from sinkchat.model.gguf_file import GGUFError, TensorInfo
+from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.intk import Int4KLinear, Int8KLinear
 
@@ -104,8 +107,8 @@ def module_of(f: Any, t: TensorInfo, kernels: str, rows: slice | None = None, he
     """Tensor `t` (or its `rows`) packed for `kernels`, its rows permuted back for `heads` heads when given.
 
     K-quants go to the layouts that keep their super-blocks (`Int4KLinear` / `Int8KLinear`: the file's own integer
-    scales and fp16 d, bit-exact and about the file's size); under torch's kernels, and for every other type, to
-    q4 / q8g (`pack`)."""
+    scales and fp16 d, bit-exact and about the file's size), Q4_0 to `Int4Q0Linear` (its d alone, the file's size);
+    under torch's kernels, and for every other type, to q4 / q8g (`pack`)."""
     if kernels == "native" and t.qtype in gguf_blocks.UNPACK_K:
         k = gguf_blocks.unpack_k(t.qtype, read_raw(f, t, rows))
         arrays = [k.q, k.d, k.dmin, k.sc, k.mn]
@@ -114,6 +117,10 @@ def module_of(f: Any, t: TensorInfo, kernels: str, rows: slice | None = None, he
         cls = Int4KLinear if k.layout == "q4k" else Int8KLinear
         return cls.from_values(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
     p = parts_of(f, t, rows)
+    if kernels == "native" and t.qtype == gguf_blocks.T.Q4_0:  # Parts' m is -8·d, formed by the kernel instead
+        q, d = (_unpermute(a, heads) if heads else a for a in (p.q, p.d))
+        return Int4Q0Linear.from_values(torch.from_numpy(np.ascontiguousarray(q)),
+                                        torch.from_numpy(np.ascontiguousarray(d)))
     if heads:
         p = gguf_blocks.Parts(p.layout, _unpermute(p.q, heads), _unpermute(p.d, heads), _unpermute(p.m, heads))
     return pack(p, kernels)

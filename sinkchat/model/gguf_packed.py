@@ -2,13 +2,15 @@
 later start reads it back instead of unpacking and packing every tensor again (the bundled model: ~1 s of packing
 on each start; a 3B Q4_K_M file: tens of seconds). Never fp32: the file is about the size of the GGUF.
 
-Layout: `packed-v1-native.safetensors` (every tensor of the model once: a tied table is saved under one name) and
-`packed-v1-native.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and
+Layout: `packed-v2-native.safetensors` (every tensor of the model once: a tied table is saved under one name) and
+`packed-v2-native.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and
 how the table is wired), named by VERSION and the kernels packed for: the folder is shared by every environment of
-the user (`gguf_convert`), and two of them packing for other kernels or another version each keep their own pair
-instead of packing over each other at every start. Read back with plain reads (`q4load.read_tensors`), not an mmap,
-so the peak is the model once. Both files are written to temp files and renamed, the weights first, after the model
-loaded: a crash, or another process packing the same model at the same moment, leaves no half-written cache.
+the user (`gguf_convert`), and two of them packing for other kernels each keep their own pair instead of packing
+over each other at every start. Another version's pair for the same kernels is deleted once this version's is
+written or read (`drop_stale`: this version never reads it). Read back with plain reads (`q4load.read_tensors`), not
+an mmap, so the peak is the model once. Both files are written to temp files and renamed, the weights first, after
+the model loaded: a crash, or another process packing the same model at the same moment, leaves no half-written
+cache.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,14 +28,15 @@ from torch import nn
 
 from sinkchat.model import int4, intk
 from sinkchat.model.gguf_load import PackedEmbedding, skeleton
+from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.q4load import read_tensors
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: Q4_0 held as q40 (`Int4Q0Linear`, 18 bytes a block), no longer as q4: a v1 cache is not read
 CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (int4.Int4Linear, Int8GLinear, int4.Int8Table,
-                                                                intk.Int4KLinear, intk.Int8KLinear)}
+                                                                intk.Int4KLinear, intk.Int8KLinear, Int4Q0Linear)}
 
 
 def weights_name(kernels: str) -> str:
@@ -41,6 +45,23 @@ def weights_name(kernels: str) -> str:
 
 def manifest_name(kernels: str) -> str:
     return f"packed-v{VERSION}-{kernels}.json"
+
+
+def drop_stale(out: Path, kernels: str) -> list[str]:
+    """Delete the pairs another VERSION wrote for these kernels in folder `out` (a v1 pair holds Q4_0 as q4, and
+    nothing reads it again: left, it would double the folder's size); returns the names removed. Run when this
+    version's pair is written or read, so an older install sharing the folder repacks only if it runs again."""
+    gone = []
+    pat = re.compile(rf"packed-v(\d+)-{re.escape(kernels)}\.(safetensors|json)")
+    for p in out.iterdir() if out.is_dir() else ():
+        m = pat.fullmatch(p.name)
+        if m and int(m.group(1)) != VERSION:
+            try:
+                p.unlink()
+                gone.append(p.name)
+            except OSError:  # another process's, or a read-only folder: harmless
+                pass
+    return gone
 
 
 def _attrs(mod: nn.Module) -> dict[str, Any]:
@@ -92,6 +113,7 @@ def save(model: nn.Module, out: Path, kernels: str) -> None:
         tmps[1].write_text(manifest)
         os.replace(tmps[0], out / weights_name(kernels))
         os.replace(tmps[1], out / manifest_name(kernels))
+        drop_stale(out, kernels)
     except OSError as e:  # a full disk: the model still runs; the next start packs again
         log.warning("could not cache the packed model in %s: %s", out, e)
     finally:
@@ -127,6 +149,7 @@ def load(config: Any, out: Path, kernels: str, into: nn.Module | None = None) ->
     if left:
         log.warning("packed cache in %s misses %s; packing again", out, left[:3])
         return None
+    drop_stale(out, kernels)
     return model
 
 

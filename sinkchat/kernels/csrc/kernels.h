@@ -16,7 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 9
+#define SC_ABI_VERSION 10
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -52,8 +52,17 @@ typedef struct {
     uint16_t d[2][RG], m[2][RG];
 } sc_q8g_scales;
 
+// q40 (llama.cpp's Q4_0 at its own 18 bytes per 32 weights): the nibbles are sc_q4_blocks (qw [N/16][K/32], as q4)
+// and each block of 32 of a row has one fp16 d, w = d*(q - 8): no m is stored; the kernels form m = -8*d in fp32
+// (exact: a power-of-two multiple of an fp16), the very value q4 held for a Q4_0 tensor, so the two give the same
+// bits. sw [N/16][K/32], parallel to qw: 16 + 2 bytes per row and 32 weights, Q4_0's 0.5625 bytes a weight.
+typedef struct {
+    uint16_t d[RG];
+} sc_q40_scales;
+
 _Static_assert(sizeof(sc_q4_block) == QB * RG / 2, "q4 block: 16 rows x 32 nibbles, no padding");
 _Static_assert(sizeof(sc_q4_scales) == 2 * RG * sizeof(uint16_t), "q4 scales: 16 fp16 d then 16 fp16 m");
+_Static_assert(sizeof(sc_q40_scales) == RG * sizeof(uint16_t), "q40 scales: 16 fp16 d, no m");
 _Static_assert(sizeof(sc_q8_block) == QB * RG, "q8 block: 16 rows x 32 bytes, no padding");
 _Static_assert(sizeof(sc_q8g_scales) == 4 * RG * sizeof(uint16_t), "q8g scales: 2x16 fp16 d then 2x16 fp16 m");
 _Static_assert(offsetof(sc_q8g_scales, m) == 2 * RG * sizeof(uint16_t), "q8g scales: m follows d, no padding");
@@ -96,6 +105,7 @@ _Static_assert(sizeof(sc_q4k_scales) % 64 == 0 && sizeof(sc_q8k_scales) % 64 == 
 #define SC_LIN_Q8G 1  // lin triple: (sc_q8_block*, sc_q8g_scales*, bias)
 #define SC_LIN_Q4K 2  // lin triple: (sc_q4_block*, sc_q4k_scales*, bias)
 #define SC_LIN_Q8K 3  // lin triple: (sc_q8_block*, sc_q8k_scales*, bias)
+#define SC_LIN_Q40 5  // lin triple: (sc_q4_block*, sc_q40_scales*, bias) (4 is SC_LIN_TABLE, linear.c's own)
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv, head_dim, inter, vocab, kv_bf16;  // vocab: padded to 16
@@ -109,7 +119,7 @@ typedef struct {
     const float* table_scale;  // [V]
     const float* q_norm;       // [L][D]: RMSNorm of each query head before RoPE (Qwen3), or NULL: none
     const float* k_norm;       // [L][D]: the same for each key head, or NULL
-    const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K or _Q8K per linear, or NULL: all q4
+    const int* lin_type;       // [L][7]: SC_LIN_Q4, _Q8G, _Q4K, _Q8K or _Q40 per linear, or NULL: all q4
     int rot;                   // rotary dims (even, <= head_dim; dims past it pass through); <= 0: head_dim
     // The head as a linear of layout head_type (SC_LIN_*), vocab rows, where there is no table; NULL: neither, and
     // the final normed hidden state is the output.
@@ -266,6 +276,7 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(size_t, sc_q8g_work, int, int, int)                                                                              \
     X(size_t, sc_q4k_work, int, int, int)                                                                              \
     X(size_t, sc_q8k_work, int, int, int)                                                                              \
+    X(size_t, sc_q40_work, int, int, int)                                                                              \
     X(int, sc_set_threads, int)                                                                                        \
     X(long, sc_set_grain, long)                                                                                        \
     X(int, sc_set_deal, int)                                                                                           \
@@ -279,6 +290,8 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(int, q4k_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q4k_scales*, const float*, float*,    \
       void*, size_t)                                                                                                   \
     X(int, q8k_matmul, const float*, int, int, int, const sc_q8_block*, const sc_q8k_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q40_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q40_scales*, const float*, float*,    \
       void*, size_t)                                                                                                   \
     X(int, sc_attend, const Model*, const float*, const void*, const void*, int, int, int, float*, float*, float*)     \
     X(int, sc_step, const Model*, const float*, int, int, void* const*, void* const*, int, float*, float*, float*,     \
@@ -323,7 +336,7 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
 // rounding of acc - dmin*mn_j*sx (the AVX-512 prefill leaves it out where dmin is 0 throughout a row group: the same
 // bits). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
 typedef void sc_run_fn(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
-sc_run_fn sc_lin_run, sc_q4_run, sc_q8g_run, sc_q4k_run, sc_q8k_run, sc_table_run;
+sc_run_fn sc_lin_run, sc_q4_run, sc_q8g_run, sc_q4k_run, sc_q8k_run, sc_q40_run, sc_table_run;
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
 // Softmax attention of one query head qh [D] over n rows of Kh / Vh [n][D] (fp32, or bf16 when bf): the

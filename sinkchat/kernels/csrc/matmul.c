@@ -71,6 +71,13 @@ static inline void q4_scales(const void* sw, size_t t, int j, __m512* ds, __m512
     *ds = f16x16(s->d), *mt = f16x16(s->m);
 }
 
+// q40: Q4_0's fp16 d per block of 32 (sw [N/16][K/32] of sc_q40_scales) and m = -8*d, formed here in fp32: exact,
+// the value q4 stored as fp16 for the same tensor (ref.c: q40_scales), so the same bits from 18 bytes of 20.
+static inline void q40_scales(const void* sw, size_t t, int j, __m512* ds, __m512* mt) {
+    const sc_q40_scales* s = (const sc_q40_scales*)sw + t + j;  // j is 0: span 1
+    *ds = f16x16(s->d), *mt = _mm512_mul_ps(*ds, _mm512_set1_ps(-8.0f));
+}
+
 // q8g: fp16 d and m per half block of 16 (sw [N/16][K/32] of sc_q8g_scales); every m term can be non-zero.
 static inline void q8g_scales(const void* sw, size_t t, int j, int k, __m512* ds, __m512* mt) {
     const sc_q8g_scales* s = (const sc_q8g_scales*)sw + t + j;  // j is 0: span 1
@@ -86,6 +93,11 @@ static inline int q8g_mins(const void* sw, size_t g, int nb) {
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     if (a->M == 1) q4_row(&a->x, a->K, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
     else q4_rows(&a->x, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
+}
+
+void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q4_row(&a->x, a->K, g0, g1, l->w, l->s, l->bias, l->y, q40_scales, 1);
+    else q4_rows(&a->x, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q40_scales, 1);
 }
 
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

@@ -76,6 +76,12 @@ static inline void q4_scales(const void* sw, size_t t, int j, int h, __m256* ds,
     *ds = f16x8(s->d + 8 * h), *mt = f16x8(s->m + 8 * h);
 }
 
+// q40: Q4_0's fp16 d per block of 32, rows 8h..8h+7, and m = -8*d in fp32 (exact: matmul.c's q40_scales; span 1).
+static inline void q40_scales(const void* sw, size_t t, int j, int h, __m256* ds, __m256* mt) {
+    const sc_q40_scales* s = (const sc_q40_scales*)sw + t + j;
+    *ds = f16x8(s->d + 8 * h), *mt = _mm256_mul_ps(*ds, _mm256_set1_ps(-8.0f));
+}
+
 // q8g: fp16 d and m per half block k of 16, rows 8h..8h+7 (span 1).
 static inline void q8g_scales(const void* sw, size_t t, int j, int k, int h, __m256* ds, __m256* mt) {
     const sc_q8g_scales* s = (const sc_q8g_scales*)sw + t + j;
@@ -86,6 +92,11 @@ static inline void q8g_scales(const void* sw, size_t t, int j, int k, int h, __m
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     if (a->M == 1) q4_row(&a->x, a->K, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
     else q4_rows(&a->x, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
+}
+
+void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q4_row(&a->x, a->K, g0, g1, l->w, l->s, l->bias, l->y, q40_scales, 1);
+    else q4_rows(&a->x, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q40_scales, 1);
 }
 
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

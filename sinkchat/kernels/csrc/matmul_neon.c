@@ -76,6 +76,12 @@ static inline void q4_scales(const void* sw, size_t t, int j, int i, float32x4_t
     *ds = f16x4(s->d + 4 * i), *mt = f16x4(s->m + 4 * i);
 }
 
+// q40: Q4_0's fp16 d per block of 32, rows 4i..4i+3, and m = -8*d in fp32 (exact: matmul.c's q40_scales; span 1).
+static inline void q40_scales(const void* sw, size_t t, int j, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q40_scales* s = (const sc_q40_scales*)sw + t + j;
+    *ds = f16x4(s->d + 4 * i), *mt = vmulq_f32(*ds, vdupq_n_f32(-8.0f));
+}
+
 // q8g: fp16 d and m per half block k of 16 (span 1).
 static inline void q8g_scales(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt) {
     const sc_q8g_scales* s = (const sc_q8g_scales*)sw + t + j;
@@ -85,6 +91,11 @@ static inline void q8g_scales(const void* sw, size_t t, int j, int k, int i, flo
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc;  // every row's accumulators are registers here
     for (int m = m0; m < m0 + mn; m++) q4_row(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
+}
+
+void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++) q4_row(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q40_scales, 1);
 }
 
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

@@ -156,6 +156,13 @@ static inline void q4_scales(const void* sw, int nb, int g, int b, int r, float*
     *ds = h2f(s->d[r]), *mt = h2f(s->m[r]);
 }
 
+// q40: Q4_0's one fp16 d per block of 32; its m, -8*d, formed in fp32: exact (a power-of-two multiple), the value q4
+// held as an fp16 m for the same tensor, so the same bits as q4 there.
+static inline void q40_scales(const void* sw, int nb, int g, int b, int r, float* ds, float* mt) {
+    const sc_q40_scales* s = (const sc_q40_scales*)sw + (size_t)g * nb + b;
+    *ds = h2f(s->d[r]), *mt = -8.0f * *ds;
+}
+
 static inline void q8g_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
     const sc_q8g_scales* s = (const sc_q8g_scales*)sw + (size_t)g * nb + b;
     *ds = h2f(s->d[h][r]), *mt = h2f(s->m[h][r]);
@@ -183,6 +190,9 @@ void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1,
 }
 void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q4_family(l, a, m0, mn, g0, g1, q4k_scales);
+}
+void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q4_family(l, a, m0, mn, g0, g1, q40_scales);
 }
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q8_family(l, a, m0, mn, g0, g1, q8g_scales);

@@ -1,9 +1,9 @@
 // One decode step of a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / Gemma 2 / Gemma 3 shaped model in C, and the cache
 // eviction: shared by every build, over the pieces each variant implements (sc_lin_run, sc_head_attend_cap,
-// sc_rot_row, ...: kernels.h). Each linear is q4, q8g, q4k or q8k (Model.lin_type); q/k norms and partial rotary are
-// optional. sc_step_layers adds what differs per layer or is Gemma's (sc_layers): a RoPE and a query scale per layer,
-// each layer's own slice of the cache (a local layer's ring), norms of the attention and MLP outputs before each
-// residual add, GELU (tanh) instead of SiLU, soft-capped attention scores.
+// sc_rot_row, ...: kernels.h). Each linear is q4, q8g, q4k, q8k or q40 (Model.lin_type); q/k norms and partial
+// rotary are optional. sc_step_layers adds what differs per layer or is Gemma's (sc_layers): a RoPE and a query scale
+// per layer, each layer's own slice of the cache (a local layer's ring), norms of the attention and MLP outputs before
+// each residual add, GELU (tanh) instead of SiLU, soft-capped attention scores.
 //
 // Threads (pool.c): per layer five jobs, each split so every output is computed by one thread as it is alone (the
 // step's results are bit-identical at any thread count): q, k and v together (one input, quantized once), the heads'
