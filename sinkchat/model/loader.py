@@ -298,11 +298,26 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
     quant = resolve_quant(cfg.quant, device)
     kernels = q4_kernels(cfg.decoder, config) if quant == "q4" else "torch"
     progress(f"loading {Path(source).name if os.sep in source else source} ({quant}, {device})")
-    import torch
+    gguf = Path(source) if source.endswith(".gguf") else None
+    model, tokenizer, frac = _read_model(source, src, gguf, config, quant, kernels, dtype, device, progress, phases)
+    spec = ModelSpec.from_model(model).check()  # refuse what the cache cannot hold now, with a clear message
+    if gguf is not None and quant == "q4":  # (again after a sidecar the light start refused)
+        gguf_light.save_sidecar(model, tokenizer, spec, Path(src), kernels)  # the next start skips transformers' model
+    phases.end("weights")
+    return Loaded(
+        model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,
+        dtype=str(dtype).removeprefix("torch."), fingerprint=_fingerprint(src, quant, dtype),
+        seconds=time.perf_counter() - t0, quantized_fraction=frac, spec=spec, phases=tuple(phases.done),
+    )
+
+
+def _read_model(source: str, src: str, gguf: Path | None, config: Any, quant: str, kernels: str, dtype: Any,
+                device: str, progress: Progress, phases: Phases) -> tuple[Any, Any, float]:
+    """The tokenizer and the model, its weights streamed into the packed layouts where they can be (a GGUF, a q4
+    checkpoint), else loaded by transformers and quantized as asked; with the share of them in 4/8 bits."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     streamed = None
-    gguf = Path(source) if source.endswith(".gguf") else None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -331,16 +346,7 @@ def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Cal
         model.requires_grad_(False)
         model.to(device)
         frac = _quantize(model, quant, dtype, device, progress, kernels)
-    spec = ModelSpec.from_model(model).check()  # refuse what the cache cannot hold now, with a clear message
-    if gguf is not None and quant == "q4":  # (again after a sidecar the light start refused)
-        gguf_light.save_sidecar(model, tokenizer, spec, Path(src), kernels)  # the next start skips transformers' model
-    phases.end("weights")
-    del torch
-    return Loaded(
-        model=model, tokenizer=tokenizer, source=source, path=src, quant=quant, device=device,
-        dtype=str(dtype).removeprefix("torch."), fingerprint=_fingerprint(src, quant, dtype),
-        seconds=time.perf_counter() - t0, quantized_fraction=frac, spec=spec, phases=tuple(phases.done),
-    )
+    return model, tokenizer, frac
 
 
 def _fingerprint(src: str, quant: str, dtype: Any) -> str:
