@@ -190,6 +190,6 @@ def test_what_the_native_step_declines_it_says_in_one_line():
     spec = ModelSpec.from_model(model)
     assert spec.fast_step_refusal(native=True) is None and spec.fast_step_refusal(native=False) is not None
     model.model.layers[1].mlp.up_proj.kernels = "torch"
-    assert why_not(model, spec) == "linears not all packed for the native kernels (q4, q8g, q4k or q8k)"
+    assert why_not(model, spec) == "linears not all packed for the native kernels (q4, q8g, q4k, q8k or q40)"
     ring = next(layer for layer in engines(gemma("gemma3", [S, F]))[1].cache.layers if isinstance(layer, WindowLayer))
     assert ring.window == 8

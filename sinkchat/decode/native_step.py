@@ -57,7 +57,7 @@ def _is_native(lin: Any) -> bool:
 
 def _weights_refusal(model: Any, spec: ModelSpec) -> str | None:
     """Why the model's modules are not what `sc_step` reads: fp32 norms on the CPU, every linear packed for the
-    native kernels (q4, q8g, q4k or q8k), fused projections splittable at 16-row boundaries, q/k norms of one head's
+    native kernels (q4, q8g, q4k, q8k or q40), fused projections splittable at 16-row boundaries, q/k norms of one head's
     width."""
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers"):
