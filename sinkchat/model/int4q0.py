@@ -16,14 +16,11 @@ attributes + buffers).
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from sinkchat.kernels import native
+from sinkchat.model.packed_linear import PackedLinear
 
-KERNELS = ("native", "torch")
 
-
-class Int4Q0Linear(nn.Module):
+class Int4Q0Linear(PackedLinear):
     """A drop-in nn.Linear over q40 weights (`native.pack_q40`) and an optional fp32 `bias`. `kernels`: "native" runs
     `native.q40_matmul`; "torch" dequantizes the exact weights on every call (slow; machines without the kernels)."""
 
@@ -32,16 +29,9 @@ class Int4Q0Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, kernels: str = "native", bias: bool = False) -> None:
         """Zeroed weights of the right shapes (a state dict, or `from_values`, fills them). N % 16, K % 32 == 0."""
         super().__init__()
-        if in_features % native.QB or out_features % native.RG:
-            raise ValueError(f"q40 linear {in_features} -> {out_features}: want in % {native.QB} == 0 and "
-                             f"out % {native.RG} == 0")
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels {kernels!r}: one of {KERNELS}")
-        self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
-        g, b = out_features // native.RG, in_features // native.QB
+        g, b = self._check_shape(in_features, out_features, kernels, bias)
         self.register_buffer("qw", torch.zeros((g, b, 4, native.RG, 4), dtype=torch.uint8))
         self.register_buffer("sw", torch.zeros((g, b, native.RG), dtype=torch.float16))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
     def from_values(cls, q: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None,
@@ -50,33 +40,15 @@ class Int4Q0Linear(nn.Module):
         n, k = q.shape
         lin = cls(k, n, kernels=kernels, bias=bias is not None)
         lin.qw, lin.sw = native.pack_q40(q, d)
-        if bias is not None:
-            if bias.numel() != n:
-                raise ValueError(f"bias of {bias.numel()} for {n} outputs")
-            lin.bias.data = bias.detach().float().reshape(n).clone()
+        lin._set_bias(bias)
         return lin
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N] in x's dtype
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
-        if self.kernels == "native":
-            y = native.q40_matmul(x2, self.qw, self.sw, self.bias)  # [M, N]
-        else:
-            y = x2 @ self.dequantized().T
-            y = y if self.bias is None else y + self.bias
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return native.q40_matmul(x2, self.qw, self.sw, self.bias)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight, fp32 [N, K], from the nibbles and d (not through the kernel): gguf-py's values."""
-        return native.q40_unpack(self.qw, self.sw)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [...] of the weight, fp32 [..., K] (an embedding lookup into a table stored so): unpacks only
-        those rows, whatever the shape of ids."""
-        flat = ids.reshape(-1).long()  # [n]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
-            raise IndexError(f"row ids outside 0..{self.out_features - 1}")
-        return native.q40_unpack(self.qw, self.sw, flat).reshape(*ids.shape, self.in_features)
+    def _unpack(self, rows: torch.Tensor | int | None = None) -> torch.Tensor:
+        """gguf-py's values: d·(q − 8) from the nibbles and d."""
+        return native.q40_unpack(self.qw, self.sw, rows)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, q40: d·(q − 8) per 32, "
