@@ -298,65 +298,40 @@ def kv_evict(keys: torch.Tensor, values: torch.Tensor, start: int, count: int, n
 
 def q4_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q4` weights."""
-    x = x.float().contiguous()
-    m, k = x.shape
-    n = qw.shape[0] * RG
-    if qw.shape[1:] != (k // QB, 4, RG, 4) or k % QB or qw.dtype != torch.uint8 or not qw.is_contiguous():
-        raise ValueError(f"q4 weights {tuple(qw.shape)} do not fit x {tuple(x.shape)}")
-    if sw.shape != (n // RG, k // QB, 2, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
-        raise ValueError(f"q4 scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
-    if bias is not None:
-        bias = bias.float().contiguous()  # the kernel reads n fp32 values
-        if bias.numel() != n:
-            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
-    lib = _lib()
-    ptr, size = work_buffer(_work_size(lib, "sc_q4_work", m, k))
-    y = torch.empty(m, n)
-    _check_rc(lib.q4_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr, size),
-              "q4_matmul")
-    return y
+    return _packed_matmul("q4", x, qw, sw, bias, (4, RG, 4), (2, RG))
 
 
 def q40_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q40` weights (Q4_0: w = d·(q − 8) per 32), plus bias [N] if given:
     the same bits as `q4_matmul` on the same tensor packed as q4 (m = −8·d)."""
-    x = x.float().contiguous()
-    m, k = x.shape
-    n = qw.shape[0] * RG
-    if qw.shape[1:] != (k // QB, 4, RG, 4) or k % QB or qw.dtype != torch.uint8 or not qw.is_contiguous():
-        raise ValueError(f"q40 weights {tuple(qw.shape)} do not fit x {tuple(x.shape)}")
-    if sw.shape != (n // RG, k // QB, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
-        raise ValueError(f"q40 scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
-    if bias is not None:
-        bias = bias.float().contiguous()
-        if bias.numel() != n:
-            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
-    lib = _lib()
-    ptr, size = work_buffer(_work_size(lib, "sc_q40_work", m, k))
-    y = torch.empty(m, n)
-    _check_rc(lib.q40_matmul(x.data_ptr(), m, k, n, qw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
-                             size), "q40_matmul")
-    return y
+    return _packed_matmul("q40", x, qw, sw, bias, (4, RG, 4), (RG,))
 
 
 def q8g_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q8g` weights (w = d·q + m per 16 along K), plus bias [N] if given."""
+    return _packed_matmul("q8g", x, hw, sw, bias, (QB // 4, RG, 4), (2, 2, RG))
+
+
+def _packed_matmul(name: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+                   wtail: tuple[int, ...], stail: tuple[int, ...]) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] through the `name` layout's kernel (`<name>_matmul`, work from `sc_<name>_work`):
+    weights [N/16, K/32, *wtail] uint8, scales [N/16, K/32, *stail] fp16, both contiguous, checked first."""
     x = x.float().contiguous()
     m, k = x.shape
-    n = hw.shape[0] * RG
-    if hw.shape[1:] != (k // QB, QB // 4, RG, 4) or k % QB or hw.dtype != torch.uint8 or not hw.is_contiguous():
-        raise ValueError(f"q8g weights {tuple(hw.shape)} do not fit x {tuple(x.shape)}")
-    if sw.shape != (n // RG, k // QB, 2, 2, RG) or sw.dtype != torch.float16 or not sw.is_contiguous():
-        raise ValueError(f"q8g scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
+    n = w.shape[0] * RG
+    if w.shape[1:] != (k // QB, *wtail) or k % QB or w.dtype != torch.uint8 or not w.is_contiguous():
+        raise ValueError(f"{name} weights {tuple(w.shape)} do not fit x {tuple(x.shape)}")
+    if sw.shape != (n // RG, k // QB, *stail) or sw.dtype != torch.float16 or not sw.is_contiguous():
+        raise ValueError(f"{name} scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
     if bias is not None:
         bias = bias.float().contiguous()
         if bias.numel() != n:
             raise ValueError(f"bias of {bias.numel()} for {n} outputs")
     lib = _lib()
-    ptr, size = work_buffer(_work_size(lib, "sc_q8g_work", m, k))
+    ptr, size = work_buffer(_work_size(lib, f"sc_{name}_work", m, k))
     y = torch.empty(m, n)
-    _check_rc(lib.q8g_matmul(x.data_ptr(), m, k, n, hw.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
-                             size), "q8g_matmul")
+    _check_rc(getattr(lib, f"{name}_matmul")(x.data_ptr(), m, k, n, w.data_ptr(), sw.data_ptr(), _ptr(bias),
+                                             y.data_ptr(), ptr, size), f"{name}_matmul")
     return y
 
 
