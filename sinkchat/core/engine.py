@@ -388,14 +388,30 @@ class Engine:
                 raise ConfigError(f"--cache {new.capacity} cannot hold the {pinned} pinned tokens plus a window")
             events.extend(self._evict(Eviction(pinned, excess)))
         if new.capacity != self.cache.capacity:
-            state = self.cache.state()
-            self.cache = self.new_cache(new.capacity)
-            if state:
-                self.cache.load_state(state)
+            self._rebuild_cache(new.capacity)
         self.cache_cfg = new
         if new.pin == "none":
             self.ledger.pinned = 0  # --pin none: the system prompt becomes evictable like any other turn
         return events
+
+    def use_memory(self, memory: RecallMemory | None) -> None:
+        """Start (a memory) or stop (None) recalling mid-session: the cache's tokens move into a fresh cache built
+        for it (a memory reserves its region before the first write). Tokens evicted before a memory existed are
+        counted forgotten by it, so `ledger.evicted == memory.tokens + memory.forgotten` holds from the start. The
+        caller empties and closes the memory it replaces."""
+        with deferred_sigint():
+            self.memory = memory
+            self.gauge.capture = memory is not None  # transformers' forward hands the memory its last queries
+            if memory is not None:
+                memory.forgotten = self.ledger.evicted
+            self._rebuild_cache(self.cache_cfg.capacity)
+
+    def _rebuild_cache(self, capacity: int) -> None:
+        """The cache's tokens into a new cache of `capacity` (as `new_cache` builds it now)."""
+        state = self.cache.state()
+        self.cache = self.new_cache(capacity)
+        if state:
+            self.cache.load_state(state)
 
     @property
     def decoder_status(self) -> str:

@@ -138,7 +138,7 @@ def cmd_memory(loop: ChatHost, arg: str) -> str | None:
         return None
     _drop(loop, "/memory off")
     mem.close()
-    _swap(eng, None)
+    eng.use_memory(None)
     loop.last_recalled = []
     what = "recall memory off" + (f": {count(held)} tokens forgotten" if held else "") + \
         "; tokens evicted from now on are dropped"
@@ -180,23 +180,10 @@ def _turn_on(loop: ChatHost) -> str | None:
     except ConfigError as e:
         loop.r.error(f"/memory on: {e}")
         return None
-    _swap(eng, mem)
-    before = mem.forgotten = eng.ledger.evicted  # dropped before the memory existed: forgotten, and counted so
+    eng.use_memory(mem)
+    before = mem.forgotten  # dropped before the memory existed: forgotten, and counted so
     c = settings.memory
     what = (f"recall memory on: blocks of {c.block} tokens, top {c.topk} per layer, disk budget "
             f"{human_bytes(c.budget_mb << 20)}")
     loop.r.info(what + (f"; the {count(before)} tokens evicted before stay gone" if before else ""))
     return what
-
-
-def _swap(eng: Any, memory: Any) -> None:
-    """Give the engine `memory` (or None) and move the cache's tokens into a fresh cache built for it (a memory
-    reserves its region before the first write; `Engine.reconfigure` moves them the same way for a new size)."""
-    with deferred_sigint():
-        state = eng.cache.state()
-        eng.memory = memory
-        eng.gauge.capture = memory is not None  # transformers' forward hands a memory its last queries
-        cache = eng.new_cache(eng.cache_cfg.capacity)
-        if state:
-            cache.load_state(state)
-        eng.cache = cache
