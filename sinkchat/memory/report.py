@@ -66,7 +66,7 @@ def take_recalled(memory: Any) -> list[Recalled]:
 def block_text(memory: Any, bid: int, decode: Callable[[list[int]], str]) -> str | None:
     """The text of a stored block (its token ids, decoded by `decode`), or None when it cannot be read back."""
     try:
-        return decode(memory.store.read(bid).ids.tolist())
+        return decode(memory.store.token_ids(bid).tolist())
     except StoreError:
         return None
 

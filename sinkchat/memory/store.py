@@ -14,7 +14,9 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 from sinkchat.memory.blocks import HEADER, Block, Shape, layer_of, tokens_of
@@ -128,6 +130,16 @@ class BlockStore:
     def read_layers(self, bid: int, layers: list[int]) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """Block `bid`'s keys and values [H_kv, n, D] in the memory layers `layers` alone, each checked against its
         own CRC, and the position its keys sit at (StoreError: gone, short or failing a checksum)."""
+        _, slots, out = self._read_part(bid, layers)
+        return int(slots[0]), out
+
+    def token_ids(self, bid: int) -> np.ndarray:
+        """Block `bid`'s token ids, from its header and token arrays alone (checked by their CRC): what `/recall`
+        shows, without reading the ~1.5 MB of keys and values."""
+        return self._read_part(bid, [])[0]
+
+    def _read_part(self, bid: int, layers: list[int]) -> tuple[np.ndarray, np.ndarray, dict[int, Any]]:
+        """(token ids, slots, {layer: (keys, values)}) of block `bid`, reading only the layers asked for."""
         w = self.where.get(bid)
         if w is None:
             raise StoreError(f"block {bid} is not in the store")
@@ -136,14 +148,14 @@ class BlockStore:
                 head = os.pread(f.fileno(), HEADER.size, w.offset)
                 sh = Shape.of(head)
                 meta = os.pread(f.fileno(), sh.meta, w.offset + HEADER.size)
-                _, _, slots, crcs = tokens_of(sh, meta)
+                _, ids, slots, crcs = tokens_of(sh, meta)
                 out = {i: layer_of(sh, os.pread(f.fileno(), sh.chunk, w.offset + sh.layer_at(i)), crcs[i], i)
                        for i in layers}
         except OSError as e:
             raise StoreError(f"block {bid}: {e.strerror}") from None
         except (ValueError, IndexError, Exception) as e:  # noqa: BLE001 - struct.error, a bad shape: damaged
             raise StoreError(f"block {bid}: {e}") from None
-        return int(slots[0]), out
+        return ids, slots, out
 
     def forget(self, bid: int) -> None:
         """Stop listing a block (damaged on read): its bytes stay counted until its segment goes."""
