@@ -144,14 +144,15 @@ def _check_records(folder: Path, sizes: dict[int, int], where: dict[int, Where])
     for bid, w in where.items():
         if w.segment not in sizes or w.offset + w.size > sizes[w.segment]:
             raise MemoryStateError(f"its recall memory lists block {bid} outside its segments")
-        with open(folder / f"seg-{w.segment:06d}.mem", "rb") as f:
-            head = os.pread(f.fileno(), HEADER.size, w.offset)
-        try:
-            sh = Shape.of(head)
-        except Exception:  # noqa: BLE001 - struct.error or ValueError: not a record there
-            raise MemoryStateError(f"its recall memory has no block {bid} where it says") from None
-        if sh.bid != bid or sh.n != w.n:
-            raise MemoryStateError(f"its recall memory has no block {bid} where it says")
+    for seg in sizes:
+        with open(folder / f"seg-{seg:06d}.mem", "rb") as f:
+            for bid, w in ((b, w) for b, w in where.items() if w.segment == seg):
+                try:
+                    sh = Shape.of(os.pread(f.fileno(), HEADER.size, w.offset))
+                except Exception:  # noqa: BLE001 - struct.error or ValueError: not a record there
+                    sh = None
+                if sh is None or sh.bid != bid or sh.n != w.n:
+                    raise MemoryStateError(f"its recall memory has no block {bid} where it says")
 
 
 def _index(head: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Index:
