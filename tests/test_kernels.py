@@ -245,31 +245,21 @@ def test_the_activation_quantizer_is_bit_exact(simd):
 # (N, K, M): one row (decode) and the prefill path, M > 256 crossing its row passes
 @pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_q4_matmul_is_bit_exact(simd, n, k, m, bias):
-    qw, sw = _q4_case(n, k, seed=n + k)
+@pytest.mark.parametrize("layout", ["q4", "q40"])
+def test_q4_matmul_is_bit_exact(simd, layout, n, k, m, bias):
+    """q4, and Q4_0 at its own bits (q40: d alone, m = -8·d formed in the kernel): SIMD == reference, both paths."""
+    if layout == "q4":
+        qw, sw = _q4_case(n, k, seed=n + k)
+    else:
+        qw, sw = native.pack_q40(*q40_case(n, k, seed=n + k))
+    matmul = getattr(native, f"{layout}_matmul")
     x = torch.randn(m, k)
     x[:, 5] = 30.0
     b = torch.randn(n) if bias else None
     with on(simd):
-        y_simd = native.q4_matmul(x, qw, sw, b)
+        y_simd = matmul(x, qw, sw, b)
     with on("ref"):
-        y_ref = native.q4_matmul(x, qw, sw, b)
-    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(bits(y_simd), bits(y_ref))
-
-
-@pytest.mark.parametrize("n,k,m", [(16, 32, 1), (48, 96, 1), (192, 576, 1), (48, 96, 5), (32, 64, 300)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_q40_matmul_is_bit_exact(simd, n, k, m, bias):
-    """Q4_0 at its own bits (q40: d alone, m = -8·d formed in the kernel): SIMD == reference, both paths."""
-    qw, sw = native.pack_q40(*q40_case(n, k, seed=n + k))
-    x = torch.randn(m, k)
-    x[:, 5] = 30.0
-    b = torch.randn(n) if bias else None
-    with on(simd):
-        y_simd = native.q40_matmul(x, qw, sw, b)
-    with on("ref"):
-        y_ref = native.q40_matmul(x, qw, sw, b)
+        y_ref = matmul(x, qw, sw, b)
     assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
     assert torch.equal(bits(y_simd), bits(y_ref))
 

@@ -179,12 +179,7 @@ def test_rows_and_dequantized_are_gguf_dequantize_bit_for_bit(qtype):
     np.testing.assert_array_equal(p.dequantize(), want.numpy())
     lin = _linear(p)
     assert lin.layout == p.layout
-    assert torch.equal(bits(lin.dequantized()), bits(want))
-    ids = torch.tensor([[0, 47, 5], [16, 16, 31]])
-    assert torch.equal(bits(lin.rows(ids)), bits(want[ids]))
-    assert lin.rows(torch.tensor(7)).shape == (768,) and lin.rows(torch.tensor([], dtype=torch.long)).shape == (0, 768)
-    with pytest.raises(IndexError):
-        lin.rows(torch.tensor([48]))
+    _weights_and_rows_are(lin, want)
     np.testing.assert_array_equal(gguf_blocks.to_float(qtype, raw), want.numpy())  # the old path still works
 
 
@@ -363,18 +358,23 @@ def _q40_file(rows: int, k: int, seed: int) -> tuple[np.ndarray, Int4Q0Linear]:
     return raw, Int4Q0Linear.from_values(torch.from_numpy(p.q), torch.from_numpy(p.d))
 
 
-def test_q40_rows_and_dequantized_are_gguf_dequantize_bit_for_bit():
-    raw, lin = _q40_file(48, 768, seed=11)
-    want = torch.from_numpy(dequantize(raw, T.Q4_0))
-    assert lin.layout == "q40" and lin.qw.shape == (3, 24, 4, 16, 4) and lin.sw.shape == (3, 24, 16)
-    assert lin.qw.nbytes + lin.sw.nbytes == raw.nbytes  # the file's size: 18 bytes a block
-    np.testing.assert_array_equal(native.q40_gguf_bytes(lin.qw, lin.sw), raw)  # and its very bits
+def _weights_and_rows_are(lin: nn.Module, want: torch.Tensor) -> None:
+    """A [48, 768] linear's weight and its rows (any shape of ids, one id, none, one out of range) are `want`'s bits."""
     assert torch.equal(bits(lin.dequantized()), bits(want))
     ids = torch.tensor([[0, 47, 5], [16, 16, 31]])
     assert torch.equal(bits(lin.rows(ids)), bits(want[ids]))
     assert lin.rows(torch.tensor(7)).shape == (768,) and lin.rows(torch.tensor([], dtype=torch.long)).shape == (0, 768)
     with pytest.raises(IndexError):
         lin.rows(torch.tensor([48]))
+
+
+def test_q40_rows_and_dequantized_are_gguf_dequantize_bit_for_bit():
+    raw, lin = _q40_file(48, 768, seed=11)
+    want = torch.from_numpy(dequantize(raw, T.Q4_0))
+    assert lin.layout == "q40" and lin.qw.shape == (3, 24, 4, 16, 4) and lin.sw.shape == (3, 24, 16)
+    assert lin.qw.nbytes + lin.sw.nbytes == raw.nbytes  # the file's size: 18 bytes a block
+    np.testing.assert_array_equal(native.q40_gguf_bytes(lin.qw, lin.sw), raw)  # and its very bits
+    _weights_and_rows_are(lin, want)
 
 
 def test_q40_kernels_compute_with_the_files_weights_and_give_q4s_bits():
