@@ -24,41 +24,31 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from torch import nn
 
 from sinkchat.kernels import native
 from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES
+from sinkchat.model.packed_linear import PackedLinear
 
-KERNELS = ("native", "torch")
-
-
-class _KLinear(nn.Module):
+class _KLinear(PackedLinear):
     """What the two K-quant linears share; subclasses set the layout's buffer name, block shape and functions."""
 
     layout = ""
+    K_ALIGN = native.QK
     WEIGHTS = ""  # the weight buffer's name
     BLOCK: tuple[int, ...] = ()  # a 16-row x 32-column block's shape
     FILL = 0  # the byte of a zero weight
     SCALES = 0  # bytes of scales per 16 rows x 256 columns
     SUB = 0  # weights per sub-block scale
-    _pack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    _unpack: Callable[..., torch.Tensor]
-    _matmul: Callable[..., torch.Tensor]
+    _kpack: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    _kunpack: Callable[..., torch.Tensor]
+    _kmatmul: Callable[..., torch.Tensor]
 
     def __init__(self, in_features: int, out_features: int, kernels: str = "native", bias: bool = False) -> None:
         """Zeroed weights of the right shapes (a state dict, or `from_values`, fills them). N % 16, K % 256 == 0."""
         super().__init__()
-        if in_features % native.QK or out_features % native.RG:
-            raise ValueError(f"{self.layout} linear {in_features} -> {out_features}: want in % {native.QK} == 0 and "
-                             f"out % {native.RG} == 0")
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels {kernels!r}: one of {KERNELS}")
-        self.in_features, self.out_features, self.kernels = in_features, out_features, kernels
-        g = out_features // native.RG
-        self.register_buffer(self.WEIGHTS, torch.full((g, in_features // native.QB, *self.BLOCK), self.FILL,
-                                                      dtype=torch.uint8))
+        g, b = self._check_shape(in_features, out_features, kernels, bias)
+        self.register_buffer(self.WEIGHTS, torch.full((g, b, *self.BLOCK), self.FILL, dtype=torch.uint8))
         self.register_buffer("sw", torch.zeros((g, in_features // native.QK, self.SCALES), dtype=torch.uint8))
-        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     @classmethod
     def from_values(cls, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor,
@@ -67,13 +57,10 @@ class _KLinear(nn.Module):
         fp32): w = (d·sc_j)·q − (dmin·mn_j). See `native.pack_q4k` / `pack_q8k` for the dtypes."""
         n, k = q.shape
         lin = cls(k, n, kernels=kernels, bias=bias is not None)
-        w, sw = cls._pack(q, d, dmin, sc, mn)
+        w, sw = cls._kpack(q, d, dmin, sc, mn)
         setattr(lin, cls.WEIGHTS, w)
         lin.sw = sw
-        if bias is not None:
-            if bias.numel() != n:
-                raise ValueError(f"bias of {bias.numel()} for {n} outputs")
-            lin.bias.data = bias.detach().float().reshape(n).clone()
+        lin._set_bias(bias)
         return lin
 
     @property
@@ -81,27 +68,12 @@ class _KLinear(nn.Module):
         """The weight blocks (`qw` or `hw`)."""
         return getattr(self, self.WEIGHTS)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., K] -> [..., N] in x's dtype
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).float()  # [M, K]
-        if self.kernels == "native":
-            y = self._matmul(x2, self.weights, self.sw, self.bias)  # [M, N]
-        else:  # no native kernels: the exact weights, dequantized per call (slow)
-            y = x2 @ self.dequantized().T
-            y = y if self.bias is None else y + self.bias
-        return y.to(x.dtype).reshape(*lead, self.out_features)
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._kmatmul(x2, self.weights, self.sw, self.bias)
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight, fp32 [N, K], from the integers and scales (not through the kernel): gguf-py's values."""
-        return self._unpack(self.weights, self.sw)
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` [...] of the weight, fp32 [..., K] (an embedding lookup into a table stored so): unpacks only
-        those rows, whatever the shape of ids."""
-        flat = ids.reshape(-1).long()  # [n]
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
-            raise IndexError(f"row ids outside 0..{self.out_features - 1}")
-        return self._unpack(self.weights, self.sw, flat).reshape(*ids.shape, self.in_features)
+    def _unpack(self, rows: torch.Tensor | int | None = None) -> torch.Tensor:
+        """gguf-py's values, from the integers and scales."""
+        return self._kunpack(self.weights, self.sw, rows)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.layout}: (d·sc)·q − dmin·mn "
@@ -112,9 +84,9 @@ class Int4KLinear(_KLinear):
     """Q4_K: the q4 kernel's nibbles with the file's super-block scales (`native.pack_q4k`). sc, mn uint8 [N, K/32]."""
 
     layout, WEIGHTS, BLOCK, FILL, SCALES, SUB = "q4k", "qw", (4, native.RG, 4), 0, Q4K_SCALES, 32
-    _pack = staticmethod(native.pack_q4k)
-    _unpack = staticmethod(native.q4k_unpack)
-    _matmul = staticmethod(native.q4k_matmul)
+    _kpack = staticmethod(native.pack_q4k)
+    _kunpack = staticmethod(native.q4k_unpack)
+    _kmatmul = staticmethod(native.q4k_matmul)
 
 
 class Int8KLinear(_KLinear):
@@ -122,6 +94,6 @@ class Int8KLinear(_KLinear):
     and mn uint8 [N, K/16]."""
 
     layout, WEIGHTS, BLOCK, FILL, SCALES, SUB = "q8k", "hw", (native.QB // 4, native.RG, 4), 128, Q8K_SCALES, 16
-    _pack = staticmethod(native.pack_q8k)
-    _unpack = staticmethod(native.q8k_unpack)
-    _matmul = staticmethod(native.q8k_matmul)
+    _kpack = staticmethod(native.pack_q8k)
+    _kunpack = staticmethod(native.q8k_unpack)
+    _kmatmul = staticmethod(native.q8k_matmul)

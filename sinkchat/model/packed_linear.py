@@ -1,4 +1,4 @@
-"""`PackedLinear`: what the linears over the native kernels' packed layouts share (q8g, q40): shape checks, the
+"""`PackedLinear`: what the linears over the native kernels' packed layouts share (q8g, q40, q4k, q8k): shape checks, the
 optional fp32 bias, the forward (the kernel, or the exact weights dequantized where the kernels cannot run), and
 `rows` for an embedding table stored the same way. A subclass names its layout and gives `_matmul` and `_unpack`."""
 
@@ -18,11 +18,12 @@ class PackedLinear(nn.Module):
     (slow; machines without the kernels)."""
 
     layout = ""
+    K_ALIGN = native.QB  # in_features must be a multiple of this (the K-quants: their 256-weight super-blocks)
 
     def _check_shape(self, in_features: int, out_features: int, kernels: str, bias: bool) -> tuple[int, int]:
         """Set the features, kernels and bias; return (row groups of 16, blocks of 32 along K)."""
-        if in_features % native.QB or out_features % native.RG:
-            raise ValueError(f"{self.layout} linear {in_features} -> {out_features}: want in % {native.QB} == 0 "
+        if in_features % self.K_ALIGN or out_features % native.RG:
+            raise ValueError(f"{self.layout} linear {in_features} -> {out_features}: want in % {self.K_ALIGN} == 0 "
                              f"and out % {native.RG} == 0")
         if kernels not in KERNELS:
             raise ValueError(f"kernels {kernels!r}: one of {KERNELS}")
