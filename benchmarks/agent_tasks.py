@@ -210,7 +210,8 @@ def main() -> int:
     args = ap.parse_args()
     from sinkchat.apps.agent.agent import Agent
     from sinkchat.apps.agent.tools.toolbox import build_default_tools
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
 
     tmp = Path(tempfile.mkdtemp(prefix="agent-tasks-"))
     ws = tmp / "ws"
@@ -220,7 +221,7 @@ def main() -> int:
     all_tasks = tasks(facts)
     settings = build_settings({"temperature": args.temperature, "max_tokens": args.max_tokens,
                                "cache_size": args.cache, "seed": 0, "memory": args.memory})
-    engine = open_engine(settings, system=None)
+    engine = start(settings).engine
     agent = Agent(engine, build_default_tools(ws), ws, constrain=not args.no_constrain)
     print(f"{'#':>3} {'steps':>5} {'valid':>5} {'failed':>6} {'result':>7} {'verif':>5}  task")
     rows = []

@@ -223,7 +223,8 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     args = parse()
     import llamacpp_tools as lt
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
 
     text = Path(args.text) if args.text else lt.canterbury("lcet10.txt")
     out = Path(args.out)
@@ -232,7 +233,7 @@ def main() -> int:
                             "memory": args.memory, "memory_budget": args.memory_budget}
     if args.model:
         opts["model"] = args.model
-    eng = open_engine(build_settings(opts), system=None, progress=lambda m: print(m, file=sys.stderr))
+    eng = start(build_settings(opts), None, lambda m: print(m, file=sys.stderr)).engine
     ids = eng.encode(text.read_text(encoding="utf-8", errors="replace"))[: args.tokens]
     args.passes = args.passes or max(3, math.ceil(args.total / max(1, len(ids))))
     print(f"{text.name}: {len(ids):,} tokens a pass, {args.passes} passes = {len(ids) * args.passes:,} tokens a "

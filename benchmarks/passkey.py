@@ -132,7 +132,8 @@ def needle_layers(engine: Any, start: int, n: int) -> int:
 
 
 def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, block: int, budget: int) -> Any:
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
 
     opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block,
                             "memory_budget": budget}
@@ -140,7 +141,7 @@ def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, 
         opts.update(policy="dense", cache_size=length + 64)
     else:
         opts.update(policy="sink", cache_size=cache, memory=mode)
-    return open_engine(build_settings(opts), system=None)
+    return start(build_settings(opts)).engine
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -51,11 +51,12 @@ def fill_scripted(eng, paragraphs: list[str], tokens: int) -> None:
 
 
 def run(pin: str, args: argparse.Namespace, paragraphs: list[str]) -> tuple[list[bool], list[bool], int]:
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
     from sinkchat.core.events import DoneEvent
 
     s = build_settings({"temperature": 0.0, "max_tokens": args.max_tokens, "cache_size": args.cache, "pin": pin})
-    eng = open_engine(s, system=SYSTEM)
+    eng = start(s, SYSTEM).engine
     early, late, turn, trace = [], [], 0, []
     if args.scripted:
         fill_scripted(eng, paragraphs, args.tokens)

@@ -176,19 +176,20 @@ def converse(engine: Any, say: Say, facts: dict[str, str], texts: list[str], len
 def open_mode(args: argparse.Namespace, mode: str) -> tuple[Any, list[int]]:
     """The engine of a mode and the checkpoints it runs: dense, only those its context holds (cache = the largest
     of them + HEADROOM, and HEADROOM for each turn before the facts), tried from the largest down."""
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
     from sinkchat.config import ConfigError
 
     opts: dict[str, Any] = {"temperature": 0.0, "threads": args.threads, "model": args.model_path,
                             "max_tokens": args.max_tokens, "memory_budget": args.budget}
     if mode != "dense":
         opts.update(policy="sink", cache_size=args.cache, memory=mode)
-        return open_engine(build_settings(opts), system=None), args.lengths
+        return start(build_settings(opts)).engine, args.lengths
     for k in range(len(args.lengths), 0, -1):
         try:
             cache = args.lengths[k - 1] + HEADROOM * (1 + args.plant_after)  # a passage and its reply < HEADROOM
             opts.update(policy="dense", cache_size=cache, memory="off")
-            return open_engine(build_settings(opts), system=None), args.lengths[:k]
+            return start(build_settings(opts)).engine, args.lengths[:k]
         except ConfigError:
             continue
     raise ConfigError(f"no checkpoint of {args.lengths} fits the model's context with a dense cache")

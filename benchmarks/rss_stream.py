@@ -36,12 +36,13 @@ def main() -> None:
     ap.add_argument("--memory-budget", type=int, default=None, help="its disk budget, MB")
     args = ap.parse_args()
 
-    from sinkchat.bootstrap import build_settings, open_engine
+    from sinkchat.api import start
+    from sinkchat.bootstrap import build_settings
     from sinkchat.core.metrics import rss_bytes
 
     settings = build_settings({"cache_size": args.cache, "policy": "sink", "memory": args.memory,
                                "memory_budget": args.memory_budget})
-    eng = open_engine(settings, system=None, progress=lambda m: print(m, file=sys.stderr))
+    eng = start(settings, None, lambda m: print(m, file=sys.stderr)).engine
     eng.set_sampling(temperature=0.0)
     ids = eng.encode(Path(args.text).read_text(encoding="utf-8", errors="replace"))
     milestones = [m for m in (10**4, 3 * 10**4, 10**5, 3 * 10**5, 10**6, 3 * 10**6) if m <= args.tokens]

@@ -28,7 +28,7 @@ from sinkchat.config import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load", "Session", "EngineState", "capture", "install", "fresh_state", "FRIENDLY"]
+__all__ = ["load", "start", "Session", "EngineState", "capture", "install", "fresh_state", "FRIENDLY"]
 
 # the API's short names -> build_settings keys (every other keyword is passed as it is, and an unknown one is a
 # ConfigError naming it)
@@ -186,6 +186,12 @@ class Session:
         self.engine.clear()
 
 
+def start(settings: Settings, system: str | None = None, progress: Any = None) -> Session:
+    """A Session on `settings` already built (the CLI apps build theirs from flags with `build_settings`): the one
+    way every client, the apps, `serve` and the benchmarks included, opens the model and its sink cache."""
+    return Session(open_engine(settings, system, progress), settings)
+
+
 def settings_for(model: str | None = None, cache: int | None = None, **settings: Any) -> Settings:
     """The Settings `load` builds: friendly names mapped, then `build_settings` (flags > env > .env > defaults),
     which names any unknown key."""
@@ -213,8 +219,8 @@ def load(model: str | None = None, cache: int | None = 2048, *, resume: str | os
         cc = head.get("cache") or {}
         s = replace(s, cache=replace(s.cache, capacity=int(cc.get("capacity", s.cache.capacity)),
                                      n_sink=int(cc.get("n_sink", s.cache.n_sink))))
-    engine = open_engine(s, system, progress)
-    session = Session(engine, s)
+    session = start(s, system, progress)
+    engine = session.engine
     if resume is not None:
         from sinkchat.store.snapshot import load_snapshot
 

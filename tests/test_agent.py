@@ -268,7 +268,7 @@ def test_cli_runs_with_plain_output(bundled, tmp_path, monkeypatch):
         return Engine(tiny_model(vocab_size=len(bundled.tokenizer)), bundled.tokenizer, CacheConfig(capacity=96, pin="none"),
                       SamplingConfig(temperature=1.0, max_tokens=4, seed=0))
 
-    monkeypatch.setattr(agent_mod, "open_engine", fake_open)
+    monkeypatch.setattr("sinkchat.api.open_engine", fake_open)
     res = CliRunner().invoke(agent_mod.agent_command, ["Do a thing", "--max-steps", "3", "--workspace",
                                                        str(tmp_path / "w"), "--create-workspace", "--approve", "auto"])
     unverified = "✗ task NOT verified: " in res.output  # a random model's answer is rarely grounded
@@ -327,7 +327,7 @@ def test_cli_missing_workspace_is_a_one_line_error_unless_asked(tmp_path, monkey
 
     import sinkchat.apps.agent.command as agent_mod
 
-    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: pytest.fail("the model must not load"))
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: pytest.fail("the model must not load"))
     missing = tmp_path / "typo" / "ws"
     res = CliRunner().invoke(agent_mod.agent_command, ["x", "--workspace", str(missing), "--no-log"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output

@@ -235,7 +235,7 @@ def test_cli_without_llguidance_says_so_in_one_error_line(tok, tmp_path, monkeyp
 
     root = tmp_path / "ws"
     root.mkdir()
-    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: make_engine(tok, max_tokens=8))
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: make_engine(tok, max_tokens=8))
     _hide_llguidance(monkeypatch)
     args = ["what time is it?", "--workspace", str(root), "--max-steps", "1", "--no-log"]
     res = CliRunner().invoke(agent_mod.agent_command, args)

@@ -172,7 +172,7 @@ def cli(args, monkeypatch):
 
     import sinkchat.apps.agent.command as agent_mod
 
-    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: pytest.fail("--undo must not load the model"))
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: pytest.fail("--undo must not load the model"))
     return CliRunner().invoke(agent_mod.agent_command, args)
 
 
@@ -237,7 +237,7 @@ def test_cli_allow_shell_without_a_terminal_says_so_and_does_not_offer_it(bundle
 
     import sinkchat.apps.agent.command as agent_mod
 
-    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: scripted_real(bundled, [call("clock"), final("noon")]))
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: scripted_real(bundled, [call("clock"), final("noon")]))
     res = CliRunner().invoke(agent_mod.agent_command, ["What time is it?", "--allow-shell", "--workspace", str(tmp_path),
                                                        "--no-log"])
     lines = res.output.splitlines()

@@ -195,7 +195,7 @@ def cli(monkeypatch, bundled, script, args):
 
     import sinkchat.apps.agent.command as agent_mod
 
-    monkeypatch.setattr(agent_mod, "open_engine", lambda *a, **k: scripted_real(bundled, script))
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: scripted_real(bundled, script))
     return CliRunner().invoke(agent_mod.agent_command, args)
 
 

@@ -248,7 +248,7 @@ def test_on_a_terminal_the_notice_comes_after_the_load_spinner_not_inside_its_li
         logging.getLogger("sinkchat.core.plain").warning(NOTICE)
         return "engine"
 
-    monkeypatch.setattr(repl, "open_engine", fake_open)
+    monkeypatch.setattr("sinkchat.api.open_engine", fake_open)
     assert repl.load_engine(None, "system", tty=True) == "engine"
     lines = capsys.readouterr().err.splitlines()
     assert [line.strip() for line in lines if NOTICE in line] == [NOTICE]

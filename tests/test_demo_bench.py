@@ -38,7 +38,7 @@ def tiny_engine(capacity: int = 64) -> Engine:
 # ----------------------------------------------------------------------------------------------- bench
 def test_bench_cli_json_schema_and_sane_values(monkeypatch, text_file):
     eng = tiny_engine()
-    monkeypatch.setattr(bench, "open_engine", lambda *a, **k: eng)
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda *a, **k: eng)
     out = CliRunner().invoke(bench.bench_command, [
         "--json", "--text", str(text_file), "--caches", "32,64", "--decode", "40", "--recompute-tokens", "3",
         "--gauge-tokens", "16", "--evict-chunk", "8"])

@@ -285,7 +285,7 @@ def run_inprocess(monkeypatch):
     def fake_open_engine(settings, system=None, progress=None):
         return Engine(tiny_model(max_pos=4096), CharTok(), settings.cache, settings.sampling, system=system)
 
-    monkeypatch.setattr(pipe, "open_engine", fake_open_engine)
+    monkeypatch.setattr("sinkchat.api.open_engine", fake_open_engine)
 
     def run(data: bytes, *args: str):
         res = CliRunner().invoke(pipe.summarize_command, ["--format", "jsonl", "--temperature", "0", *args],
@@ -464,13 +464,15 @@ def test_status_queue_figure_plus_lines_read_never_exceeds_the_input(run_inproce
     import sinkchat.apps.summarize.summarizer as summarizer
 
     monkeypatch.setattr(summarizer, "PLAIN_EVERY", 0.0)  # a status line at every tick (stderr is not a terminal)
-    loaded = pipe.open_engine
+    import sinkchat.api as api
+
+    loaded = api.open_engine
 
     def slow_open(*args, **kw):
         time.sleep(0.5)  # the reader thread queues every line and the End marker meanwhile
         return loaded(*args, **kw)
 
-    monkeypatch.setattr(pipe, "open_engine", slow_open)
+    monkeypatch.setattr("sinkchat.api.open_engine", slow_open)
     n = 30
     res, blocks = run_inprocess(b"".join(b"event %d\n" % i for i in range(n)), "--every", "10", "--chunk-lines", "3",
                                 "--cache", "64", "--max-tokens", "2")

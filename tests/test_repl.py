@@ -282,7 +282,7 @@ def test_cli_pipe_path_invalid_utf8(monkeypatch, tmp_path):
 
     import sinkchat.apps.chat.repl as repl
 
-    monkeypatch.setattr(repl, "open_engine", lambda settings, system, progress=None: fake_engine())
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda settings, system, progress=None: fake_engine())
     res = CliRunner().invoke(repl.chat_command, ["--system", "x"], input=b"hi \xff\xfe\n/nope\n\nbye\n")
     assert res.exit_code == 0, res.output
     assert res.exception is None and "\x1b[" not in res.stdout
@@ -290,7 +290,7 @@ def test_cli_pipe_path_invalid_utf8(monkeypatch, tmp_path):
     res = CliRunner().invoke(repl.chat_command, ["--system", "x", "--system-file", "y"], input="")
     assert res.exit_code == 2 and "not both" in res.stderr and "Traceback" not in res.output
     systems = []
-    monkeypatch.setattr(repl, "open_engine", lambda settings, system, progress=None: systems.append(system) or
+    monkeypatch.setattr("sinkchat.api.open_engine", lambda settings, system, progress=None: systems.append(system) or
                         fake_engine(max_tokens=int(settings.sampling.max_tokens)))
     (tmp_path / "sys.txt").write_text("  from a file \n")
     res = CliRunner().invoke(repl.chat_command, ["--system-file", str(tmp_path / "sys.txt"), "--max-tokens", "3"],

@@ -25,7 +25,8 @@ from sinkchat.apps.agent.verify import EXIT_UNVERIFIED
 from sinkchat.apps.agent.tools.toolbox import build_default_tools, load_tools_module
 from sinkchat.apps.agent.tools.workspace import Workspace, WorkspaceError
 from sinkchat.apps.runlog import open_log
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
 from sinkchat.config import ConfigError, data_dir
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         mode = approve or ("ask" if interactive else "never-shell")
         shell = allow_shell and not _shell_refused(mode, approve is not None, interactive)
         mcp_servers, tools = _tools_with_mcp(ws, shell, max_result_chars, extra, not no_builtin_tools, mcp_commands)
-        engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
+        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
         agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
                       constrain=not no_constrain, fresh_tasks=not keep_context)
         metrics = Metrics()

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterator
 
 import click
 
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, \
-    user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, read_prompt, setup_logging, user_errors
 from sinkchat.config import ConfigError, data_dir
 from sinkchat.core.events import DoneEvent, EvictionEvent, Event, ForgottenEvent, TokenEvent
 from sinkchat.core.metrics import Metrics, Stats, model_bytes
@@ -285,12 +285,12 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
     """Load the model with a rich status spinner on stderr (a plain line per step off a terminal); log lines
     written meanwhile are shown after it (`loading.logs_after_spinner`)."""
     if not tty:
-        return open_engine(settings, system, progress=lambda m: click.echo(m, err=True))
+        return start(settings, system, lambda m: click.echo(m, err=True)).engine
     from rich.console import Console
 
     console = Console(stderr=True)
     with logs_after_spinner(console), console.status("loading model ...") as st:
-        return open_engine(settings, system, progress=lambda m: st.update(m))
+        return start(settings, system, lambda m: st.update(m)).engine
 
 
 @click.command("chat")

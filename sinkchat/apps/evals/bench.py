@@ -26,7 +26,8 @@ from typing import Any, Callable
 
 import click
 
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
 from sinkchat.config import ConfigError
 from sinkchat.core.metrics import percentile, rss_bytes
 
@@ -336,7 +337,7 @@ def bench_command(policies: str, caches: str, decode: int, recompute_tokens: int
         evict_chunk = opts["evict_chunk"] or 16
         text = read_text(text_path or str(default_text_path()))
         say = (lambda m: None) if as_json else (lambda m: click.echo(m, err=True))
-        engine = open_engine(settings, system=None, progress=say)
+        engine = start(settings, None, say).engine
         engine.set_sampling(temperature=0.0, repetition_penalty=1.0)
         if engine.step is not None and engine.step.mode == "compiled":
             say("building the compiled decode step (first run only: ~1.5 min; cached after)")

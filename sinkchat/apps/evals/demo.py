@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import click
 
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
 from sinkchat.config import ConfigError
 from sinkchat.apps.evals.demo_report import plot_attention, render_markdown
 from sinkchat.apps.evals.ppl import PolicyResult, read_text, recompute_nll, stream_bos, stream_nll, summarize
@@ -187,7 +188,7 @@ def run_demo(settings: Any, text_path: str | None, tokens: int, bin_size: int, r
     path = text_path or str(default_text_path())
     text = read_text(path)
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
-    engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
+    engine = engine if engine is not None else start(settings, None, say).engine
     cap = settings.cache.capacity or cache_default
     n_sink = settings.cache.n_sink
     ids = _demo_ids(engine, text, path, tokens, cap, ablation_prefix + ablation_tokens)
@@ -282,7 +283,7 @@ def run_probe(settings: Any, text_path: str | None, tokens: int, cache_default: 
     """Attention share of positions 0..7 at long range, and ppl after the cache fills with k sinks for each k."""
     path = text_path or str(default_text_path())
     say = (lambda m: None) if quiet else (lambda m: click.echo(m, err=True))
-    engine = engine if engine is not None else open_engine(settings, system=None, progress=say)
+    engine = engine if engine is not None else start(settings, None, say).engine
     ids = engine.encode_document(read_text(path))[:tokens]
     cap = settings.cache.capacity or cache_default
     if len(ids) < 2 * cap or cap < max(counts) + 8:

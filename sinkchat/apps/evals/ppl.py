@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 import click
 
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
 from sinkchat.config import CacheConfig, ConfigError
 
 STREAM_POLICIES = ("sink", "window", "dense")
@@ -201,7 +202,7 @@ def ppl_command(file: str, policies: tuple[str, ...], bin_size: int, limit: int 
         settings = build_settings(opts)
         pols = list(dict.fromkeys(policies or ("sink", "window")))
         text = read_text(file)
-        engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
+        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
         ids = engine.encode_document(text)
         if limit:
             ids = ids[:limit]

@@ -66,13 +66,12 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
            max_sessions: int, max_queue: int, max_body: int, no_log: bool) -> None:
     import uvicorn
 
-    from sinkchat.api import Session
+    from sinkchat.api import start
     from sinkchat.apps.serve.app import Server, build_app
     from sinkchat.apps.serve.runner import Runner
     from sinkchat.apps.serve.sessions import SessionStore
-    from sinkchat.bootstrap import open_engine
 
-    engine = Session(open_engine(settings, None, lambda m: click.echo(m, err=True)), settings).engine
+    engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
     mid = model_id(getattr(engine.loaded, "source", None) or settings.model.model)
     store = SessionStore(engine, store_dir, max_sessions, None if no_log else _log_opener(engine, mid))
     server = Server(Runner(engine, store, system), mid, api_key, max_queue, max_body)

@@ -24,7 +24,8 @@ from sinkchat.apps.soak.runner import Soak, run_until_stopped
 from sinkchat.apps.soak.scenario_stream import check_input
 from sinkchat.apps.soak.scenarios import SCENARIOS, make_scenario
 from sinkchat.apps.soak.thresholds import pop_thresholds, recorded_thresholds, threshold_options
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
 
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -82,7 +83,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
         settings = build_settings(opts)
         out = _make_out_dir(out_dir)
         input_path = _stream_input(scenario, input_path)
-        engine = open_engine(settings, system=None, progress=lambda m: click.echo(m, err=True))
+        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
         scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
                              allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
         session = _open_session(engine, settings, scenario)

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import click
 
-from sinkchat.bootstrap import build_settings, common_options, open_engine, pop_common, read_prompt, setup_logging, user_errors
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, common_options, pop_common, read_prompt, setup_logging, user_errors
 from sinkchat.apps.runlog import open_log
 from sinkchat.apps.summarize.batching import Batcher
 from sinkchat.apps.summarize.output import FORMATS, Output, OutputClosed
@@ -89,7 +90,7 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
         q = LineQueue(maxsize=queue_lines)
         reader = _start_reader(q, file_path, follow_path, from_end, backpressure, max_line_chars, status)
         try:
-            engine = open_engine(settings, system=None, progress=status.notice)
+            engine = start(settings, None, status.notice).engine
         except KeyboardInterrupt:
             reader.stop.set()
             ctx.exit(130)  # Ctrl-C while loading: nothing was summarized yet
