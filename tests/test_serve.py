@@ -95,6 +95,7 @@ def test_chat_session_feeds_only_new_messages(client):
     st = r2.model_extra["x_sinkchat"]
     assert st["id"] == "s-extend" and st["messages"] == 4 and st["cache_len"] == r2.usage.total_tokens
     assert isinstance(st["sink_share"], float) and 0.0 < st["sink_share"] < 1.0  # the sink gauge, measured
+    assert "recalled_share" not in st  # the memory is off: no share on recalled blocks to give
     # a request that diverges (the last reply dropped, another question) goes back to the common prefix
     r3 = client.chat.completions.create(model=MODEL, messages=msgs[:2] + [{"role": "assistant", "content": "x"},
                                                                          {"role": "user", "content": "y"}],
@@ -381,5 +382,7 @@ def test_sessions_keep_their_own_recall_memory_through_a_kill_9(tmp_path):
         m2 = r2["x_sinkchat"]["memory"]
         assert m2["tokens"] >= fa["memory"]["tokens"] > 0  # brought back from its snapshot, then grown
         assert m2["tokens"] + m2["forgotten"] == r2["x_sinkchat"]["evicted"]
+        share = r2["x_sinkchat"]["recalled_share"]  # the gauge's share on the recalled blocks, measured in the reply
+        assert isinstance(share, float) and 0.0 < share < 1.0 - r2["x_sinkchat"]["sink_share"]
     finally:
         stop(proc)

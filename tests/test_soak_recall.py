@@ -309,6 +309,9 @@ def test_a_stream_soak_with_memory_plants_facts_as_text(tmp_path):
     assert samples[-1]["recall_kept"] == 0 and end["tokens"] == eng.ledger.seen + end["recall_tokens_taken_back"]
     assert all(s.get("decode_tok_s") is None for s in samples)  # the probes' answers are not the stream's figures
     assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+    shares = [(s["gauge"], s["gauge_recalled"]) for s in samples if s.get("gauge_recalled") is not None]
+    assert shares and all(s["gauge"] is not None for s in samples if s.get("gauge_recalled") is not None)
+    assert max(r for _, r in shares) > 0 and all(0 <= r and g + r <= 1 for g, r in shares)  # the recalled share
 
 
 def test_memory_off_soak_records_no_recall(tmp_path):
@@ -323,6 +326,7 @@ def test_memory_off_soak_records_no_recall(tmp_path):
                                             sample_every=1e-6)
     assert probes == [] and header["memory"] == {"mode": "off"}
     assert not any(k.startswith(("recall_", "mem_")) for s in samples for k in s)
+    assert all(s["gauge_recalled"] is None for s in samples)  # no recalled share without the memory
     r = {v.name: v.status for v in evaluate(samples, end, Thresholds(), header)}
     assert r["recall"] == r["memory disk"] == "n/a"
 

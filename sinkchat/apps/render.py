@@ -206,6 +206,8 @@ def stats_table(s: Stats, memory: Sequence[tuple[str, str]] = ()) -> Table:
          + (" on the global layers" if s.kv_layout else "")),
         *([("local layers", f"{s.gauge_local:.3f} on the first tokens of their window (uniform "
                             f"{s.gauge_local_uniform:.3f})")] if s.gauge_local is not None else []),
+        *([("recalled share", f"{gauge_bar(s.gauge_memory)} {s.gauge_memory:.3f} of the newest token's attention on "
+                              "the recalled memory blocks")] if s.gauge_memory is not None else []),
         ("holds stream start", "yes" if s.holds_start else "no"),
     ]
     for k, v in rows:

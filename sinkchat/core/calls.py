@@ -24,7 +24,7 @@ def run(eng: Engine, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
         keys, values = eng.cache.buffers(step.n_kv, step.head_dim, eng.device, eng.kv_store)
         eng.cache.advance(1)  # checks the room first; an interrupted step is truncated back to L by the caller
         extra = {"base": base, "used": used} if base else {}
-        logits, queries, shares = step(ids[0], L, keys, values, eng.gauge_n, **extra)  # [1, V], [L, H*D], [L, 2]
+        logits, queries, shares = step(ids[0], L, keys, values, eng.gauge_n, **extra)  # [1, V], [L, H*D], [L, 3]
         eng.gauge.record(queries, eng.gauge_n, shares)  # C measures the stream's first slots, after any recalled
         observe(eng, queries, L)
         return logits

@@ -48,7 +48,11 @@ class GaugeEvent:
     `recent` is the same share for the most recent `n` slots and `uniform` what an even spread would give.
     Hybrid models: all of these describe the global layers; `local` is the local layers' share on the first `n`
     tokens of their own window (mean over layers and heads; None without local layers), `local_uniform` an even
-    spread's share of that window.
+    spread's share of that window. `memory`: with the recall memory on, the share on the recalled memory slots in
+    front of the stream (mean over the global layers and heads; 0.0 while it recalls nothing, None with it off),
+    `memory_per_layer` per global layer: the sink share alone cannot say whether the model reads what the memory
+    brings back. The recalled slots, the first `n` stream slots and the newest `n` (never a recalled slot) are
+    disjoint once the stream holds 2n slots, so the three shares then sum to at most 1.
     """
 
     share: float
@@ -60,6 +64,8 @@ class GaugeEvent:
     local: float | None = None
     local_per_layer: tuple[float, ...] = ()
     local_uniform: float | None = None
+    memory: float | None = None
+    memory_per_layer: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

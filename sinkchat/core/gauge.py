@@ -44,7 +44,7 @@ class SinkGauge:
         base = getattr(model, "model", model)
         self.attn = [base.layers[i].self_attn for i in self.measured]
         self.queries: list[torch.Tensor | None] = [None] * len(self.attn)
-        self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 2]) from the fast decode step, if it ran
+        self.shares: tuple[int, torch.Tensor] | None = None  # (n, [L, 3]) from the fast decode step, if it ran
         self.armed = False
         self.capture = False  # keep every forward's last queries (`captured_queries`: the recall memory's)
         self.captured: list[torch.Tensor | None] = [None] * len(self.attn)
@@ -76,8 +76,8 @@ class SinkGauge:
         return hook
 
     def record(self, queries: torch.Tensor, n: int, shares: torch.Tensor) -> None:
-        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 2] on the first / newest `n` slots (the
-        stream's first: past any recalled memory slots)."""
+        """A fast step's pre-RoPE queries [L, H*D] and its shares [L, 3] on the first / newest `n` slots (the
+        stream's first: past any recalled memory slots) and on the recalled slots."""
         if self.armed:
             self.queries = list(queries[list(self.measured), None])
             self.shares = (n, shares[list(self.measured)])  # a ring's slots run oldest first: its window's start
@@ -121,27 +121,39 @@ class SinkGauge:
         return torch.softmax(scores, dim=-1)
 
     def measure(self, cache: SinkKVCache, n: int, holds_start: bool) -> GaugeEvent | None:
-        """Attention share of the last fed token on slots [0, n) (and a local layer's on the first n of its
-        window), from the shares a fast step computed or the queries captured in the last forward."""
+        """Attention share of the last fed token on slots [0, n) of the stream (and a local layer's on the first n
+        of its window), on the newest n and on the recalled memory slots, from the shares a fast step computed or
+        the queries captured in the last forward."""
         L = cache.length
         shares, self.shares = self.shares, None
         if L == 0 or any(q is None for q in self.queries):
             return None
         g = len(self.layers)
         if shares is not None and shares[0] == n:  # the fast step measured this attention while computing it
-            first, last = shares[1][:, 0].tolist(), shares[1][:, 1].tolist()
+            first, last, recalled = (shares[1][:, c].tolist() for c in range(3))
         else:
-            first, last = [], []
-            for i in range(len(self.attn)):
-                probs = self.probs(cache, i)  # [B, H_kv, G, used_i + n_i]: recalled slots first
-                used = getattr(cache.layers[self.measured[i]], "used", 0)
-                first.append(float(probs[..., used : used + n].sum(-1).mean()))
-                if i < g:  # the newest slots' share: the global layers' only (status line's "recent")
-                    last.append(float(probs[..., -n:].sum(-1).mean()))
+            first, last, recalled = self._recompute(cache, n)
         self.queries = [None] * len(self.attn)
         n, local = min(n, L), tuple(first[g:])
         window = self.attended_keys(cache.layers[self.local_layers[0]], L).shape[-2] if self.local_layers else 0
+        memory_on = any(getattr(cache.layers[i], "base", 0) for i in self.layers)  # a region in front of the stream
         return GaugeEvent(share=sum(first[:g]) / g, per_layer=tuple(first[:g]), recent=sum(last[:g]) / g,
-                          uniform=n / L, n=n, holds_start=holds_start,
-                          local=sum(local) / len(local) if local else None, local_per_layer=local,
-                          local_uniform=min(n, window) / window if window else None)
+                                uniform=n / L, n=n, holds_start=holds_start,
+                                local=sum(local) / len(local) if local else None, local_per_layer=local,
+                                local_uniform=min(n, window) / window if window else None,
+                                memory=sum(recalled[:g]) / g if memory_on else None,
+                                memory_per_layer=tuple(recalled[:g]) if memory_on else ())
+
+    def _recompute(self, cache: SinkKVCache, n: int) -> tuple[list[float], list[float], list[float]]:
+        """(first, newest, recalled) shares per measured layer from the captured queries (`probs`): the first n
+        stream slots after the `used` recalled ones, the newest n (never a recalled slot), the recalled ones; the
+        newest and recalled figures of the global layers only (what the status line shows)."""
+        first, last, recalled = [], [], []
+        for i in range(len(self.attn)):
+            probs = self.probs(cache, i)  # [B, H_kv, G, used_i + n_i]: recalled slots first
+            used = getattr(cache.layers[self.measured[i]], "used", 0)
+            first.append(float(probs[..., used : used + n].sum(-1).mean()))
+            if i < len(self.layers):
+                last.append(float(probs[..., max(used, probs.shape[-1] - n) :].sum(-1).mean()))
+                recalled.append(float(probs[..., :used].sum(-1).mean()))
+        return first, last, recalled

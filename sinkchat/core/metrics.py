@@ -177,6 +177,7 @@ class Stats:
     feeding: bool = False  # a feed is under way: the rate to show is `feed_tok_s`, not the last decode's
     feed_tok_s: float = 0.0  # that feed's own prefill rate (0 until its first chunk is in)
     kv_allocated: int = 0  # bytes the cache's buffers hold now (rings allocate lazily, up to `kv_bytes`)
+    gauge_memory: float | None = None  # the share on the recalled memory slots (None: memory off or not measured)
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         feeding=m.feeding or cache.length - v.length > 1,  # a chunk in flight: a feed began before its first event
         feed_tok_s=m.feed_tok_s if m.feeding else 0.0,
         kv_allocated=cache.nbytes,
+        gauge_memory=g.memory if g else None,
     )
 
 
@@ -342,7 +344,7 @@ def status_variants(s: Stats, toolbar: bool = False) -> dict[str, list[str]]:
         else f"{s.decode_tok_s:.1f} tok/s{' (compiling)' if 'compiling' in s.decoder else ''}"
     value = "n/a" if s.gauge is None else f"{s.gauge:.2f}"
     start = "" if s.holds_start or s.gauge is None else " (start gone)"
-    tail = f"{value}{start}{local_gauge(s)}"
+    tail = f"{value}{start}{local_gauge(s)}{memory_gauge(s)}"
     return {
         "policy": [label, short, ""],
         "mem": [f"{'RSS' if toolbar else 'rss'} {human_bytes(s.rss)}{cuda}", ""],
@@ -385,3 +387,8 @@ def status_line(s: Stats, width: int | None = None) -> str:
 def local_gauge(s: Stats) -> str:
     """" local 0.05": a hybrid model's local layers' share on the first tokens of their window (else "")."""
     return "" if s.gauge_local is None else f" local {s.gauge_local:.2f}"
+
+
+def memory_gauge(s: Stats) -> str:
+    """" · mem 0.11": the share of attention on the recalled memory blocks, with the memory on (else "")."""
+    return "" if s.gauge_memory is None else f" · mem {s.gauge_memory:.2f}"

@@ -30,7 +30,8 @@ class DecodeStep(Protocol):
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token `tok` at slot `pos` (keys/values: per layer [1, H_kv, cap, D]): logits [1, V], pre-RoPE queries
-        [L, H*D], gauge shares [L, 2] (attention on the first / newest `n_gauge` slots, mean over heads)."""
+        [L, H*D], gauge shares [L, 3] (attention on the stream's first / newest `n_gauge` slots and on the recalled
+        memory slots in front of the stream, 0 without them; mean over heads)."""
         ...
 
     def prepare(self, kv_dtype: torch.dtype) -> None:

@@ -30,7 +30,7 @@ import torch
 from sinkchat.model import int4
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
-from sinkchat.model.intk import Int4KLinear, Int8KLinear
+from sinkchat.model.intk import Int4KLinear, Int6KLinear, Int8KLinear
 from sinkchat.kernels import native
 from sinkchat.decode.native_prefill import NativePrefill
 from sinkchat.model.spec import GEMMA_TYPES, ModelSpec
@@ -42,8 +42,8 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
             "mlp.up_proj", "mlp.down_proj")
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # Phi-3: parts in this order along the rows
-_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3, "q40": 5}  # csrc/kernels.h: SC_LIN_Q4, _Q8G, _Q4K, _Q8K, _Q40
-_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear, Int4Q0Linear)  # one class per layout above
+_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3, "q40": 5, "q6k": 6}  # csrc/kernels.h: SC_LIN_Q4, .., _Q40, _Q6K
+_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear, Int4Q0Linear, Int6KLinear)  # one per layout above
 
 
 def why_not(model: Any, spec: ModelSpec) -> str | None:
@@ -156,7 +156,7 @@ def _choose_head(model: Any, spec: ModelSpec) -> _Head:
 
 class NativeStep:
     """The Engine's single-token path on the native kernels: `__call__` as `torch_step.TorchStep`'s (logits,
-    pre-RoPE queries, gauge shares). Nothing to build beyond the kernels' library, so `prepare` / `warm_up` do
+    pre-RoPE queries, gauge shares [L, 3]). Nothing to build beyond the kernels' library, so `prepare` / `warm_up` do
     nothing and the status is always "native (<kernel variant>; prefill native|hf)"."""
 
     mode = "native"
@@ -270,7 +270,8 @@ class NativeStep:
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4,
                  base: int = 0, used: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 2].
+        """Token `tok` at slot `pos`: writes its k/v there, returns logits [1, V], queries [L, H*D], gauge [L, 3]
+        (per layer the attention shares on the stream's first / newest `n_gauge` slots and on the recalled ones).
         Gemma: a layer's buffer may be a view shorter than its buffer (a local ring's window, the token's slot last:
         `HybridKVCache.buffers`). `base`: slots in front of the stream in every buffer (the recall memory's), the
         last `used` of them attended too (stream slot i is buffer slot base + i, at RoPE position i)."""
@@ -286,7 +287,7 @@ class NativeStep:
             x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
-        gauge = torch.empty(self.n_layers, 2)
+        gauge = torch.empty(self.n_layers, 3)  # first / newest / recalled shares
         if native.sc_step(self._m, x.data_ptr(), pos, n_gauge, kp, vp, cap,
                           out.data_ptr(), queries.data_ptr(), gauge.data_ptr()):
             raise MemoryError("the native decode step ran out of memory")
@@ -354,7 +355,7 @@ class NativeStep:
             x = self.embed(torch.tensor([tok])).float().contiguous()  # [1, C]
         out = torch.empty(self._out)
         queries = torch.empty(self.n_layers, self.n_heads * self.head_dim)
-        gauge = torch.empty(self.n_layers, 2)
+        gauge = torch.empty(self.n_layers, 3)  # first / newest / recalled shares
         ints = ctypes.c_int * self.n_layers
         rc = native.sc_step_layers(self._m, layers, x.data_ptr(), pos, n_gauge, (ctypes.c_void_p * len(keys))(*keys),
                                    (ctypes.c_void_p * len(values))(*values), ints(*caps), ints(*ns), max(ns),

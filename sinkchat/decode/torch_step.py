@@ -120,9 +120,11 @@ def decode_one(tok: torch.Tensor, pos: torch.Tensor, n_gauge: torch.Tensor, keys
     """Token `tok` [1] at in-cache slot `pos` [1]: writes its k/v into slot pos of every keys[i] / values[i]
     [1, H_kv, cap, D] (separate tensors: mutating views of one stacked input sends the compiled graph down a slow
     aliasing path) and attends over slots <= pos. Returns logits [1, V], the pre-RoPE queries [L, H*D], and the
-    sink gauge [L, 2]: per layer, the attention share (mean over heads) on the first `n_gauge` [1] slots and on the
-    newest `n_gauge`, read off the softmax the step computes anyway, so the gauge costs nothing. Static shapes:
-    nothing depends on pos's value."""
+    sink gauge [L, 3]: per layer, the attention share (mean over heads) on the first `n_gauge` [1] slots, on the
+    newest `n_gauge`, and on recalled memory slots: always 0 here (this step attends no recall region: the Engine
+    hands calls with memory to transformers' forward), a column so every step's gauge has the native step's shape.
+    Read off the softmax the step computes anyway, so the gauge costs nothing. Static shapes: nothing depends on
+    pos's value."""
     H, Hkv, D = w.n_heads, w.n_kv, w.head_dim
     G, half = H // Hkv, w.head_dim // 2
     cap = keys[0].shape[2]
@@ -153,7 +155,8 @@ def decode_one(tok: torch.Tensor, pos: torch.Tensor, n_gauge: torch.Tensor, keys
         x = x + w.down(nn.functional.silu(gu[:, : w.inter]) * gu[:, w.inter :], i)
     logits = w.head(w.norm(x)).float()  # [1, V]
     gauge = (torch.stack(probs).reshape(w.n_layers, H, cap) @ marks).mean(1)  # [L, H, 2] -> [L, 2]
-    return logits, torch.cat(queries), gauge  # [1, V], [L, H*D], [L, 2]
+    gauge = torch.cat([gauge, gauge.new_zeros(w.n_layers, 1)], dim=1)  # [L, 3]: no recalled slots attended
+    return logits, torch.cat(queries), gauge  # [1, V], [L, H*D], [L, 3]
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,7 +256,7 @@ class TorchStep:
 
     def __call__(self, tok: int, pos: int, keys: list[torch.Tensor], values: list[torch.Tensor], n_gauge: int = 4
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`decode_one` for `tok` at slot `pos` (k/v written there): logits, queries, gauge shares."""
+        """`decode_one` for `tok` at slot `pos` (k/v written there): logits, queries, gauge shares [L, 3]."""
         dtype = keys[0].dtype
         if self.mode == "compiled":
             self.prepare(dtype)  # builds now, on the first token

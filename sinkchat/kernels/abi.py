@@ -29,12 +29,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 10  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+ABI = 11  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
 #          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap;
 #          7: sc_silu, the MLP activation on its own exp; 8: Model.head / head_type, the head as any linear;
 #          9: sc_prefill's off (recalled memory slots before the stream) and last-row queries;
-#          10: the q40 layout (Q4_0 at its own 18 bytes: sc_q40_scales), lin_type 5, q40_matmul, sc_q40_work)
+#          10: the q40 layout (Q4_0 at its own 18 bytes: sc_q40_scales), lin_type 5, q40_matmul, sc_q40_work;
+#          11: sc_step / sc_step_layers' gauge [L][3]: the share on the recalled memory slots third)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
 SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
@@ -68,6 +69,8 @@ QK = 256  # weights per K-quant super-block (csrc/kernels.h: SC_QK)
 Q4K_SCALES = 2 * RG * 2 + 2 * 8 * RG  # sc_q4k_scales: fp16 d, dmin [16]; uint8 sc, mn [8][16]
 Q8K_SCALES = 2 * RG * 2 + 2 * 16 * RG  # sc_q8k_scales: fp16 d, dmin [16]; int8 sc, uint8 mn [16][16]
 Q40_SCALES = RG * 2  # sc_q40_scales: fp16 d [16] (Q4_0: no m)
+Q6K_BLOCK = QB * RG // 2 + QB * RG // 4  # sc_q6k_block: the q4 nibble tile, then 2 bit-planes of the high 2 bits
+Q6K_SCALES = RG * 2 + 16 * RG  # sc_q6k_scales: fp16 d [16]; int8 sc [16][16] (Q6_K: no dmin, mn)
 
 P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_long
 
@@ -107,6 +110,7 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "sc_q4k_work": (Z, [I, I, I]),
     "sc_q8k_work": (Z, [I, I, I]),
     "sc_q40_work": (Z, [I, I, I]),
+    "sc_q6k_work": (Z, [I, I, I]),
     "sc_set_threads": (I, [I]),  # (n: 0 / 1 no pool) -> the pool's size now
     "sc_set_grain": (L, [L]),  # (bytes: a job under it runs on the caller alone; < 0 only asks) -> the previous
     "sc_set_deal": (I, [I]),  # (1: deal each job's chunks to every thread, 0: claimed; < 0 only asks) -> previous
@@ -118,12 +122,13 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "q4k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
     "q8k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, hw, sw, bias, y, work, work_size)
     "q40_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
+    "q6k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
     "sc_attend": (I, [P, P, P, P, I, I, I, P, P, P]),  # (model, q, K, V, cap, pos, n_gauge, out, gauge, scores)
     "sc_step": (I, [P, P, I, I, P, P, I, P, P, P, P, Z]),  # (model, x, pos, n_gauge, keys, values, cap, out,
-    #                                                        queries, gauge, work, work_size)
+    #                                                        queries, gauge [L][3], work, work_size)
     "kv_evict": (I, [P, P, I, I, I, I, I, I, P, P, I, I]),
     "sc_step_layers": (I, [P, P, P, I, I, P, P, P, P, P, P, P, P, Z]),  # (model, layers, x, pos, n_gauge, keys,
-    #                                                  values, caps, ns, out, queries, gauge, work, work_size)
+    #                                                  values, caps, ns, out, queries, gauge [L][3], work, work_size)
     "sc_silu": (I, [P, P, Z]),  # (g, u, n): g = silu(g) * u
     "sc_prefill_work": (Z, [P, I, I]),  # (model, T, cap)
     "sc_prefill": (I, [P, P, I, I, I, I, P, P, I, P, P, P, Z]),  # (model, x, T, pos, off, n_out, keys, values,
@@ -145,7 +150,8 @@ def layouts() -> dict[str, int]:
     """The sizes Python assumes for the structs and blocks it shares with C (`sc_sizeof` must agree)."""
     return {"Model": ctypes.sizeof(StepModel), "sc_q4_block": QB * RG // 2, "sc_q4_scales": 2 * RG * 2,
             "sc_q8_block": QB * RG, "sc_q8g_scales": 4 * RG * 2, "sc_q4k_scales": Q4K_SCALES,
-            "sc_q8k_scales": Q8K_SCALES, "sc_q40_scales": Q40_SCALES, "sc_layers": ctypes.sizeof(StepLayers)}
+            "sc_q8k_scales": Q8K_SCALES, "sc_q40_scales": Q40_SCALES,
+            "sc_q6k_block": Q6K_BLOCK, "sc_q6k_scales": Q6K_SCALES, "sc_layers": ctypes.sizeof(StepLayers)}
 
 
 def signature(restype: Any, argtypes: list[Any]) -> str:

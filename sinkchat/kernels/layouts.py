@@ -1,8 +1,8 @@
 """The weight layouts the native kernels read (csrc/kernels.h: sc_q4_block / sc_q4_scales, sc_q8_block, q8g's
-sc_q8_block / sc_q8g_scales, the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales, and Q4_0's q40: sc_q4_block /
-sc_q40_scales): packing from integer
-values and scales, and unpacking rows back to fp32 in torch. Pure torch, no library: `native` re-exports every
-function here (`native.pack_q4`, `native.pack_q8g`, `native.pack_q4k`, ...).
+sc_q8_block / sc_q8g_scales, the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales, Q6_K's q6k: sc_q6k_block /
+sc_q6k_scales, and Q4_0's q40: sc_q4_block / sc_q40_scales): packing from integer values and scales, and unpacking
+rows back to fp32 in torch. Pure torch, no library: `native` re-exports every function here (`native.pack_q4`,
+`native.pack_q8g`, `native.pack_q4k`, ...).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 import numpy as np
 
-from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES, QB, QK, RG
+from sinkchat.kernels.abi import Q4K_SCALES, Q6K_SCALES, Q8K_SCALES, QB, QK, RG
 
 
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,3 +262,71 @@ def q8k_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = N
     q = (u.to(torch.int16) - 128).float().reshape(u.shape[0], sw.shape[1], 16, 16)  # [n, S, j, 16]
     ds, dm = _k_fields(sw, rows, 16, torch.int8)  # [n, S, 16]
     return (ds[..., None] * q - dm[..., None]).reshape(u.shape[0], k)
+
+
+# ---- q6k: Q6_K at its own 6.56 bits (sc_q6k_block + sc_q6k_scales) ------------------------------------------------
+def pack_q6k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q6_K at its own size: q int8 [N, K] in −32..31, d [N, K/256] (fp16 values, stored fp16), sc int8
+    [N, K/16]; dmin and mn (`pack_q8k`'s arguments, so a `KParts` packs either way) must be all zero -> (qw, sw): qw
+    uint8 [N/16, K/32, 6, 16, 4] (sc_q6k_block: [:, :, :4] the q4 nibble tile of u = q + 32, [:, :, 4:] the two
+    planes of its high 2 bits, sub-block s = 4p + i at bits 2i of plane p) and sw the sc_q6k_scales bytes, uint8
+    [N/16, K/256, 288]. 210 bytes per row and 256 weights: the file's, where q8k holds 292."""
+    _check_k("q6k", q, d, dmin, sc, mn, 16)
+    n, k = q.shape
+    if q.dtype != torch.int8 or (q.numel() and (int(q.min()) < -32 or int(q.max()) > 31)):
+        raise ValueError(f"q6k weights {q.dtype}: want int8 in -32..31")
+    if bool(dmin.ne(0).any()) or bool(mn.ne(0).any()):
+        raise ValueError("q6k has no mins: dmin and mn must be 0 (Q5_K goes to q8k)")
+    u = (q.to(torch.int16) + 32).to(torch.uint8)  # [N, K] in 0..63
+    hi = (u >> 4).reshape(n // RG, RG, k // QB, 2, 4, 4)  # [g, r, b, p, i, t]: column 32b + 16p + 4i + t
+    planes = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)  # [g, r, b, p, t]
+    qw = torch.cat([_nibble_blocks(u & 15), planes.permute(0, 2, 3, 1, 4)], 2).contiguous()  # [g, b, 6, r, t]
+    f16 = d.to(torch.float16).reshape(n // RG, RG, k // QK).permute(0, 2, 1).contiguous().view(torch.uint8)
+    sc8 = _exact(sc, torch.int8, "q6k sc").reshape(n // RG, RG, k // QK, 16).permute(0, 2, 3, 1)  # [g, S, j, r]
+    sw = torch.cat([f16, sc8.contiguous().view(torch.uint8).reshape(n // RG, k // QK, 16 * RG)], -1).contiguous()
+    assert sw.shape[-1] == Q6K_SCALES
+    return qw, sw
+
+
+def _q6k_u(qw: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """u = q + 32 of a `pack_q6k` layout's rows (all, or `rows` [n]), uint8 [n, K/32, 32] in column order."""
+    b = qw.permute(0, 3, 1, 2, 4).reshape(-1, qw.shape[1], 6, 4) if rows is None else qw[rows // RG, :, :, rows % RG]
+    lo = torch.stack([b[:, :, :4] & 15, b[:, :, :4] >> 4], -2)  # [n, K/32, s, half, t]: column 8s + 4half + t
+    hi = torch.stack([(b[:, :, 4:] >> (2 * i)) & 3 for i in range(4)], -2)  # [n, K/32, p, i, t]: 16p + 4i + t
+    return lo.reshape(b.shape[0], b.shape[1], QB) | (hi.reshape(b.shape[0], b.shape[1], QB) << 4)
+
+
+def _q6k_scales(sw: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """d fp16 [n, K/256] and sc int8 [n, K/256, 16] of a `pack_q6k` layout's rows (all, or `rows` [n])."""
+    g, s = sw.shape[:2]
+    d = sw[..., : 2 * RG].contiguous().view(torch.float16)  # [g, S, r]
+    sc = sw[..., 2 * RG :].contiguous().view(torch.int8).reshape(g, s, 16, RG)  # [g, S, j, r]
+    if rows is None:
+        return d.permute(0, 2, 1).reshape(g * RG, s), sc.permute(0, 3, 1, 2).reshape(g * RG, s, 16)
+    return d[rows // RG, :, rows % RG], sc[rows // RG, :, :, rows % RG]
+
+
+def q6k_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The weights of a `pack_q6k` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]): (d·sc)·q in fp32, as
+    gguf-py's dequantize computes Q6_K (so the two agree bit for bit)."""
+    u = _q6k_u(qw, rows)  # [n, K/32, 32]
+    d, sc = _q6k_scales(sw, rows)
+    ds = d.float()[..., None] * sc.float()  # [n, S, 16]: exact
+    q = (u.to(torch.int16) - 32).float().reshape(u.shape[0], sw.shape[1], 16, 16)  # [n, S, j, 16]
+    return (ds[..., None] * q).reshape(u.shape[0], qw.shape[1] * QB)
+
+
+def q6k_gguf_bytes(qw: torch.Tensor, sw: torch.Tensor) -> np.ndarray:
+    """A `pack_q6k` layout back to the GGUF tensor's own bytes, uint8 [N, K/256 · 210] (per block ggml's block_q6_K:
+    ql[128] (per 128-half: weights l and l + 64 in the low / high nibble of byte l), qh[64] (per half: weight
+    l + 32i at bits 2i of byte l), int8 scales[16], fp16 d): every bit the file had, from what is held."""
+    u = _q6k_u(qw, None).reshape(-1, sw.shape[1], 2, 128)  # [N, S, half, 128]
+    lo, hi = u & 15, u >> 4
+    ql = lo[..., :64] | (lo[..., 64:] << 4)  # [N, S, 2, 64]
+    qh = hi[..., :32] | (hi[..., 32:64] << 2) | (hi[..., 64:96] << 4) | (hi[..., 96:] << 6)  # [N, S, 2, 32]
+    d, sc = _q6k_scales(sw, None)
+    n, s = d.shape
+    parts = [ql.reshape(n, s, 128), qh.reshape(n, s, 64), sc.contiguous().view(torch.uint8),
+             d.contiguous().view(torch.uint8).reshape(n, s, 2)]
+    return torch.cat(parts, -1).reshape(n, s * 210).numpy()

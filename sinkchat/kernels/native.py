@@ -60,6 +60,7 @@ from sinkchat.kernels import abi
 from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native.pack_q4, native.pack_q8g, ...)
     pack_q4, pack_q4_dm, pack_q4k, pack_q40, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q40_gguf_bytes,
     q40_unpack, q8_rows, q8g_unpack, q8k_unpack)
+from sinkchat.kernels.layouts import pack_q6k, q6k_gguf_bytes, q6k_unpack  # noqa: F401  (the binding's API: q6k)
 from sinkchat.kernels.variants import (  # noqa: F401  (the binding's API: native.unsupported, native.best, ...)
     CPU_FLAGS, SIMD, VARIANTS, best, lacks, unsupported)
 from sinkchat.kernels import variants as _variants
@@ -243,7 +244,7 @@ def _check_rc(rc: int, what: str) -> None:
 def sc_step(m: StepModel, x: int, pos: int, n_gauge: int, keys: Any, values: Any, cap: int, out: int, queries: int,
             gauge: int) -> int:
     """One decode step through csrc/step.c (see `sinkchat.decode.native_step`), in this thread's work buffer;
-    0, or nonzero (-1: out of memory)."""
+    0, or nonzero (-1: out of memory). `gauge`: the address of fp32 [L, 3] (first / newest / recalled shares)."""
     lib = _lib()
     ptr, size = work_buffer(lib.sc_step_work(ctypes.byref(m), cap))
     return lib.sc_step(ctypes.byref(m), x, pos, n_gauge, keys, values, cap, out, queries, gauge, ptr, size)
@@ -366,6 +367,12 @@ def q4k_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.
 def q8k_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q8k` weights (Q5_K / Q6_K: w = (d·sc_j)·q − dmin·mn_j per 16)."""
     return _k_matmul("q8k_matmul", x, hw, sw, bias, (QB // 4, RG, 4), abi.Q8K_SCALES)
+
+
+def q6k_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q6k` weights (Q6_K at its own bits: w = (d·sc_j)·q per 16), + bias:
+    the same bits as `q8k_matmul` on the same tensor packed as q8k (csrc/rows512.h: q6k_bytes)."""
+    return _k_matmul("q6k_matmul", x, qw, sw, bias, (6, RG, 4), abi.Q6K_SCALES)
 
 
 def q8_matmul(x: torch.Tensor, hw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

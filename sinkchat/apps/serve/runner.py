@@ -186,6 +186,8 @@ class Runner:
                     sess.evictions += 1
                 elif isinstance(ev, GaugeEvent):
                     sess.gauge = round(float(ev.share), 4)
+                    recalled = ev.memory  # None with the memory off
+                    sess.recalled = None if recalled is None else round(float(recalled), 4)
                 elif isinstance(ev, DoneEvent):
                     done = ev
                 if cancelled.is_set():

@@ -56,6 +56,7 @@ class ServeSession:
     marks: dict[int, Mark] = field(default_factory=dict)
     evictions: int = 0
     gauge: float | None = None  # the share of attention on the sinks at the latest measurement (a reply's)
+    recalled: float | None = None  # ... and on the recalled memory blocks (None: memory off or not measured)
     requests: int = 0
     mtime: int = 0  # of the snapshot file as last written or read here
     log: Any = None  # the session's SessionLog (or NullLog)
@@ -237,7 +238,8 @@ def figures(sess: ServeSession, st: EngineState) -> dict[str, Any]:
             "capacity": int(cfg.capacity), "sinks": int(cfg.n_sink), "policy": cfg.policy,
             "evicted": int(st.ledger["evicted"]), "evictions": sess.evictions, "messages": len(sess.history),
             "requests": sess.requests, "seen": int(st.ledger["seen"]), "sink_share": sess.gauge,
-            **({"memory": memory_figures(st.memory)} if st.memory is not None else {})}
+            **({"memory": memory_figures(st.memory), "recalled_share": sess.recalled} if st.memory is not None
+               else {})}
 
 
 def memory_figures(memory: Any) -> dict[str, int]:

@@ -32,6 +32,7 @@ def _line(soak: Any, rec: dict[str, Any]) -> str:
     calls = f" | calls ok {ok}/{ok + failed}" if ok is not None and failed is not None else ""
     remain = f" left {max(0.0, soak.duration - el) / 60:.1f}m" if soak.duration else ""
     local = "" if rec.get("gauge_local") is None else f" local {rec['gauge_local']:.2f}"  # hybrid models
+    local += "" if rec.get("gauge_recalled") is None else f" · mem {rec['gauge_recalled']:.2f}"  # --memory on
     mem = "" if rec.get("mem_tokens") is None else (
         f" | mem {rec['mem_blocks']} blk {rec['mem_tokens']} tok {human_bytes(rec['mem_disk_bytes'])}"
         + ("" if rec.get("recall_memory") is None else

@@ -26,7 +26,8 @@ SERIES = {  # file name -> (title, [(field, label)], unit scale, unit)
     "latency": ("per-token latency", [("p50_ms", "p50"), ("p99_ms", "p99")], 1, "ms"),
     "ppl": ("perplexity of the input fed through the cache (per sample)", [("ppl", "input via cache")], 1, ""),
     "gauge": ("sink gauge (attention share on first slots)", [("gauge", "share"),
-                                                              ("gauge_local", "local layers, window start")], 1, ""),
+                                                              ("gauge_local", "local layers, window start"),
+                                                              ("gauge_recalled", "recalled share (memory)")], 1, ""),
     "tokens": ("tokens", [("tokens", "processed"), ("evicted", "evicted")], 1, ""),
     "errors": ("errors and faults", [("errors", "errors"), ("faults", "faults"), ("faulted_steps", "faulted steps")],
                1, ""),
@@ -43,6 +44,9 @@ SERIES = {  # file name -> (title, [(field, label)], unit scale, unit)
 }
 
 
+LABELS = {"gauge_recalled": "recalled share (gauge_recalled)"}  # report.md's name of a figure, where not its key
+
+
 def figures(samples: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
     """First and last values of the headline series (the closing figures of a soak)."""
     def ends(key: str) -> tuple[Any, Any]:
@@ -50,10 +54,10 @@ def figures(samples: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
         return (pts[0][1], pts[-1][1]) if pts else (None, None)
 
     return {k: ends(k) for k in ("rss", "cache_bytes", "cache_len", "decode_tok_s", "prefill_tok_s", "ppl", "gauge",
-                                 "tokens", "evicted", "p50_ms", "p99_ms", "jobs", "jobs_ok", "faulted_steps",
-                                 "tool_calls_ok", "tool_calls_failed", "mem_blocks", "mem_tokens", "mem_forgotten",
-                                 "mem_disk_bytes", "recall_planted", "recall_window", "recall_window_ok",
-                                 "recall_memory", "recall_memory_ok", "recall_lost", "recall_kept",
+                                 "gauge_recalled", "tokens", "evicted", "p50_ms", "p99_ms", "jobs", "jobs_ok",
+                                 "faulted_steps", "tool_calls_ok", "tool_calls_failed", "mem_blocks", "mem_tokens",
+                                 "mem_forgotten", "mem_disk_bytes", "recall_planted", "recall_window",
+                                 "recall_window_ok", "recall_memory", "recall_memory_ok", "recall_lost", "recall_kept",
                                  "recall_tokens_taken_back", "recall_memory_block")}
 
 
@@ -135,7 +139,7 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
     out += ["", "## Figures (first / last sample)", "", "| series | first | last |", "|---|---|---|"]
     for key, (a, b) in figures(samples).items():
         if a is not None:
-            out.append(f"| {key} | {_fmt(key, a)} | {_fmt(key, b)} |")
+            out.append(f"| {LABELS.get(key, key)} | {_fmt(key, a)} | {_fmt(key, b)} |")
     out += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots]
     out += ["", f"Thresholds: `{json.dumps(asdict(th))}`", ""]
     return "\n".join(out)

@@ -60,6 +60,7 @@ class Interval(Metrics):
     prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
     gauges: list[float] = field(default_factory=list)
     local_gauges: list[float] = field(default_factory=list)  # hybrid models: the local layers' window-start share
+    recalled_gauges: list[float] = field(default_factory=list)  # --memory on: the share on the recalled blocks
     nll: list[float] = field(default_factory=list)  # NLL of every token fed through the cache (the NllTap's)
 
     def fold(self, ev: Any) -> None:
@@ -70,6 +71,13 @@ class Interval(Metrics):
             self.gauges.append(ev.share)
             if ev.local is not None:
                 self.local_gauges.append(ev.local)
+            if ev.memory is not None:  # memory on
+                self.recalled_gauges.append(ev.memory)
+
+
+def _mean(values: list[float]) -> float | None:
+    """The interval's mean of a gauge figure, rounded as the records keep it (None: never measured)."""
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def _rate(n: float, s: float) -> float | None:
@@ -277,6 +285,7 @@ class Soak:
             "p99_ms": round(1000 * percentile(lat, 99), 3) if lat else None,
             "gauge": round(sum(iv.gauges) / len(iv.gauges), 4) if iv.gauges else None,
             "gauge_local": round(sum(iv.local_gauges) / len(iv.local_gauges), 4) if iv.local_gauges else None,
+            "gauge_recalled": _mean(iv.recalled_gauges),
             "ppl": input_ppl, "nll_sum": round(nll_sum, 4), "nll_n": nll_n,
             "errors": self.errors, "faults": self.faults, "attempts": self.attempts,
             "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,

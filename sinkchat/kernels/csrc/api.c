@@ -14,6 +14,7 @@ size_t sc_q8g_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q8G, M
 size_t sc_q4k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q4K, M, K, slots_of(threads)); }
 size_t sc_q8k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q8K, M, K, slots_of(threads)); }
 size_t sc_q40_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q40, M, K, slots_of(threads)); }
+size_t sc_q6k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q6K, M, K, slots_of(threads)); }
 
 // ---- kernels ---------------------------------------------------------------------------------------------------
 // Each takes the caller's work buffer of at least its sc_*_work bytes for one thread (or NULL: allocated and freed
@@ -57,6 +58,11 @@ int q40_matmul(const float* x, int M, int K, int N, const sc_q4_block* qw, const
     return run_lin(&(sc_lin){SC_LIN_Q40, N, qw, sw, bias, y}, x, M, K, work, work_size);
 }
 
+int q6k_matmul(const float* x, int M, int K, int N, const sc_q6k_block* qw, const sc_q6k_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q6K, N, qw, sw, bias, y}, x, M, K, work, work_size);
+}
+
 // g = silu(g) * u over n elements (the MLP's activation, as the step and the prefill run it).
 int sc_silu(float* g, const float* u, size_t n) {
     sc_silu_mul(g, u, n);
@@ -86,6 +92,8 @@ long sc_sizeof(const char* type) {
              {"sc_q4k_scales", sizeof(sc_q4k_scales)},
              {"sc_q8k_scales", sizeof(sc_q8k_scales)},
              {"sc_q40_scales", sizeof(sc_q40_scales)},
+             {"sc_q6k_block", sizeof(sc_q6k_block)},
+             {"sc_q6k_scales", sizeof(sc_q6k_scales)},
              {"sc_layers", sizeof(sc_layers)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(type, t[i].name)) return (long)t[i].size;

@@ -16,7 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 10
+#define SC_ABI_VERSION 11  // 11: sc_step / sc_step_layers' gauge [L][3] (the recalled slots' share third)
 
 #define QB 32  // weights per quant block
 #define RG 16  // rows per group: one 512-bit lane per row
@@ -99,6 +99,27 @@ _Static_assert(offsetof(sc_q8k_scales, sc) == 2 * RG * sizeof(uint16_t), "q8k sc
 _Static_assert(offsetof(sc_q8k_scales, mn) == 2 * RG * sizeof(uint16_t) + 16 * RG, "q8k scales: mn follows sc");
 _Static_assert(sizeof(sc_q4k_scales) % 64 == 0 && sizeof(sc_q8k_scales) % 64 == 0, "scales keep 64-byte strides");
 
+// q6k (llama.cpp's Q6_K at its own 210 bytes per 256 weights, where q8k takes 292): per 16 rows x 32 columns the
+// low 4 bits of u = q + 32 (0..63) as an sc_q4_block's nibbles (q), then the high 2 bits as two bit-planes laid over
+// the same [row][byte] tiles: bits 2i..2i+1 of h[p][r][t] are those of w[r, 32b + 4(4p + i) + t], i.e. of the q8
+// layout's sub-block s = 4p + i (byte t), so plane p is half block p. The kernels rebuild q8k's bytes q + 128 = u + 96
+// in registers (rows512.h: the weight-unpack step; avx2 dots u itself and takes 32, not 128, x the sum of x off: the
+// same exact integer) and run q8k's loop and float steps: every output has q8k's bits.
+typedef struct {
+    uint8_t q[4][RG][4];  // sc_q4_block's nibbles: low bits of w[r, 32b+8s+t] (low nibble), w[r, 32b+8s+4+t] (high)
+    uint8_t h[2][RG][4];  // the high 2 bits, four sub-blocks a byte
+} sc_q6k_block;
+// Per 16 rows x 256 columns (sw [N/16][K/256]): fp16 d and the file's int8 scale per 16 weights (j: columns
+// 16j..16j+15). No dmin / mn (Q6_K has none): 288 bytes, so blocks + scales are the file's 210 bytes a row and 256.
+typedef struct {
+    uint16_t d[RG];
+    int8_t sc[16][RG];
+} sc_q6k_scales;
+_Static_assert(offsetof(sc_q6k_block, h) == sizeof(sc_q4_block), "q6k block: the q4 nibble tile, then the planes");
+_Static_assert(sizeof(sc_q6k_block) == 6 * 64, "q6k block: 16 rows x 32 x 6 bits, whole 512-bit loads");
+_Static_assert(sizeof(sc_q6k_scales) == 2 * RG + 16 * RG, "q6k scales: 16 fp16 d, then 16x16 int8 sc, no padding");
+_Static_assert(8 * sizeof(sc_q6k_block) + sizeof(sc_q6k_scales) == RG * 210, "q6k: Q6_K's 210 bytes a row and 256");
+
 // ---- the decode step's model (native.StepModel mirrors it; the binding checks its size and every offset) -----
 // Kinds of a linear (Model.lin_type).
 #define SC_LIN_Q4 0   // lin triple: (sc_q4_block*, sc_q4_scales*, bias)
@@ -106,6 +127,7 @@ _Static_assert(sizeof(sc_q4k_scales) % 64 == 0 && sizeof(sc_q8k_scales) % 64 == 
 #define SC_LIN_Q4K 2  // lin triple: (sc_q4_block*, sc_q4k_scales*, bias)
 #define SC_LIN_Q8K 3  // lin triple: (sc_q8_block*, sc_q8k_scales*, bias)
 #define SC_LIN_Q40 5  // lin triple: (sc_q4_block*, sc_q40_scales*, bias) (4 is SC_LIN_TABLE, linear.c's own)
+#define SC_LIN_Q6K 6  // lin triple: (sc_q6k_block*, sc_q6k_scales*, bias)
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv, head_dim, inter, vocab, kv_bf16;  // vocab: padded to 16
@@ -250,9 +272,12 @@ typedef struct {
 _Static_assert(SC_ACC == 2 * RG * SC_MB8 && SC_ACC * sizeof(float) % 64 == 0, "one accumulator size, 64-byte pieces");
 
 static inline int sc_lin_pass(int type) {  // rows per prefill pass (the table keeps no accumulators: all rows)
+    if (type == SC_LIN_Q6K) return SC_MB8;  // q8k's loop
     return type == SC_LIN_Q8G || type == SC_LIN_Q8K ? SC_MB8 : type == SC_LIN_TABLE ? 1 << 30 : SC_MB;
 }
-static inline int sc_lin_act(int type) { return type == SC_LIN_Q8G || type == SC_LIN_Q8K ? SC_ACT_16 : 0; }
+static inline int sc_lin_act(int type) {  // q6k runs q8k's loop: its per-16 sums too
+    return type == SC_LIN_Q8G || type == SC_LIN_Q8K || type == SC_LIN_Q6K ? SC_ACT_16 : 0;
+}
 
 // Quantize x [M][K] into a (and the sums `what` asks for).
 void sc_act_fill(const float* x, sc_act* a, int what);
@@ -277,6 +302,7 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(size_t, sc_q4k_work, int, int, int)                                                                              \
     X(size_t, sc_q8k_work, int, int, int)                                                                              \
     X(size_t, sc_q40_work, int, int, int)                                                                              \
+    X(size_t, sc_q6k_work, int, int, int)                                                                              \
     X(int, sc_set_threads, int)                                                                                        \
     X(long, sc_set_grain, long)                                                                                        \
     X(int, sc_set_deal, int)                                                                                           \
@@ -292,6 +318,8 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(int, q8k_matmul, const float*, int, int, int, const sc_q8_block*, const sc_q8k_scales*, const float*, float*,    \
       void*, size_t)                                                                                                   \
     X(int, q40_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q40_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q6k_matmul, const float*, int, int, int, const sc_q6k_block*, const sc_q6k_scales*, const float*, float*,  \
       void*, size_t)                                                                                                   \
     X(int, sc_attend, const Model*, const float*, const void*, const void*, int, int, int, float*, float*, float*)     \
     X(int, sc_step, const Model*, const float*, int, int, void* const*, void* const*, int, float*, float*, float*,     \
@@ -337,6 +365,7 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
 // bits). The table: acc = fmaf(isum, dx, acc), y = (acc - corr) * scale.
 typedef void sc_run_fn(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 sc_run_fn sc_lin_run, sc_q4_run, sc_q8g_run, sc_q4k_run, sc_q8k_run, sc_q40_run, sc_table_run;
+sc_run_fn sc_q6k_run;  // q6k: q8k's 8-bit loop over bytes rebuilt from the nibbles and bit-planes
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
 // Softmax attention of one query head qh [D] over n rows of Kh / Vh [n][D] (fp32, or bf16 when bf): the

@@ -23,6 +23,7 @@ static size_t group_bytes(int type, int K) {
         case SC_LIN_Q4K: return nb * sizeof(sc_q4_block) + ns * sizeof(sc_q4k_scales);
         case SC_LIN_Q8K: return nb * sizeof(sc_q8_block) + ns * sizeof(sc_q8k_scales);
         case SC_LIN_Q40: return nb * (sizeof(sc_q4_block) + sizeof(sc_q40_scales));
+        case SC_LIN_Q6K: return nb * sizeof(sc_q6k_block) + ns * sizeof(sc_q6k_scales);
         case SC_LIN_TABLE: return nb * sizeof(sc_q8_block) + RG * sizeof(float);
         default: return nb * (sizeof(sc_q4_block) + sizeof(sc_q4_scales));
     }
@@ -45,7 +46,7 @@ typedef struct {
     int nl, G, pass;
 } LinsJob;
 
-// The one dispatch of every build: each variant implements the six layouts' functions (kernels.h).
+// The one dispatch of every build: each variant implements the seven layouts' functions (kernels.h).
 void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     switch (l->type) {
         case SC_LIN_TABLE: sc_table_run(l, a, m0, mn, g0, g1, acc); break;
@@ -53,6 +54,7 @@ void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
         case SC_LIN_Q4K: sc_q4k_run(l, a, m0, mn, g0, g1, acc); break;
         case SC_LIN_Q8K: sc_q8k_run(l, a, m0, mn, g0, g1, acc); break;
         case SC_LIN_Q40: sc_q40_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q6K: sc_q6k_run(l, a, m0, mn, g0, g1, acc); break;
         default: sc_q4_run(l, a, m0, mn, g0, g1, acc);
     }
 }

@@ -101,8 +101,9 @@ void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 }
 
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8g_scales, 1);
-    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8g_scales, q8g_mins, 1);
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales,
+                 q8g_mins, 1);
 }
 
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

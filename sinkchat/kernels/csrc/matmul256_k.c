@@ -1,4 +1,4 @@
-// The K-quant matmuls on 256-bit registers (avx2 / avxvnni): matmul_k.c's q4k and q8k (see there for why these
+// The K-quant matmuls on 256-bit registers (avx2 / avxvnni): matmul_k.c's q4k, q8k and q6k (see there for why these
 // layouts), their scale-forming steps on rows256.h's loops, every lane ref.c's operations in its order (bit-exact).
 #include "rows256.h"
 
@@ -26,6 +26,18 @@ void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 }
 
 void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8k_scales, 8);
-    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8k_scales, 8);
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q8k_scales, 8);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q8k_scales, 8);
+}
+
+// q6k: Q6_K's d and int8 scale of sub-block 2j + k of super-block t, rows 8h..8h+7; mt q8k's -(0*0) = -0 (span 8).
+static inline void q6k_scales(const void* sw, size_t t, int j, int k, int h, __m256* ds, __m256* mt) {
+    const sc_q6k_scales* s = (const sc_q6k_scales*)sw + t;
+    *ds = _mm256_mul_ps(f16x8(s->d + 8 * h), i8x8(s->sc[2 * j + k] + 8 * h));
+    *mt = _mm256_set1_ps(-0.0f);
+}
+
+void sc_q6k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q6k_bytes, 2, q6k_scales, 8);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q6k_bytes, 2, q6k_scales, 8);
 }

@@ -1,6 +1,6 @@
-// The K-quant matmuls, SIMD variant: q4k (the q4 nibbles with Q4_K's super-block scales) and q8k (the q8 bytes with
-// Q5_K / Q6_K's), their scale-forming steps on rows512.h's row loops, each held bit-exact to its scalar twin in
-// ref.c (the same float operations in the same order).
+// The K-quant matmuls, SIMD variant: q4k (the q4 nibbles with Q4_K's super-block scales), q8k (the q8 bytes with
+// Q5_K / Q6_K's) and q6k (Q6_K at its own 6.56 bits: rows512.h's q6k_bytes), their scale-forming steps on rows512.h's
+// row loops, each held bit-exact to its scalar twin in ref.c (the same float operations in the same order).
 //
 // Why their own layouts: llama.cpp's K-quants scale each 32 (Q4_K, Q5_K) or 16 (Q6_K) weights by d*sc_j with d fp16
 // and sc_j a 6- or 8-bit integer. Rounding d*sc_j to fp16 (the q4 / q8g way) changes the weights by up to half an
@@ -49,6 +49,25 @@ void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 }
 
 void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8k_scales, 8);
-    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8k_scales, q8k_mins, 8);
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8k_scales, 8);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8k_scales,
+                 q8k_mins, 8);
+}
+
+// q6k: Q6_K's d and int8 scale of sub-block 2j + k of super-block t (span 8); no min, so mt is q8k's -(0*0) = -0
+// and the prefill leaves the m terms out (q6k_mins), as q8k does for a Q6_K tensor: with q6k_bytes, q8k's bits.
+static inline void q6k_scales(const void* sw, size_t t, int j, int k, __m512* ds, __m512* mt) {
+    const sc_q6k_scales* s = (const sc_q6k_scales*)sw + t;
+    *ds = _mm512_mul_ps(f16x16(s->d), i8x16(s->sc[2 * j + k]));
+    *mt = _mm512_set1_ps(-0.0f);
+}
+static inline int q6k_mins(const void* sw, size_t g, int nb) {
+    (void)sw, (void)g, (void)nb;
+    return 0;
+}
+
+void sc_q6k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q6k_bytes, q6k_scales, 8);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q6k_bytes, q6k_scales,
+                 q6k_mins, 8);
 }

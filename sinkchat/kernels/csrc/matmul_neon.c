@@ -101,7 +101,7 @@ void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc;
     for (int m = m0; m < m0 + mn; m++)
-        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8g_scales, 1);
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales, 1);
 }
 
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

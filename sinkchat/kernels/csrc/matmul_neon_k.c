@@ -1,5 +1,5 @@
-// The K-quant matmuls on NEON (the neon variant): matmul_k.c's q4k and q8k (see there for why these layouts), their
-// scale-forming steps on rows_neon.h's loops, every lane ref.c's operations in its order (bit-exact), row by row.
+// The K-quant matmuls on NEON (the neon variant): matmul_k.c's q4k, q8k and q6k (see there for why these layouts),
+// their scale-forming steps on rows_neon.h's loops, every lane ref.c's operations in its order (bit-exact), row by row.
 #include "rows_neon.h"
 
 // -(dmin*mn), exactly (matmul_k.c: k_neg): -0 - dmin*mn fused is the negated rounded product (-0 for a +0 one), so
@@ -28,5 +28,18 @@ void sc_q4k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc;
     for (int m = m0; m < m0 + mn; m++)
-        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8k_scales, 8);
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8k_scales, 8);
+}
+
+// q6k: Q6_K's d and int8 scale of sub-block 2j + k of super-block t, rows 4i..4i+3; mt q8k's -(0*0) = -0 (span 8).
+static inline void q6k_scales(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q6k_scales* s = (const sc_q6k_scales*)sw + t;
+    *ds = vmulq_f32(f16x4(s->d + 4 * i), i8x4(s->sc[2 * j + k] + 4 * i));
+    *mt = vdupq_n_f32(-0.0f);
+}
+
+void sc_q6k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++)
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q6k_bytes, q6k_scales, 8);
 }

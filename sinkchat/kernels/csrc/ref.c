@@ -70,7 +70,7 @@ static int32_t q4_dot(const sc_q4_block* wb, int r, const int8_t* xb) {
 
 // Every loop below computes the outputs of row groups [g0, g1) for activation rows [m0, m0 + mn) (kernels.h:
 // sc_lin_run), each element by itself, so any split of the rows or groups gives the same bits. A layout is its
-// family's loop (4-bit nibbles: q4, q4k; 8-bit bytes: q8g, q8k) plus its scale-forming step, as in the SIMD builds
+// family's loop (4-bit nibbles: q4, q4k; 8-bit bytes: q8g, q8k, q6k) plus its scale-forming step, as in the SIMD builds
 // (rows512.h): ds and mt of row r for block b (q8: its half h), whose per-lane step is acc = fmaf(isum, ds*dx, acc),
 // then acc = fmaf(mt, sx, acc).
 typedef void (*q4_scales_fn)(const void* sw, int nb, int g, int b, int r, float* ds, float* mt);
@@ -95,19 +95,34 @@ static inline __attribute__((always_inline)) void q4_family(const sc_lin* l, con
         }
 }
 
-// Row r of half h (sub-blocks 4h..4h+3) of a q8 block times the 16 int8 values they meet: sum of (q + 128) * x.
-static int32_t q8_half_dot(const sc_q8_block* wb, int r, int h, const int8_t* xb) {
+// The 8-bit family's weight-unpack step (rows512.h: q8_load_fn): q + 128 of w[r, 32b + 4s + t] of block blk (g*K/32
+// + b). q8g / q8k store that byte; q6k rebuilds it from its nibble (sub-block s is nibble tile s / 2, low half for
+// even s) and its 2 high bits (bits 2(s % 4) of plane s / 4): u = q + 32, and q + 128 = u + 96 (the SIMD builds dot
+// u itself and take 32, not 128, x the sum of x off: the same exact isum).
+typedef int (*q8_byte_fn)(const void* hw, size_t blk, int s, int r, int t);
+static inline int q8_byte(const void* hw, size_t blk, int s, int r, int t) {
+    return ((const sc_q8_block*)hw)[blk].q[s][r][t];
+}
+static inline int q6k_byte(const void* hw, size_t blk, int s, int r, int t) {
+    const sc_q6k_block* wb = (const sc_q6k_block*)hw + blk;
+    int v = wb->q[s / 2][r][t], lo = s % 2 ? v >> 4 : v & 15;
+    int hi = (wb->h[s / 4][r][t] >> (2 * (s % 4))) & 3;
+    return (lo | hi << 4) + 96;
+}
+
+// Row r of half h (sub-blocks 4h..4h+3) of block blk times the 16 int8 values they meet: sum of (q + 128) * x.
+static inline int32_t q8_half_dot(q8_byte_fn byte, const void* hw, size_t blk, int r, int h, const int8_t* xb) {
     int32_t isum = 0;
     for (int s = 4 * h; s < 4 * h + 4; s++)
-        for (int t = 0; t < 4; t++) isum += wb->q[s][r][t] * xb[4 * s + t];
+        for (int t = 0; t < 4; t++) isum += byte(hw, blk, s, r, t) * xb[4 * s + t];
     return isum;
 }
 
 // The 8-bit bytes by lanes as rows512.h's q8_half: per half block, the exact integer dot (the +128 taken off with
 // c16), then the step into that half's accumulator; the two halves' accumulators are added last.
 static inline __attribute__((always_inline)) void q8_family(const sc_lin* l, const sc_act* a, int m0, int mn, int g0,
-                                                            int g1, q8_scales_fn scales) {
-    const sc_q8_block* hw = l->w;
+                                                            int g1, q8_byte_fn byte, q8_scales_fn scales) {
+    const void* hw = l->w;
     int K = a->K, nb = K / QB, nh = K / 16;
     for (int m = m0; m < m0 + mn; m++)
         for (int n = g0 * RG; n < g1 * RG; n++) {
@@ -117,7 +132,7 @@ static inline __attribute__((always_inline)) void q8_family(const sc_lin* l, con
                 float dx = a->x.dx[(size_t)m * nb + b];
                 for (int h = 0; h < 2; h++) {
                     size_t at = (size_t)m * nh + 2 * b + h;
-                    int32_t isum = q8_half_dot(hw + (size_t)g * nb + b, r, h, a->x.xq + (size_t)m * K + b * QB);
+                    int32_t isum = q8_half_dot(byte, hw, (size_t)g * nb + b, r, h, a->x.xq + (size_t)m * K + b * QB);
                     float ds, mt;
                     scales(l->s, nb, g, b, h, r, &ds, &mt);
                     acc[h] = fmaf((float)(isum - a->h.c16[at]), ds * dx, acc[h]);
@@ -184,6 +199,12 @@ static inline void q8k_scales(const void* sw, int nb, int g, int b, int h, int r
     *ds = k_prod(s->d[r], s->sc[j][r]), *mt = -k_prod(s->dmin[r], s->mn[j][r]);
 }
 
+// q6k: Q6_K's d and int8 scale of sub-block j = 2*(b % 8) + h; no min: mt is q8k's -(0*0) for it, -0.
+static inline void q6k_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    const sc_q6k_scales* s = (const sc_q6k_scales*)sw + (size_t)g * (nb / 8) + b / 8;
+    *ds = k_prod(s->d[r], s->sc[2 * (b % 8) + h][r]), *mt = -0.0f;
+}
+
 // kernels.h: the layouts' run functions (every output's accumulator is a local here: acc unused).
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q4_family(l, a, m0, mn, g0, g1, q4_scales);
@@ -195,10 +216,13 @@ void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
     (void)acc, q4_family(l, a, m0, mn, g0, g1, q40_scales);
 }
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8g_scales);
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8_byte, q8g_scales);
 }
 void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
-    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8k_scales);
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8_byte, q8k_scales);
+}
+void sc_q6k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q6k_byte, q6k_scales);
 }
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q8_table_run(l, a, m0, mn, g0, g1);

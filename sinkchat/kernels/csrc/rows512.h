@@ -1,7 +1,8 @@
 // The avx512 variant's row loops, one per weight family and path: the 4-bit nibbles (q4, q4k) and the 8-bit bytes
-// (q8g, q8k), each for one row (decode) and for many (prefill). A layout is its family's loop plus its scale-forming
-// step (matmul.c: q4, q8g; matmul_k.c: q4k, q8k): the layouts of a family share their integer dots and float steps
-// and differ only in how a block's (q8: half block's) scales are formed, so the step is what is passed in.
+// (q8g, q8k, q6k), each for one row (decode) and for many (prefill). A layout is its family's loop plus its
+// scale-forming step (matmul.c: q4, q8g; matmul_k.c: q4k, q8k, q6k): the layouts of a family share their integer dots
+// and float steps and differ only in how a block's (q8: half block's) scales are formed, so the step is what is
+// passed in; the 8-bit loops also take a weight-unpack step (q8_bytes, q6k_bytes: how a block's bytes are formed).
 //
 // Why a step passed to an always_inline loop: every caller passes a constant step, so after inlining the loop GCC
 // calls the step directly and inlines it too (no indirect call is left: benchmarks/kernel_dedup.py checks the
@@ -22,6 +23,9 @@ typedef void (*q8_scales_fn)(const void* sw, size_t t, int j, int k, __m512* ds,
 // Whether any m term of row group g (nb blocks) can be non-zero: where none can, the prefill leaves them out
 // (q8_half0).
 typedef int (*q8_mins_fn)(const void* sw, size_t g, int nb);
+// The 8-bit family's weight-unpack step, beside its scale-forming one: block blk (g*K/32 + b) of a layout's weights
+// -> its 8 sub-blocks as q + 128 bytes (q8_bytes: q8g, q8k load them as stored; q6k_bytes rebuilds them).
+typedef void (*q8_load_fn)(const void* hw, size_t blk, __m512i w[8]);
 
 // Every layout's per-lane arithmetic (kernels.h: sc_lin_run): acc + isum*(ds*dx), then + mt*sx, each step fused.
 // mt is the m term's factor: m (q4, q8g) or -(dmin*mn) (the K-quants: matmul_k.c's k_neg forms it exactly, so this
@@ -127,22 +131,43 @@ static inline void q8_chains(const __m512i w[8], const int32_t* xm, __m512i i[4]
     for (int s = 0; s < 8; s++) i[q8g_chain(s)] = _mm512_dpbusd_epi32(i[q8g_chain(s)], w[s], _mm512_set1_epi32(xm[s]));
 }
 
-static inline void q8_load(const sc_q8_block* wb, __m512i w[8]) {
+static inline void q8_bytes(const void* hw, size_t blk, __m512i w[8]) {
+    const sc_q8_block* wb = (const sc_q8_block*)hw + blk;
     for (int s = 0; s < 8; s++) w[s] = _mm512_loadu_si512((const void*)wb->q[s]);
 }
 
+// q6k (kernels.h: sc_q6k_block): sub-block s's bytes are (its nibbles | its 2 high bits << 4) + 96, i.e. u + 96 =
+// q + 128, the very bytes q8k holds for the tensor. Sub-block s = 4p + i has its high bits at bits 2i of plane p:
+// shifted to bits 4..5 (within each byte: the 16-bit shifts' spill is masked off). 6 loads of 64 bytes for q8k's 8.
+// In L2 (512 x 2048 repeated, one row: the unpack is the bound) q6k takes 1.34x q8k's time. Dotting u itself (lift
+// 32, c16 / 4 off) with one vpternlogd a byte register cut that to 1.17x, but streamed from memory, as decode reads
+// weights, it measured ~10% slower than this in 8 of 8 interleaved runs (min of 25 each: 0.72-0.97 of q8k's time
+// here against 0.81-1.15; 1 thread, a busy 2-core AVX-512 VM), so this is kept.
+static inline void q6k_bytes(const void* hw, size_t blk, __m512i w[8]) {
+    const sc_q6k_block* wb = (const sc_q6k_block*)hw + blk;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), hi2 = _mm512_set1_epi8(0x30), off = _mm512_set1_epi8(96);
+    __m512i p0 = _mm512_loadu_si512((const void*)wb->h[0]), p1 = _mm512_loadu_si512((const void*)wb->h[1]);
+    __m512i hs[8] = {_mm512_slli_epi16(p0, 4), _mm512_slli_epi16(p0, 2), p0, _mm512_srli_epi16(p0, 2),
+                     _mm512_slli_epi16(p1, 4), _mm512_slli_epi16(p1, 2), p1, _mm512_srli_epi16(p1, 2)};
+    for (int s = 0; s < 4; s++) {
+        __m512i v = _mm512_loadu_si512((const void*)wb->q[s]);
+        __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        w[2 * s] = _mm512_add_epi8(_mm512_or_si512(lo, _mm512_and_si512(hs[2 * s], hi2)), off);
+        w[2 * s + 1] = _mm512_add_epi8(_mm512_or_si512(hi, _mm512_and_si512(hs[2 * s + 1], hi2)), off);
+    }
+}
+
 // One row (decode): two accumulators (one per half block) in registers, summed last.
-SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int K, int g0, int g1, const sc_q8_block* hw, const void* sw,
-                    const float* bias, float* y, q8_scales_fn scales, const int span) {
+SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int K, int g0, int g1, const void* hw, const void* sw,
+                    const float* bias, float* y, q8_load_fn load, q8_scales_fn scales, const int span) {
     int nb = K / QB;
     const int32_t* xm = (const int32_t*)xa->xq;
     for (int g = g0; g < g1; g++) {
-        const sc_q8_block* wg = hw + (size_t)g * nb;
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int b0 = 0; b0 < nb; b0 += span)
             for (int j = 0, b = b0; j < span; j++, b++) {
                 __m512i w[8], i[4];
-                q8_load(wg + b, w);
+                load(hw, (size_t)g * nb + b, w);
                 q8_chains(w, xm + 8 * b, i);
                 for (int k = 0; k < 2; k++) {
                     __m512 ds, mt;
@@ -158,18 +183,17 @@ SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int K, int g0, int g1, co
 // Many rows (prefill): as q4_rows, each block's bytes loaded and scales formed once for every row of the pass
 // (m0..m0+mn-1, mn <= SC_MB8), the rows' two accumulators in `acc_buf` [SC_MB8][2][16]; row groups g0..g1-1.
 SC_LOOP void q8_rows(const sc_xq* xa, const sc_x16* xh, float* acc_buf, int m0, int mn, int K, int N, int g0, int g1,
-                     const sc_q8_block* hw, const void* sw, const float* bias, float* y, q8_scales_fn scales,
-                     q8_mins_fn mins_of, const int span) {
+                     const void* hw, const void* sw, const float* bias, float* y, q8_load_fn load,
+                     q8_scales_fn scales, q8_mins_fn mins_of, const int span) {
     int nb = K / QB, nh = K / 16;
     __m512* acc = (__m512*)acc_buf;  // 64-byte aligned: sc_take
     for (int g = g0; g < g1; g++) {
-        const sc_q8_block* wg = hw + (size_t)g * nb;
         int mins = mins_of(sw, g, nb);
         for (int m = 0; m < 2 * mn; m++) acc[m] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++) {
             __m512i w[8];
             __m512 ds[2], mt[2];
-            q8_load(wg + b, w);
+            load(hw, (size_t)g * nb + b, w);
             for (int k = 0; k < 2; k++) scales(sw, ((size_t)g * nb + b) / span, b % span, k, &ds[k], &mt[k]);
             for (int m = 0; m < mn; m++) {
                 __m512i i[4];

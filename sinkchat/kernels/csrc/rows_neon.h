@@ -1,6 +1,7 @@
 // The neon variant's row loops, one per weight family, each taking the layout's scale-forming step (matmul_neon.c:
-// q4, q8g; matmul_neon_k.c: q4k, q8k): rows512.h's one-row loops and steps (see there for why a step passed in, and
-// the span) with each 16-row group as four 4-row registers i (rows 4i..4i+3). Prefill runs them row by row.
+// q4, q8g; matmul_neon_k.c: q4k, q8k, q6k) and, 8-bit, its weight-unpack step (q8_bytes, q6k_bytes): rows512.h's
+// one-row loops and steps (see there for why a step passed in, and the span) with each 16-row group as four 4-row
+// registers i (rows 4i..4i+3). Prefill runs them row by row.
 #pragma once
 #include "simd_neon.h"
 
@@ -10,6 +11,27 @@
 // 4-bit layout -> their ds and mt; an 8-bit layout's also takes the half block k (columns 16k..16k+15).
 typedef void (*q4_scales_fn)(const void* sw, size_t t, int j, int i, float32x4_t* ds, float32x4_t* mt);
 typedef void (*q8_scales_fn)(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt);
+// The 8-bit family's weight-unpack step (rows512.h: q8_load_fn): rows 4i..4i+3 of half block k (sub-blocks
+// 4k..4k+3) of block blk (g*K/32 + b) as their signed q (q8_bytes: from the stored q + 128; q6k_bytes: rebuilt).
+typedef void (*q8_load_fn)(const void* hw, size_t blk, int k, int i, int8x16_t w[4]);
+
+static inline void q8_bytes(const void* hw, size_t blk, int k, int i, int8x16_t w[4]) {
+    q8_load((const sc_q8_block*)hw + blk, k, i, w);
+}
+
+// q6k (rows512.h: q6k_bytes): half block k is nibble tiles 2k, 2k + 1 and plane k; q = (nibble | 2 bits << 4) - 32.
+static inline void q6k_bytes(const void* hw, size_t blk, int k, int i, int8x16_t w[4]) {
+    const sc_q6k_block* wb = (const sc_q6k_block*)hw + blk;
+    const uint8x16_t lo4 = vdupq_n_u8(0x0F), hi2 = vdupq_n_u8(0x30), off = vdupq_n_u8(32);
+    uint8x16_t p = vld1q_u8(wb->h[k][4 * i]);
+    uint8x16_t hs[4] = {vshlq_n_u8(p, 4), vshlq_n_u8(p, 2), p, vshrq_n_u8(p, 2)};
+    for (int n = 0; n < 2; n++) {
+        uint8x16_t v = vld1q_u8(wb->q[2 * k + n][4 * i]);
+        uint8x16_t u[2] = {vandq_u8(v, lo4), vshrq_n_u8(v, 4)};
+        for (int e = 0; e < 2; e++)
+            w[2 * n + e] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(u[e], vandq_u8(hs[2 * n + e], hi2)), off));
+    }
+}
 
 // acc + isum*(ds*dx), then + mt*sx, each fused: rows512.h's q_step per lane (mt: m, or the K-quants' -(dmin*mn)).
 static inline float32x4_t q_step(float32x4_t acc, int32x4_t isum, float32x4_t ds, float32x4_t mt, float dx, float sx) {
@@ -40,12 +62,12 @@ SC_LOOP void q4_row(const sc_xq* xa, int m, int K, int N, int g0, int g1, const 
 }
 
 // 8-bit bytes: per half block k its own accumulators, the two summed last (q8_dot: the exact dot(q, x)).
-SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int m, int K, int N, int g0, int g1, const sc_q8_block* hw,
-                    const void* sw, const float* bias, float* y, q8_scales_fn scales, const int span) {
+SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int m, int K, int N, int g0, int g1, const void* hw,
+                    const void* sw, const float* bias, float* y, q8_load_fn load, q8_scales_fn scales,
+                    const int span) {
     int nb = K / QB, nh = K / 16;
     const int8_t* xm = xa->xq + (size_t)m * K;
     for (int g = g0; g < g1; g++) {
-        const sc_q8_block* wg = hw + (size_t)g * nb;
         float32x4_t acc[2][4];
         for (int k = 0; k < 2; k++)
             for (int i = 0; i < 4; i++) acc[k][i] = vdupq_n_f32(0);
@@ -57,8 +79,10 @@ SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int m, int K, int N, int 
                     float s16 = xh->sx16[(size_t)m * nh + 2 * b + k];
                     for (int i = 0; i < 4; i++) {
                         float32x4_t ds, mt;
+                        int8x16_t w[4];
+                        load(hw, (size_t)g * nb + b, k, i, w);
                         scales(sw, ((size_t)g * nb + b0) / span, j, k, i, &ds, &mt);
-                        acc[k][i] = q_step(acc[k][i], q8_dot(wg + b, k, i, x.val[k]), ds, mt, dx, s16);
+                        acc[k][i] = q_step(acc[k][i], q8_wdot(w, x.val[k]), ds, mt, dx, s16);
                     }
                 }
             }

@@ -52,16 +52,25 @@ static inline int32x4_t q4_dot(const sc_q4_block* wb, int i, int8x16x2_t x) {
 
 // The exact dot(q, x) of rows 4i..4i+3 of half block k (sub-blocks 4k..4k+3) of a q8 block (stored q + 128) with
 // its 16 activations xk: the x86 code's dot(q + 128, x) - c16.
-static inline int32x4_t q8_dot(const sc_q8_block* wb, int k, int i, int8x16_t xk) {
-    const uint8x16_t top = vdupq_n_u8(0x80);
-    int8x16_t w[4];
-    for (int s = 0; s < 4; s++) w[s] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wb->q[4 * k + s][4 * i]), top));
+// q8_wdot: the same from the four sub-blocks' q values already in registers (rows_neon.h's weight-unpack steps).
+static inline int32x4_t q8_wdot(const int8x16_t w[4], int8x16_t xk) {
     int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
     a = vdotq_laneq_s32(a, w[0], xk, 0);
     b = vdotq_laneq_s32(b, w[1], xk, 1);
     a = vdotq_laneq_s32(a, w[2], xk, 2);
     b = vdotq_laneq_s32(b, w[3], xk, 3);
     return vaddq_s32(a, b);
+}
+
+static inline void q8_load(const sc_q8_block* wb, int k, int i, int8x16_t w[4]) {  // q from the stored q + 128
+    const uint8x16_t top = vdupq_n_u8(0x80);
+    for (int s = 0; s < 4; s++) w[s] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(wb->q[4 * k + s][4 * i]), top));
+}
+
+static inline int32x4_t q8_dot(const sc_q8_block* wb, int k, int i, int8x16_t xk) {
+    int8x16_t w[4];
+    q8_load(wb, k, i, w);
+    return q8_wdot(w, xk);
 }
 
 static inline void put4(float* y, int g, int i, float32x4_t acc, const float* bias) {

@@ -126,9 +126,11 @@ static void att_task(void* ctx, int lo, int hi, int slot) {
 }
 
 // Attention of the H query heads over slots 0..n-1 of one layer's K/V [H_kv][cap][D], scores times `scale` (and
-// soft-capped: softcap > 0); writes out [H*D] and adds the gauge shares (the n_gauge slots from g0 on: the stream's
-// first, after any recalled memory slots; the newest n_gauge slots; mean over heads) to gauge[2]: on the caller,
-// after the heads' job, in head order (so the float sums do not depend on which thread did which head).
+// soft-capped: softcap > 0); writes out [H*D] and adds the gauge shares (mean over heads) to gauge[3]: [0] the n_gauge
+// slots from g0 on (the stream's first, after any recalled memory slots), [1] the newest n_gauge slots (never the
+// recalled ones), [2] the recalled memory slots 0..g0-1 (0 without them). On the caller, after the heads' job, in
+// head order (so the float sums do not depend on which thread did which head); with g0 = 0, [0] and [1] are the sums
+// they were before [2] existed, operation for operation.
 static void attend(const Model* m, const float* q, const void* K, const void* V, int cap, int n, float scale,
                    float softcap, int n_gauge, int g0, float* scores, float* out, float* gauge) {
     int H = m->n_heads;
@@ -136,20 +138,23 @@ static void attend(const Model* m, const float* q, const void* K, const void* V,
     sc_parallel(att_task, &j, H, sc_threads(), (size_t)H * n * m->head_dim * (m->kv_bf16 ? 4 : 8));
     for (int hq = 0; hq < H; hq++) {
         const float* sc = scores + (size_t)hq * n;
-        float first = 0, last = 0;
+        float first = 0, last = 0, mem = 0;
         for (int t = g0; t < g0 + n_gauge && t < n; t++) first += sc[t];
-        for (int t = n - 1; t >= 0 && t >= n - n_gauge; t--) last += sc[t];
+        for (int t = n - 1; t >= g0 && t >= n - n_gauge; t--) last += sc[t];
+        for (int t = 0; t < g0 && t < n; t++) mem += sc[t];
         gauge[0] += first / H;
         gauge[1] += last / H;
+        gauge[2] += mem / H;
     }
 }
 
 // One layer's attention alone, on queries already rotated (tests hold each variant's to the other's): scores
-// [H][pos+1] is the caller's.
+// [H][pos+1] is the caller's; gauge [2]: the first / newest shares (no recalled slots here, so no third).
 int sc_attend(const Model* m, const float* q, const void* K, const void* V, int cap, int pos, int n_gauge, float* out,
               float* gauge, float* scores) {
-    gauge[0] = gauge[1] = 0;
-    attend(m, q, K, V, cap, pos + 1, m->scaling, 0, n_gauge, 0, scores, out, gauge);
+    float g[3] = {0, 0, 0};
+    attend(m, q, K, V, cap, pos + 1, m->scaling, 0, n_gauge, 0, scores, out, g);
+    gauge[0] = g[0], gauge[1] = g[1];
     return SC_OK;
 }
 
@@ -187,10 +192,11 @@ static void attention_block(const Model* m, const sc_layers* X, StepBufs* b, int
         store_kv(kv->keys[l], ((size_t)i * cap + n - 1) * D, b->k + i * D, D, m->kv_bf16);
         store_kv(kv->values[l], ((size_t)i * cap + n - 1) * D, b->v + i * D, D, m->kv_bf16);
     }
-    gauge[2 * l] = gauge[2 * l + 1] = 0;
+    float* g = gauge + 3 * l;  // this layer's [first, newest, recalled] shares
+    g[0] = g[1] = g[2] = 0;
     float scale = X && X->scaling ? X->scaling[l] : m->scaling, softcap = X ? X->softcap : 0;
     int g0 = n > kv->pos + 1 ? n - (kv->pos + 1) : 0;  // slots before the stream's first: recalled memory
-    attend(m, b->q, kv->keys[l], kv->values[l], cap, n, scale, softcap, n_gauge, g0, b->scores, b->att, gauge + 2 * l);
+    attend(m, b->q, kv->keys[l], kv->values[l], cap, n, scale, softcap, n_gauge, g0, b->scores, b->att, g);
     sc_lin o = lin_of(m, l, LO, C, b->t);
     sc_lins_run(&o, 1, quant_in(b, b->att, H * D), NULL, T);
     residual(m, b->x, b->t, X && X->norm_attn_out ? X->norm_attn_out + (size_t)l * C : NULL);
@@ -261,7 +267,7 @@ done:
 // One token whose embedding is x_in [C], at in-cache slot `pos`: writes its k/v into slot pos of keys[i] / values[i]
 // ([H_kv][cap][D], float or bf16) and attends over slots <= pos. Outputs: out = logits [V padded to 16] when the
 // model has a head (table or Model.head), else the final normed hidden state [C]; the pre-RoPE queries [L][H*D];
-// gauge [L][2].
+// gauge [L][3] (per layer the shares on the first / newest n_gauge slots and on the recalled ones: `attend`).
 // work: sc_step_work(m, cap) bytes (or NULL: allocated here).
 int sc_step(const Model* m, const float* x_in, int pos, int n_gauge, void* const* keys, void* const* values, int cap,
             float* out, float* queries, float* gauge, void* work, size_t work_size) {
