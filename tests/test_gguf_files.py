@@ -171,20 +171,21 @@ def test_a_q4_0_file_is_held_at_its_own_bytes(arch, tmp_path, cache):
     if arch == "qwen2":
         assert mods["model.layers.0.self_attn.q_proj"].bias is not None
     folder = Path(loaded.path)
-    assert (folder / "packed-v2-native.json").is_file() and gguf_packed.weights_name("native").startswith("packed-v2")
+    v = f"packed-v{gguf_packed.VERSION}"
+    assert (folder / f"{v}-native.json").is_file() and gguf_packed.weights_name("native").startswith(v)
     for name in ("packed-v1-native.json", "packed-v1-native.safetensors", "packed-v1-torch.json"):
         (folder / name).write_bytes(b"an older version's pack")
     again = gguf_packed.load(loaded.model.config, folder, "native")
     assert again is not None
-    left = {p.name for p in folder.iterdir() if p.name.startswith("packed-")}  # v1's native pair dropped on reading v2
-    assert left == {"packed-v2-native.json", "packed-v2-native.safetensors", "packed-v1-torch.json"}
+    left = {p.name for p in folder.iterdir() if p.name.startswith("packed-")}  # v1's native pair dropped on reading
+    assert left == {f"{v}-native.json", f"{v}-native.safetensors", "packed-v1-torch.json"}
     a, b = loaded.model.state_dict(), again.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(again(ids).logits, loaded.model(ids).logits, rtol=0, atol=0)
-    (folder / "packed-v2-native.json").rename(folder / "packed-v1-native.json")  # an old pair's names: not read
-    (folder / "packed-v2-native.safetensors").rename(folder / "packed-v1-native.safetensors")
+    (folder / f"{v}-native.json").rename(folder / "packed-v1-native.json")  # an old pair's names: not read
+    (folder / f"{v}-native.safetensors").rename(folder / "packed-v1-native.safetensors")
     assert gguf_packed.load(loaded.model.config, folder, "native") is None
 
 

@@ -10,7 +10,7 @@ ever forming the weights in float.
 | Q5_0 | −16..15 | 32 | d·q | q8g: d, 0 per 16 | yes |
 | Q5_1 | 0..31 | 32 | d·q + m | q8g: d, m per 16 | yes |
 | Q5_K | 0..31 | 32 of 256 | (d·sc)·q − dmin·mn | q8k (`Int8KLinear`) | yes |
-| Q6_K | −32..31 | 16 of 256 | (d·sc)·q | q8k | yes |
+| Q6_K | −32..31 | 16 of 256 | (d·sc)·q | q6k (`Int6KLinear`: the file's bytes), else q8k | yes |
 | F32 / F16 / BF16 | float | | w | q8g, absmax per 16 | no: within half a step (max abs w / 254 per 16) |
 
 The K-quants keep their super-blocks (`unpack_k`: the file's integer scales and fp16 d, dmin; the kernels form

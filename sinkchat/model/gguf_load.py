@@ -28,7 +28,7 @@ from sinkchat.model import gguf_blocks, int4
 from sinkchat.model.gguf_file import GGUFError, TensorInfo
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
-from sinkchat.model.intk import Int4KLinear, Int8KLinear
+from sinkchat.model.intk import Int4KLinear, Int6KLinear, Int8KLinear
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,8 @@ def module_of(f: Any, t: TensorInfo, kernels: str, rows: slice | None = None, he
         if heads:
             arrays = [_unpermute(a, heads) for a in arrays]
         cls = Int4KLinear if k.layout == "q4k" else Int8KLinear
+        if t.qtype == gguf_blocks.T.Q6_K:  # Q6_K at its own 210 bytes per 256 (intk: Int6KLinear)
+            cls = Int6KLinear
         return cls.from_values(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
     p = parts_of(f, t, rows)
     if kernels == "native" and t.qtype == gguf_blocks.T.Q4_0:  # Parts' m is -8·d, formed by the kernel instead

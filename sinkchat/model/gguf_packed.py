@@ -2,8 +2,8 @@
 later start reads it back instead of unpacking and packing every tensor again (the bundled model: ~1 s of packing
 on each start; a 3B Q4_K_M file: tens of seconds). Never fp32: the file is about the size of the GGUF.
 
-Layout: `packed-v2-native.safetensors` (every tensor of the model once: a tied table is saved under one name) and
-`packed-v2-native.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and
+Layout: `packed-v3-native.safetensors` (every tensor of the model once: a tied table is saved under one name) and
+`packed-v3-native.json` (each packed module's class, its plain attributes, which of its tensors are parameters, and
 how the table is wired), named by VERSION and the kernels packed for: the folder is shared by every environment of
 the user (`gguf_convert`), and two of them packing for other kernels each keep their own pair instead of packing
 over each other at every start. Another version's pair for the same kernels is deleted once this version's is
@@ -34,9 +34,11 @@ from sinkchat.model.q4load import read_tensors
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: Q4_0 held as q40 (`Int4Q0Linear`, 18 bytes a block), no longer as q4: a v1 cache is not read
+VERSION = 3  # 2: Q4_0 held as q40 (`Int4Q0Linear`, 18 bytes a block), no longer as q4: a v1 cache is not read;
+#             3: Q6_K may be held as q6k (`Int6KLinear`, its own 210 bytes per 256) where v2 held q8k
 CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (int4.Int4Linear, Int8GLinear, int4.Int8Table,
-                                                                intk.Int4KLinear, intk.Int8KLinear, Int4Q0Linear)}
+                                                                intk.Int4KLinear, intk.Int8KLinear, Int4Q0Linear,
+                                                                intk.Int6KLinear)}
 
 
 def weights_name(kernels: str) -> str:

@@ -1,4 +1,5 @@
-"""`Int4KLinear` (layout "q4k") and `Int8KLinear` (layout "q8k"): linears holding llama.cpp's K-quants exactly.
+"""`Int4KLinear` (layout "q4k"), `Int8KLinear` ("q8k") and `Int6KLinear` ("q6k"): linears holding llama.cpp's
+K-quants exactly.
 
 Why: a K-quant (Q4_K, Q5_K, Q6_K) scales each 32 or 16 weights by d·sc_j, d an fp16 per 256 weights and sc_j a 6- or
 8-bit integer (Q4_K / Q5_K also subtract dmin·mn_j). The q4 / q8g layouts keep an fp16 (d, m) pair per 32 / 16
@@ -13,6 +14,11 @@ in fp32, where it is exact: `dequantized` / `rows` equal gguf-py's dequantize bi
 - `Int8KLinear`: Q5_K (q 0..31, each 32-weight scale and min given for both 16-halves) and Q6_K (q −32..31, int8 scale
   per 16, dmin = mn = 0). Buffers `hw` (q + 128, uint8 [N/16, K/32, 8, 16, 4]) and `sw` (sc_q8k_scales bytes, uint8
   [N/16, K/256, 576]).
+- `Int6KLinear`: Q6_K at its own bits (issue #33: q8k held it at 1.14 bytes a weight against the file's 0.82, so a
+  Q4_K_M file's Q6_K tensors made decode read more bytes a token than llama.cpp). Buffers `qw` (sc_q6k_block: the
+  q4 nibble tile of q + 32 and two bit-planes of its high 2 bits, uint8 [N/16, K/32, 6, 16, 4]) and `sw`
+  (sc_q6k_scales bytes: fp16 d, int8 sc per 16, uint8 [N/16, K/256, 288]): 0.8203 bytes a weight, the file's own
+  210 per 256. The kernels rebuild q8k's bytes in registers and run its loop: the same output bits as q8k.
 
 Both buffers have row groups of 16 as dim 0, so a tensor can be assembled from row chunks (the loader's token table)
 and split at 16-row boundaries without a copy (the native step's views of Phi-3's fused projections). Plain
@@ -26,11 +32,12 @@ from typing import Callable
 import torch
 
 from sinkchat.kernels import native
-from sinkchat.kernels.abi import Q4K_SCALES, Q8K_SCALES
+from sinkchat.kernels.abi import Q4K_SCALES, Q6K_SCALES, Q8K_SCALES
 from sinkchat.model.packed_linear import PackedLinear
 
+
 class _KLinear(PackedLinear):
-    """What the two K-quant linears share; subclasses set the layout's buffer name, block shape and functions."""
+    """What the K-quant linears share; subclasses set the layout's buffer name, block shape and functions."""
 
     layout = ""
     K_ALIGN = native.QK
@@ -97,3 +104,13 @@ class Int8KLinear(_KLinear):
     _kpack = staticmethod(native.pack_q8k)
     _kunpack = staticmethod(native.q8k_unpack)
     _kmatmul = staticmethod(native.q8k_matmul)
+
+
+class Int6KLinear(_KLinear):
+    """Q6_K at its own 210 bytes per 256 weights (`native.pack_q6k`): `from_values` takes `Int8KLinear`'s arguments
+    (q int8 in −32..31, sc int8 per 16; dmin and mn all zero), so a Q6_K `KParts` packs into either."""
+
+    layout, WEIGHTS, BLOCK, FILL, SCALES, SUB = "q6k", "qw", (6, native.RG, 4), 0, Q6K_SCALES, 16
+    _kpack = staticmethod(native.pack_q6k)
+    _kunpack = staticmethod(native.q6k_unpack)
+    _kmatmul = staticmethod(native.q6k_matmul)

@@ -1,6 +1,7 @@
-"""`PackedLinear`: what the linears over the native kernels' packed layouts share (q8g, q40, q4k, q8k): shape checks, the
-optional fp32 bias, the forward (the kernel, or the exact weights dequantized where the kernels cannot run), and
-`rows` for an embedding table stored the same way. A subclass names its layout and gives `_matmul` and `_unpack`."""
+"""`PackedLinear`: what the linears over the native kernels' packed layouts share (q8g, q40, q4k, q8k, q6k): shape
+checks, the optional fp32 bias, the forward (the kernel, or the exact weights dequantized where the kernels cannot
+run), and `rows` for an embedding table stored the same way. A subclass names its layout and gives `_matmul` and
+`_unpack`."""
 
 from __future__ import annotations
 
