@@ -24,31 +24,36 @@ transformers builds the sliding mask from `get_mask_sizes` offsets, which may be
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
+from typing import Any
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
 
-from sinkchat.core.kv_cache import Scratch, SinkKVCache, SinkLayer
+from sinkchat.core.kv_cache import LAYER_CLASSES, Scratch, SinkKVCache, SinkLayer, TransformersBase
 from sinkchat.model.rope import Rope
 from sinkchat.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
-class WindowLayer(CacheLayerMixin):
-    """A local layer's keys/values: the last `window - 1` tokens of the stream, in stream order.
+class WindowLayer(TransformersBase):
+    """A local layer's keys/values: the last `window - 1` tokens of the stream, in stream order. A transformers
+    `CacheLayerMixin` (`TransformersBase`).
 
     The buffer holds slots [floor, end) valid; the visible ones (what the next query sees besides itself) are the
     last `keep` of them. Appends go at `end`; when the buffer is full the visible slots move to the front (one copy
     of `keep` slots every `slack` tokens). `length` is the in-cache position of the next token, the global cache's
     length: transformers reads it for the position ids and the mask's query offset."""
 
+    _transformers_base = "CacheLayerMixin"
     is_compileable = False
     is_sliding = True
     is_croppable = False
 
     def __init__(self, window: int, dtype: torch.dtype | None = None, **kwargs: object) -> None:
-        super().__init__()
+        self.keys: torch.Tensor | None = None  # (what CacheLayerMixin.__init__ sets)
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
         self.window = window
         self.keep = window - 1
         self.slack = max(16, window // 4)  # appended slots between compactions
@@ -196,6 +201,9 @@ class WindowLayer(CacheLayerMixin):
         return self.nbytes * self.visible // self.capacity if self.capacity else 0
 
 
+LAYER_CLASSES.append(WindowLayer)
+
+
 class HybridKVCache(SinkKVCache):
     """Global `SinkLayer`s plus local `WindowLayer`s (or sliding `SinkLayer`s, see the module doc), one RoPE per
     layer. The ledger and the eviction events describe the global layers; `length` is theirs."""
@@ -203,7 +211,7 @@ class HybridKVCache(SinkKVCache):
     def __init__(self, kinds: list[str], capacity: int, ropes: list[Rope], window: int, rerotate: bool = True,
                  dtype: torch.dtype | None = None) -> None:
         shared = window >= capacity
-        layers: list[CacheLayerMixin] = [
+        layers: list[Any] = [
             SinkLayer(capacity, dtype) if kind == "full" else SinkLayer(capacity, dtype, sliding=True) if shared
             else WindowLayer(window, dtype) for kind in kinds]
         glob = [i for i, kind in enumerate(kinds) if kind == "full"]
@@ -286,4 +294,18 @@ def make_cache(spec: ModelSpec, capacity: int, rerotate: bool = True, dtype: tor
         return SinkKVCache(spec.n_layers, capacity, ropes[0], rerotate, dtype, ropes=ropes)
     window = spec.local_window
     assert window is not None
-    return HybridKVCache([layer.attention for layer in spec.layers], capacity, ropes, window, rerotate, dtype)
+    return _transformers_hybrid()([layer.attention for layer in spec.layers], capacity, ropes, window, rerotate, dtype)
+
+
+@lru_cache(maxsize=1)
+def _transformers_hybrid() -> type:
+    """`HybridKVCache` with transformers' `Cache` as a real base: transformers' masks take the first full-attention
+    layer's sizes only from a cache that `isinstance(cache, Cache)` (else layer 0, a local one here). Hybrid models
+    (Gemma 2 / 3) always load through transformers, so importing it here costs nothing."""
+    from transformers.cache_utils import Cache
+
+    from sinkchat.core.kv_cache import transformers_class
+
+    transformers_class("Cache")  # registers the layer classes as CacheLayerMixins
+    return type("HybridKVCache", (HybridKVCache, Cache), {"__doc__": HybridKVCache.__doc__,
+                                                          "__module__": HybridKVCache.__module__})

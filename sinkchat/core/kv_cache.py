@@ -1,4 +1,5 @@
-"""The attention-sink KV cache, built on transformers' public `Cache` / `CacheLayerMixin` API.
+"""The attention-sink KV cache, built on transformers' public `Cache` / `CacheLayerMixin` API (deferred: see
+`TransformersBase`).
 
 Design (gpt-fast / mlx-lm style): each layer owns a preallocated `[B, H_kv, capacity, D]` buffer and a length. The
 Engine evicts *between* forward calls, so during a forward `update` only appends, and `get_seq_length` /
@@ -12,17 +13,58 @@ most capacity / evict_chunk times before it leaves the cache, and sinks (slots <
 
 from __future__ import annotations
 
+import inspect
 import logging
+import sys
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sinkchat.kernels import native
 from sinkchat.core.cache_policy import Eviction
 from sinkchat.model.rope import Rope
 
 log = logging.getLogger(__name__)
+
+
+class TransformersBase:
+    """transformers' `Cache` (`CacheLayerMixin` for a layer, `_transformers_base`) as this class's base, deferred
+    until transformers is imported: an attribute this class does not define is transformers' own implementation
+    (`update`, `get_seq_length`, `get_mask_sizes`, `is_sliding`, ... over `self.layers`), bound to this object, and
+    the layer classes are registered as `CacheLayerMixin`s (an ABC: `Cache`'s methods check their layers with
+    isinstance). Before transformers is imported nothing can call that API: a start on the native kernels
+    (`gguf_light`) never imports transformers (1.1 s of a 3-6 s start on a busy 2-core box).
+
+    Why not a plain subclass: `core/gauge.py` and the engine import these classes whatever the model, and a class's
+    bases must exist when it is defined. A hybrid model's cache (always a transformers model) is a real `Cache`
+    subclass (`hybrid_cache.make_cache`): transformers finds its first full-attention layer through `isinstance`."""
+
+    _transformers_base = "Cache"
+
+    def __getattr__(self, name: str) -> Any:
+        base = transformers_class(type(self)._transformers_base) if not name.startswith("__") else None
+        if base is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            attr = inspect.getattr_static(base, name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
+        return attr.__get__(self, type(self)) if hasattr(attr, "__get__") else attr
+
+
+LAYER_CLASSES: list[type] = []  # registered as transformers' CacheLayerMixin once transformers is imported
+
+
+def transformers_class(name: str) -> type | None:
+    """transformers' `cache_utils.<name>` if transformers is imported (never imports it first), else None."""
+    if "transformers" not in sys.modules:
+        return None
+    from transformers import cache_utils
+
+    for cls in LAYER_CLASSES:
+        if not issubclass(cls, cache_utils.CacheLayerMixin):
+            cache_utils.CacheLayerMixin.register(cls)
+    return getattr(cache_utils, name)
 
 
 class Scratch:
@@ -39,9 +81,11 @@ class Scratch:
         return buf[: like.numel()].view(like.shape)
 
 
-class SinkLayer(CacheLayerMixin):
-    """One layer's keys/values in a fixed buffer of `capacity` slots; `length` slots are live."""
+class SinkLayer(TransformersBase):
+    """One layer's keys/values in a fixed buffer of `capacity` slots; `length` slots are live. A transformers
+    `CacheLayerMixin` (`TransformersBase`)."""
 
+    _transformers_base = "CacheLayerMixin"
     is_compileable = False
     is_sliding = False
     is_croppable = True
@@ -51,7 +95,9 @@ class SinkLayer(CacheLayerMixin):
         """`dtype`: what the buffers store (None: whatever the model computes in). `sliding`: a local layer of a
         hybrid model whose window is no smaller than the cache (so it never bites inside it): it holds the same
         slots as the global layers, and says it slides so transformers sizes its sliding mask from it."""
-        super().__init__()
+        self.keys: torch.Tensor | None = None  # (what CacheLayerMixin.__init__ sets)
+        self.values: torch.Tensor | None = None
+        self.is_initialized = False
         self.is_sliding = sliding
         self.capacity = capacity
         self.length = 0
@@ -167,8 +213,12 @@ class SinkLayer(CacheLayerMixin):
         return self.keys[:, :, b0 : b0 + self.length], self.values[:, :, b0 : b0 + self.length]
 
 
-class SinkKVCache(Cache):
-    """The one persistent cache: a `Cache` of `SinkLayer`s plus the RoPE needed to re-rotate on eviction.
+LAYER_CLASSES.append(SinkLayer)
+
+
+class SinkKVCache(TransformersBase):
+    """The one persistent cache: a transformers `Cache` (`TransformersBase`) of `SinkLayer`s plus the RoPE needed
+    to re-rotate on eviction.
 
     `rerotate=False` gives the naive absolute-position variant (used only to measure what in-cache positions buy).
     `layers` / `ropes`: prebuilt layers and one RoPE per layer (a hybrid model's, see `hybrid_cache.py`); by default
@@ -177,14 +227,25 @@ class SinkKVCache(Cache):
 
     def __init__(
         self, num_layers: int, capacity: int, rope: Rope | None, rerotate: bool = True, dtype: torch.dtype | None = None,
-        layers: list[CacheLayerMixin] | None = None, ropes: list[Rope] | None = None,
+        layers: list[Any] | None = None, ropes: list[Rope] | None = None,
     ) -> None:
-        super().__init__(layers=layers if layers is not None else [SinkLayer(capacity, dtype) for _ in range(num_layers)])
+        # what Cache.__init__(layers=...) sets
+        self.layers: list[Any] = layers if layers is not None else [SinkLayer(capacity, dtype)
+                                                                    for _ in range(num_layers)]
+        self.layer_class_to_replicate = None
+        self.offloading = False
+        transformers_class("Cache")  # the layer classes registered as CacheLayerMixins, if transformers is imported
         self.capacity = capacity
         self.rope = rope if rerotate else None
         per_layer: list[Rope | None] = list(ropes) if ropes is not None else [rope] * len(self.layers)
         self.ropes = per_layer if rerotate else [None] * len(self.layers)
         self.scratch = Scratch()
+
+    def __len__(self) -> int:  # Cache.__len__ (a dunder: looked up on the class, never deferred)
+        return len(self.layers)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers={self.layers})"
 
     def evict(self, ev: Eviction) -> None:
         """Every layer drops (or, a local ring, just re-rotates for) the block of `ev` with its own RoPE."""

@@ -7,9 +7,10 @@ attribute this class does not hold, a snapshot's config digest).
 Why: importing a transformers model class (`modeling_llama`) pulls in `transformers.activations`, its hub kernels
 and `torch.distributed.tensor` / `torch._dynamo` with them, and reading the config imports the config class, which
 pulls the same chain: 1.7-2.9 s of a 4-6 s later start (busy 2-core machine, `python -X importtime`), for a model
-whose every step runs in sinkchat's own kernels. The tokenizer is still transformers' own object, built as its
-class directly (`_tokenizer`: `AutoTokenizer` scans every transformers model first, 0.3-0.4 s), and the KV cache
-classes import `transformers.cache_utils` (sinkchat/core), so transformers itself is still imported (~0.5 s).
+whose every step runs in sinkchat's own kernels. The tokenizer goes through the `tokenizers` library and jinja2
+directly where that is exact (`light_tokenizer`; else transformers' class the first start used, built directly:
+`AutoTokenizer` scans every transformers model first, 0.3-0.4 s), and the KV cache defers its transformers base
+(`core/kv_cache.TransformersBase`): such a start imports no transformers at all (1.1 s to import on a busy box).
 
 Only for the shapes this class mirrors exactly: Llama / Mistral / Qwen2 / Phi-3 (no q/k norms, no Gemma embedding
 scale or 1 + w norms), packed for the native kernels, fp32 on the CPU; everything else loads as before.
@@ -30,12 +31,13 @@ from typing import Any, Callable, Iterator, Sequence
 
 from torch import nn
 
+from sinkchat.model import light_tokenizer
 from sinkchat.model.load_error import LoadError
 from sinkchat.model.spec import LayerSpec, ModelSpec, NormSpec, RopeSpec
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: the tokenizer class and absent config keys
+VERSION = 3  # 2: the tokenizer class and absent config keys; 3: the light tokenizer's record
 TYPES = ("llama", "mistral", "qwen2", "phi3")
 # config values the light model answers itself (plain JSON values); any other attribute builds the real config
 CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -71,6 +73,7 @@ def save_sidecar(model: nn.Module, tokenizer: Any, spec: ModelSpec, folder: Path
             "absent": [k for k in CONFIG_KEYS if getattr(cfg, k, _ABSENT) is _ABSENT],  # Phi-3 has no head_dim
             "generation_eos": getattr(gen, "eos_token_id", None),
             "tokenizer": "TokenizersBackend" if type(tokenizer) is TokenizersBackend else None,
+            "light_tokenizer": light_tokenizer.describe(tokenizer, folder),
             "names": sorted(n for n, _ in [*model.named_parameters(), *model.named_buffers()]
                             if "rotary_emb" not in n)}
     tmp = None
@@ -285,9 +288,13 @@ def load_for(source: str, src: str, progress: Callable[[str], None], check_conte
 
 
 def _tokenizer(src: str, side: dict[str, Any]) -> Any:
-    """The folder's tokenizer as `AutoTokenizer` makes it: the class it made when the sidecar was written, directly
+    """The folder's tokenizer as `AutoTokenizer` makes it: through the `tokenizers` library directly where the
+    sidecar says that is exact (`light_tokenizer`), else the class it made when the sidecar was written, directly
     (no scan of transformers' models), else `AutoTokenizer` given the model type (so it reads no config class, whose
     import pulls torch._dynamo: ~1 s)."""
+    light = light_tokenizer.LightTokenizer.load(Path(src), side.get("light_tokenizer"))
+    if light is not None:
+        return light
     if side.get("tokenizer") == "TokenizersBackend":
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

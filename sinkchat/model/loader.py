@@ -183,12 +183,19 @@ def release_checkpoint(model: Any) -> None:
 
 
 def quiet_libraries() -> None:
-    """Silence library progress bars and advisories that would garble a terminal UI (we report progress ourselves)."""
+    """Silence library progress bars and advisories that would garble a terminal UI (we report progress ourselves).
+    transformers is not imported for it (a later start on the native kernels never imports it, 1.1 s): its
+    progress bars follow HF_HUB_DISABLE_PROGRESS_BARS and an import to come starts at TRANSFORMERS_VERBOSITY."""
+    import sys
+
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in ("bitsandbytes", "transformers", "accelerate", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if "transformers" not in sys.modules:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # what set_verbosity_error() sets, for when it is imported
+        return
     try:
         from transformers.utils import logging as tlog
 
