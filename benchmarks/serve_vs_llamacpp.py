@@ -161,7 +161,7 @@ def run_llama(gguf: Path, cache: int, sizes: list[int], words: int, max_tokens: 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
     sizes = sorted({r["size"] for rows in results.values() for r in rows})
-    head = "| server | " + " | ".join(f"{s // 1024}k: TTFT" if s >= 1024 else f"{s}: TTFT" for s in sizes) + " |"
+    head = "| server | " + " | ".join(f"{s / 1024:g}k: TTFT" if s >= 1024 else f"{s}: TTFT" for s in sizes) + " |"
     lines = [head, "|---|" + "---|" * len(sizes)]
     for name, rows in results.items():
         by = {r["size"]: r for r in rows}
