@@ -144,18 +144,16 @@ def test_other_uses_go_to_transformers(bundled):
 def test_llguidance_reads_it_as_it_reads_transformers_tokenizer(bundled):
     """The agent's and the server's constraints build llguidance's tokenizer from the light tokenizer's Rust
     tokenizer JSON (no transformers class needed) as `llguidance.hf.from_tokenizer` does from transformers' own."""
-    from sinkchat.apps.agent.constrain import _from_tokenizer as agent_from
-    from sinkchat.apps.serve.grammar import _from_tokenizer as serve_from
+    from sinkchat.model.light_tokenizer import llguidance_tokenizer
 
     real, light = bundled
     assert tokenizer_json(light) == tokenizer_json(real)
     llguidance_hf = pytest.importorskip("llguidance.hf")
     want = llguidance_hf.from_tokenizer(real, n_vocab=len(real), eos_token=[2])
     text = "What is 2+2? 日本 <|im_end|>"
-    for build in (agent_from, serve_from):
-        got = build(light, len(real), [2])
-        assert got.tokenize_str(text) == want.tokenize_str(text)
-        assert got.eos_token == want.eos_token and got.vocab_size == want.vocab_size
+    got = llguidance_tokenizer(light, len(real), [2])
+    assert got.tokenize_str(text) == want.tokenize_str(text)
+    assert got.eos_token == want.eos_token and got.vocab_size == want.vocab_size
 
 
 TEMPLATES = {

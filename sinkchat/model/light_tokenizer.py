@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -221,3 +220,17 @@ def tokenizer_json(tokenizer: Any) -> str | None:
     backend.no_padding()
     backend.no_truncation()
     return str(backend.to_str())
+
+
+def llguidance_tokenizer(tokenizer: Any, n_vocab: int, eos: list[int]) -> Any:
+    """llguidance's tokenizer (for the agent's and serve's grammars) from the Rust tokenizer's JSON, as
+    `llguidance.hf.from_tokenizer` builds it but without importing transformers (a light tokenizer has no
+    transformers class), else `hf.from_tokenizer` itself (which raises ValueError for a slow tokenizer)."""
+    import llguidance
+
+    text = tokenizer_json(tokenizer)
+    if text is None:
+        import llguidance.hf  # imports transformers
+
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos)
+    return llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)

@@ -39,6 +39,7 @@ from sinkchat.apps.agent.grammar import (
 )
 from sinkchat.apps.agent.tools.schema import Tool
 from sinkchat.errors import UserError
+from sinkchat.model.light_tokenizer import llguidance_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class LlguidanceMissing(UserError):
 
 def _lltokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
     try:
-        import llguidance
+        import llguidance  # noqa: F401 - installed? (the message below says how to fix it)
     except ImportError as e:
         raise LlguidanceMissing(f"llguidance, which constrains the agent's tool calls, cannot be imported ({e}): "
                                 "reinstall sinkchat (pip install 'llguidance>=1.0,<2'), or run with --no-constrain"
@@ -72,7 +73,7 @@ def _lltokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
     key = (id(tokenizer), vocab)
     if key not in _LLTOKENIZERS:
         try:
-            _LLTOKENIZERS[key] = _from_tokenizer(tokenizer, vocab, eos)
+            _LLTOKENIZERS[key] = llguidance_tokenizer(tokenizer, vocab, eos)
         except Exception as e:  # noqa: BLE001 - a slow or fake tokenizer: no constraint, say why
             raise ConstraintUnavailable(f"llguidance cannot read this tokenizer: {type(e).__name__}: {e}") from None
     return _LLTOKENIZERS[key]
@@ -276,18 +277,3 @@ def build_constraint(engine: Any, tools: list[Tool], native: bool,
     except (ConstraintUnavailable, TypeError, ValueError) as e:
         log.warning("tool calls are not constrained (as with --no-constrain): %s", e)
         return None
-
-
-def _from_tokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
-    """llguidance's tokenizer from the Rust tokenizer's JSON (what `llguidance.hf.from_tokenizer` does, without
-    importing transformers: a light tokenizer has no transformers class), else `hf.from_tokenizer` itself."""
-    import llguidance
-
-    from sinkchat.model.light_tokenizer import tokenizer_json
-
-    text = tokenizer_json(tokenizer)
-    if text is None:
-        import llguidance.hf  # imports transformers
-
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
-    return llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos)

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sinkchat.model.light_tokenizer import llguidance_tokenizer
+
 log = logging.getLogger(__name__)
 
 SEPARATORS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
@@ -58,11 +60,9 @@ def schema_lark(schema: dict[str, Any]) -> str:
 
 
 def _lltokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
-    import llguidance
-
     key = (id(tokenizer), vocab)
     if key not in _LLTOKENIZERS:
-        _LLTOKENIZERS[key] = _from_tokenizer(tokenizer, vocab, eos)
+        _LLTOKENIZERS[key] = llguidance_tokenizer(tokenizer, vocab, eos)
     return _LLTOKENIZERS[key]
 
 
@@ -144,18 +144,3 @@ class Constraint:
         if n > self.vocab:
             mask = torch.cat([mask, mask.new_zeros(n - self.vocab)])
         return torch.where(mask[:n], logits, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
-
-
-def _from_tokenizer(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
-    """llguidance's tokenizer from the Rust tokenizer's JSON (what `llguidance.hf.from_tokenizer` does, without
-    importing transformers: a light tokenizer has no transformers class), else `hf.from_tokenizer` itself."""
-    import llguidance
-
-    from sinkchat.model.light_tokenizer import tokenizer_json
-
-    text = tokenizer_json(tokenizer)
-    if text is None:
-        import llguidance.hf  # imports transformers
-
-        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
-    return llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos)
