@@ -33,7 +33,8 @@ def mark(name):
     sys.stderr.flush()
 mark("python")
 import sinkchat.cli
-from sinkchat.bootstrap import build_settings, open_engine, read_prompt
+from sinkchat.api import start
+from sinkchat.bootstrap import build_settings, read_prompt
 mark("cli")
 class Marks(logging.Handler):
     def emit(self, record):
@@ -44,7 +45,7 @@ log.setLevel(logging.DEBUG)
 log.addHandler(Marks())
 log.propagate = False
 model = sys.argv[1] or None
-engine = open_engine(build_settings({"model": model, "max_tokens": 1, "temperature": 0.0}), read_prompt("system"))
+engine = start(build_settings({"model": model, "max_tokens": 1, "temperature": 0.0}), read_prompt("system")).engine
 mark("engine")
 for ev in engine.chat("hi", max_tokens=1):
     if type(ev).__name__ == "TokenEvent":
