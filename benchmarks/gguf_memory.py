@@ -1,18 +1,30 @@
 #!/usr/bin/env python
-"""Bounded memory while loading a big GGUF: peak RSS during the load and RSS after it, against the file's size.
+"""Memory at the file's size: peak RSS while loading a GGUF and RSS after it, against issue #33's targets.
 
-Targets (issue "Any llama.cpp GGUF straight into the kernels"): peak <= 1.15 x file + 150 MB; after loading
-<= 1.1 x file + KV + 150 MB. The interpreter with torch and transformers imported holds ~250 MB before any weight is
-read; the script prints that baseline and every figure both as measured and above it.
+Targets (issue #33 item 2), each start in a fresh process: RSS after loading <= file + KV + interpreter + 100 MB;
+peak <= 1.1 x file + interpreter + 150 MB. "Interpreter" is measured in the same run for each start: the RSS of
+another fresh process that does what sinkchat does before it reads a weight (the GGUF header check, the thread
+pool with the native kernels' library) and imports every module the measured load ended up importing (torch,
+transformers on a first start, the tokenizer libraries, sinkchat's own). KV: the measurement opens no KV cache, so
+KV = 0 in the targets; the table prints what sinkchat's default cache (2,048 tokens, bf16) would add on both sides.
+"first": an empty SINKCHAT_CACHE_DIR (converts the tokenizer, packs from the GGUF, writes the packed cache);
+"later": the same dir again (reads the packed cache).
 
-The model: a 3B-parameter Llama-shaped file (hidden 3072, 28 layers, 24 heads / 8 KV heads, head dim 128, FFN
-8192; the bundled model's tokenizer, so vocab 49,152, tied) with random weights, written straight in Q4_K_M's type
-mix: Q4_K everywhere except Q6_K for attn_v and ffn_down in the layers llama.cpp's `use_more_bits` picks (the first
-and last eighth, and every third between) -- the mix `llama-quantize ... Q4_K_M` produces. Blocks are random bytes
-with finite scales (valid blocks; quality is meaningless, shapes, types and bytes are real). `--check` runs
-llama.cpp's llama-bench on it once to show llama.cpp reads the same file. Kept under the user cache dir.
+Files: a 3B-parameter Llama-shaped file (hidden 3072, 28 layers, 24 heads / 8 KV heads, head dim 128, FFN 8192;
+the bundled model's tokenizer, so vocab 49,152, tied) with random weights written straight in Q4_K_M's type mix
+(Q4_K everywhere except Q6_K for attn_v and ffn_down in the layers llama.cpp's `use_more_bits` picks); the ~1B
+files `benchmarks/llamacpp_bench.py` uses (Llama 3.2 1B's shape, Q4_0 and Q4_K_M); and a Q6_K-heavy 1B file made
+by llama.cpp's llama-quantize from a 1B Q8_0 source (random full-range int8 blocks): requantizing from Q8_0 gives
+every Q6_K block llama.cpp's own choice of scales over 6-bit values that use their whole range, where a Q4_K
+source would only ever fill 16 of the 64 levels. Blocks are random bytes with finite scales (valid blocks; quality
+is meaningless, shapes, types and bytes are real). All kept under the user cache dir. `--check` runs llama.cpp's
+llama-bench on the 3B file once to show llama.cpp reads it.
 
-Usage: python benchmarks/gguf_memory.py [--layers 28] [--bundled] [--check] [--json]
+Measured (docs/gguf.md, busy 2-core box): every row passes; the thinnest margin is the 3B file's first start after
+loading, 2,100 MB against 2,133 (Q4_K held as q4k at 0.578 bytes a weight against the file's 0.5625: +36 MB).
+
+Usage: python benchmarks/gguf_memory.py [--file PATH ...] [--only-files] [--bundled] [--layers 28] [--check]
+       [--json]
 """
 
 from __future__ import annotations
@@ -32,22 +44,44 @@ import llamacpp_tools as lt  # noqa: E402
 
 SHAPE = dict(hidden=3072, layers=28, heads=24, kv=8, head_dim=128, ffn=8192)  # Llama 3.2 3B
 SHAPE_1B = dict(hidden=2048, layers=16, heads=32, kv=8, head_dim=64, ffn=8192)  # Llama 3.2 1B
-F16_AT = {"Q4_K": [0, 2], "Q6_K": [208], "Q4_0": [0]}
-BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q4_0": (32, 18)}
+F16_AT = {"Q4_K": [0, 2], "Q6_K": [208], "Q4_0": [0], "Q8_0": [0]}
+BLOCK = {"Q4_K": (256, 144), "Q6_K": (256, 210), "Q4_0": (32, 18), "Q8_0": (32, 34)}
+FILE_TYPE = {"Q4_K_M": 15, "Q4_0": 2, "Q8_0": 7, "Q6_K": 18}  # llama.cpp's LLAMA_FTYPE_MOSTLY_*
+DEFAULT_KV_TOKENS = 2048  # sinkchat's default cache (min(2048, context)), bf16
+MB = 2**20
 MEASURE = """
 import json, os, resource, sys, time
-import torch, transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
-def rss():
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def status():
+    f = dict(l.split(":", 1) for l in open("/proc/self/status") if l.startswith(("VmRSS", "RssAnon", "RssFile")))
+    return {k: int(v.split()[0]) / 1024 for k, v in f.items()}
 from sinkchat.config import ModelConfig
 from sinkchat.model import loader
 t0 = time.perf_counter()
 L = loader.load(ModelConfig(model=sys.argv[1]))
 sec = time.perf_counter() - t0
-print(json.dumps({"baseline_mb": base, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "after_mb": rss(), "seconds": sec}))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+seen, held = set(), 0
+for t in L.model.state_dict().values():
+    s = t.untyped_storage()
+    if s.data_ptr() not in seen and t.device.type == "cpu":
+        seen.add(s.data_ptr()); held += s.nbytes()
+st = status()
+print(json.dumps({"peak_mb": peak, "after_mb": st["VmRSS"], "anon_mb": st["RssAnon"], "file_mb": st["RssFile"],
+                  "weights_mb": held / 2**20, "seconds": sec, "kv_per_token": L.spec.kv_bytes_per_token(16),
+                  "modules": list(sys.modules)}))
+"""
+INTERPRETER = """
+import importlib, json, sys
+from sinkchat.model import loader
+loader.precheck(sys.argv[1]); loader.quiet_libraries(); loader.set_threads(0)
+failed = 0
+for name in json.load(sys.stdin):
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        failed += 1
+rss = [l for l in open("/proc/self/status") if l.startswith("VmRSS")][0]
+print(json.dumps({"interpreter_mb": int(rss.split()[1]) / 1024, "failed_imports": failed}))
 """
 
 
@@ -103,7 +137,7 @@ def write(path: Path, s: dict[str, int], mix: str = "Q4_K_M") -> None:
     w.add_rope_freq_base(500000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(49152)
-    w.add_file_type(15 if mix == "Q4_K_M" else 2)  # MOSTLY_Q4_K_M / MOSTLY_Q4_0
+    w.add_file_type(FILE_TYPE[mix])
     rng = np.random.default_rng(0)
     plan = tensors(s, mix)
     for name, qt, shape in plan:
@@ -122,7 +156,8 @@ def write(path: Path, s: dict[str, int], mix: str = "Q4_K_M") -> None:
 
 
 def ensure_1b(mix: str) -> Path:
-    """The ~1B Llama-shaped random-weight file in `mix` ("Q4_0" or "Q4_K_M"), written once under the cache dir."""
+    """The ~1B Llama-shaped random-weight file in `mix` ("Q4_0", "Q4_K_M" or "Q8_0"), written once under the cache
+    dir."""
     model = lt.cache_root() / "gguf-bench" / f"llama-1b-random-{mix}.gguf"
     if not model.is_file():
         model.parent.mkdir(parents=True, exist_ok=True)
@@ -131,53 +166,91 @@ def ensure_1b(mix: str) -> Path:
     return model
 
 
-def measure(model: Path, env: dict[str, str]) -> dict[str, float]:
-    p = subprocess.run([sys.executable, "-c", MEASURE, str(model)], env=env, capture_output=True, text=True, timeout=7200)
+def _python(code: str, args: list[str], env: dict[str, str], stdin: str | None = None) -> dict:
+    p = subprocess.run(["nice", "-n", "10", sys.executable, "-c", code, *args], env=env, input=stdin,
+                       capture_output=True, text=True, timeout=7200)
     if p.returncode:
-        raise SystemExit(f"load failed: {p.stderr[-1500:]}")
+        raise SystemExit(f"{args[0]}: failed: {p.stderr[-1500:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def report(name: str, size_mb: float, r: dict[str, float], kv_mb: float) -> dict[str, object]:
-    peak_above, after_above = r["peak_mb"] - r["baseline_mb"], r["after_mb"] - r["baseline_mb"]
-    peak_t, after_t = 1.15 * size_mb + 150, 1.1 * size_mb + kv_mb + 150
-    row = {"start": name, **{k: round(v, 1) for k, v in r.items()}, "peak_above_baseline_mb": round(peak_above),
-           "after_above_baseline_mb": round(after_above), "peak_target_mb": round(peak_t),
-           "after_target_mb": round(after_t), "peak_ok": peak_above <= peak_t, "after_ok": after_above <= after_t}
-    print(f"{name:>6}: load {r['seconds']:.1f} s; peak {r['peak_mb']:.0f} MB ({peak_above:.0f} above the "
-          f"{r['baseline_mb']:.0f} MB baseline; target {peak_t:.0f}: {'ok' if row['peak_ok'] else 'OVER'}); after "
-          f"{r['after_mb']:.0f} MB ({after_above:.0f} above; target {after_t:.0f}: {'ok' if row['after_ok'] else 'OVER'})")
-    return row
+def measure(model: Path, env: dict[str, str]) -> dict[str, float]:
+    """One start in a fresh process, then the interpreter it needed in another: its modules imported, no weights."""
+    r = _python(MEASURE, [str(model)], env)
+    mods = [m for m in r.pop("modules") if m != "__main__"]
+    r.update(_python(INTERPRETER, [str(model)], env, json.dumps(mods)))
+    return r
+
+
+def row(file: Path, start: str, r: dict[str, float]) -> dict[str, object]:
+    """The issue #33 targets for one start: after <= file + KV + interpreter + 100; peak <= 1.1 x file +
+    interpreter + 150 (MB; KV = 0, the measurement opens no cache)."""
+    size = file.stat().st_size / MB
+    peak_t, after_t = 1.1 * size + r["interpreter_mb"] + 150, size + r["interpreter_mb"] + 100
+    return {"file": file.name, "size_mb": size, "start": start, **r,
+            "default_kv_mb": r["kv_per_token"] * DEFAULT_KV_TOKENS / MB, "peak_target_mb": peak_t,
+            "after_target_mb": after_t, "peak_ok": r["peak_mb"] <= peak_t, "after_ok": r["after_mb"] <= after_t}
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    """The rows as the markdown table docs/gguf.md shows."""
+    out = ["| file | size MB | start | load s | interpreter MB | weights held MB | peak MB / target | "
+           "after load MB / target | anon + file-backed MB | result |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "PASS" if r["peak_ok"] and r["after_ok"] else "FAIL"
+        out.append(f"| {r['file']} | {r['size_mb']:,.0f} | {r['start']} | {r['seconds']:.1f} | "
+                   f"{r['interpreter_mb']:,.0f} | {r['weights_mb']:,.0f} | {r['peak_mb']:,.0f} / "
+                   f"{r['peak_target_mb']:,.0f} | {r['after_mb']:,.0f} / {r['after_target_mb']:,.0f} | "
+                   f"{r['anon_mb']:,.0f} + {r['file_mb']:,.0f} | {ok} |")
+    return "\n".join(out)
+
+
+def ensure_3b(layers: int, check: bool) -> Path:
+    """The 3B-parameter Q4_K_M-mix file, written once (streamed, never all in memory)."""
+    model = lt.cache_root() / "gguf-bench" / f"llama-3b-random-{layers}L-Q4_K_M.gguf"
+    if not model.is_file():
+        model.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {model} ...", file=sys.stderr)
+        write(model.with_suffix(".tmp"), dict(SHAPE, layers=layers))
+        model.with_suffix(".tmp").replace(model)
+    if check:
+        print(lt.run_tool(lt.ensure_tools(), "llama-bench", "-m", str(model), "-p", "0", "-n", "4", "-t", "2")[-600:])
+    return model
+
+
+def ensure_q6k() -> Path:
+    """The Q6_K-heavy 1B file: llama-quantize Q6_K of the 1B Q8_0 file (every matrix and the table in Q6_K)."""
+    return lt.quantized(lt.ensure_tools(), "Q6_K", ensure_1b("Q8_0"))
+
+
+def files(a: argparse.Namespace) -> list[Path]:
+    out = [] if a.only_files else [ensure_1b("Q4_0"), ensure_1b("Q4_K_M"), ensure_q6k(), ensure_3b(a.layers, a.check)]
+    out += [Path(f).expanduser().resolve() for f in a.file]
+    return out + ([lt.bundled()] if a.bundled else [])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=SHAPE["layers"])
-    ap.add_argument("--bundled", action="store_true", help="measure the bundled model instead")
-    ap.add_argument("--check", action="store_true", help="llama-bench reads the written file (sanity)")
+    ap.add_argument("--file", action="append", default=[], help="also measure this GGUF (repeatable)")
+    ap.add_argument("--only-files", action="store_true", help="measure only the --file (and --bundled) files")
+    ap.add_argument("--bundled", action="store_true", help="also measure the bundled model")
+    ap.add_argument("--layers", type=int, default=SHAPE["layers"], help="layers of the 3B-shaped file")
+    ap.add_argument("--check", action="store_true", help="llama-bench reads the written 3B file (sanity)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    if a.bundled:
-        model = lt.bundled()
-    else:
-        s = dict(SHAPE, layers=a.layers)
-        model = lt.cache_root() / "gguf-bench" / f"llama-3b-random-{a.layers}L-Q4_K_M.gguf"
-        if not model.is_file():
-            model.parent.mkdir(parents=True, exist_ok=True)
-            print(f"writing {model} ...", file=sys.stderr)
-            write(model.with_suffix(".tmp"), s)
-            model.with_suffix(".tmp").replace(model)
-        if a.check:
-            print(lt.run_tool(lt.ensure_tools(), "llama-bench", "-m", str(model), "-p", "0", "-n", "4", "-t", "2")[-600:])
-    size_mb = model.stat().st_size / 2**20
-    print(f"{model.name}: {size_mb:.0f} MB", file=sys.stderr)
     rows = []
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, SINKCHAT_CACHE_DIR=cache, OMP_WAIT_POLICY="PASSIVE")
-        for name in ("first", "later"):  # first: packs from the GGUF; later: reads the packed cache
-            rows.append(report(name, size_mb, measure(model, env), kv_mb=0.0))
+    for model in files(a):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, SINKCHAT_CACHE_DIR=cache, OMP_WAIT_POLICY="PASSIVE")
+            for start in ("first", "later"):  # first: packs from the GGUF; later: reads the packed cache
+                rows.append(row(model, start, measure(model, env)))
+                print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+    print(table(rows))
+    kv = {r["file"]: round(r["default_kv_mb"]) for r in rows}
+    print(f"KV: none opened (0 MB in the targets); sinkchat's default {DEFAULT_KV_TOKENS}-token bf16 cache adds, "
+          f"on both sides: {kv} MB")
     if a.json:
-        print(json.dumps({"file": str(model), "size_mb": size_mb, "rows": rows}))
+        print(json.dumps(rows))
 
 
 if __name__ == "__main__":
