@@ -316,14 +316,21 @@ def test_fuzzed_bodies_get_openai_answers(served):
                                                                                         max_size=3), max_leaves=8)
     keys = st.sampled_from(["model", "messages", "tools", "tool_choice", "response_format", "temperature", "top_p",
                             "stop", "seed", "max_tokens", "stream", "n", "x"])
+    hi = [{"role": "user", "content": "hi"}]
     bodies = st.fixed_dictionaries({"model": st.just(MODEL) | st.text(max_size=5),
-                                    "messages": st.just([{"role": "user", "content": "hi"}]) | values,
+                                    "messages": st.just(hi) | values,
                                     "max_tokens": st.just(2)}) | st.dictionaries(keys, values, max_size=5)
+    # a valid request but for one field of any JSON type (a non-list `tools` was a 500, a non-boolean `stream`
+    # was taken as true and answered with SSE)
+    typed = st.sampled_from(["tools", "tool_choice", "response_format", "stream", "stream_options", "stop", "n",
+                             "user"])
+    one_off = st.tuples(typed, values).map(lambda kv: {"model": MODEL, "messages": hi, kv[0]: kv[1]})
 
-    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-    @given(bodies)
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(bodies | one_off)
     def check(body: Any) -> None:
-        body = {**body, "max_tokens": 2, "stream": False} if isinstance(body, dict) else body
+        if isinstance(body, dict):  # a real stream (true) would not be JSON: anything else must be a 400
+            body = {**body, "max_tokens": 2, **({"stream": False} if body.get("stream") is True else {})}
         resp = post(url, None, raw=json.dumps(body).encode())  # NaN / Infinity as Python writes them
         data = resp.json()
         assert resp.status_code in (200, 400, 404, 409), resp.text

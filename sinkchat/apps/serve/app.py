@@ -44,6 +44,18 @@ class Server:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sinkchat-gen")
         self.admitted = 0  # running + waiting (touched only on the event loop)
         self.created = int(time.time())
+        self.stopping: Callable[[], bool] = lambda: False  # the HTTP server is shutting down (set by command.py)
+        self.grace = STOP_GRACE
+
+    async def _deadline(self, cancelled: threading.Event, halted: threading.Event) -> None:
+        """Once shutdown starts, a request in flight has `grace` seconds to finish; then its reply is stopped at
+        the next token (the session stays consistent) and answered as cut by length, so that the response is
+        still complete (a streamed one with its final chunk and [DONE]) before the server stops waiting."""
+        while not self.stopping():
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(self.grace)
+        halted.set()
+        cancelled.set()
 
     # ---------------------------------------------------------------------------------------- checks
     def check_auth(self, request: Request) -> None:
@@ -93,31 +105,34 @@ class Server:
         def on_ready() -> None:
             loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(True))
 
+        halted = threading.Event()  # the shutdown's grace ran out (not the client going away)
         fut = loop.run_in_executor(self.executor, self.runner.chat, req, sid, put if req.stream else _noop,
                                    cancelled, on_ready)
-        fut.add_done_callback(lambda f: self._release(f, queue, ready))
+        watch = loop.create_task(self._deadline(cancelled, halted))
+        fut.add_done_callback(lambda f: self._release(f, queue, ready, watch))
         if not req.stream:
             try:
                 res = await fut
             except asyncio.CancelledError:
                 cancelled.set()
                 raise
-            return JSONResponse(completion_body(res, req, self.model_id, chat))
+            return JSONResponse(completion_body(halt(res, halted), req, self.model_id, chat))
         await asyncio.wait([ready, fut], return_when=asyncio.FIRST_COMPLETED)
         if fut.done() and fut.exception() is not None:
             raise fut.exception()  # type: ignore[misc]
         from sse_starlette.sse import EventSourceResponse
 
-        return EventSourceResponse(self.events(req, chat, queue, fut, cancelled), ping=15)
+        return EventSourceResponse(self.events(req, chat, queue, fut, cancelled, halted), ping=15)
 
-    def _release(self, fut: Any, queue: asyncio.Queue[Any], ready: Any) -> None:
+    def _release(self, fut: Any, queue: asyncio.Queue[Any], ready: Any, watch: Any) -> None:
         self.admitted -= 1
+        watch.cancel()
         queue.put_nowait(_END)
         if not ready.done():
             ready.set_result(False)
 
     async def events(self, req: ChatRequest, chat: bool, queue: asyncio.Queue[Any], fut: Any,
-                     cancelled: threading.Event) -> AsyncIterator[dict[str, str]]:
+                     cancelled: threading.Event, halted: threading.Event) -> AsyncIterator[dict[str, str]]:
         """The SSE stream: a role chunk, content chunks as they come, the closing chunk, usage, [DONE]. A client
         that goes away cancels this generator: the reply stops at the next token."""
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -128,7 +143,7 @@ class Server:
             while (item := await queue.get()) is not _END:
                 yield chunk({"content": item} if chat else item, None)
             try:
-                res: Result = fut.result()
+                res: Result = halt(fut.result(), halted)
             except ApiError as e:
                 yield {"data": json.dumps(e.body())}
                 return
@@ -151,6 +166,14 @@ class Server:
 
 
 _END = object()
+STOP_GRACE = 8.0  # seconds a request may still run after SIGTERM: within uvicorn's 10 s, time left to answer
+
+
+def halt(res: Result, halted: threading.Event) -> Result:
+    """A reply stopped by the shutdown's deadline is reported as cut by length: a finish_reason clients know."""
+    if halted.is_set() and res.finish == "cancelled":
+        res.finish = "length"
+    return res
 
 
 def _noop(_: str) -> None:

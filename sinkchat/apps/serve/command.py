@@ -78,6 +78,8 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=10, lifespan="off")
     srv = uvicorn.Server(config)
+    server.stopping = lambda: bool(srv.should_exit)
+    _keep_streams_on_shutdown()
     click.echo(f"sinkchat serve: model {mid}, cache {engine.cache_cfg.capacity}, sessions in {store_dir}", err=True)
     _announce(srv, host)
     signal.signal(signal.SIGTERM, _terminated)  # uvicorn drains, puts this back and raises the signal again
@@ -94,19 +96,32 @@ def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def _keep_streams_on_shutdown() -> None:
+    """sse-starlette cancels every open stream the moment uvicorn gets SIGTERM (its AppStatus hook), cutting a
+    streamed reply without its final chunk or [DONE]. Off: uvicorn's graceful shutdown waits for the streams, and
+    Server._deadline stops a reply that would outlast it, so every stream still ends properly."""
+    from sse_starlette.sse import AppStatus
+
+    AppStatus.disable_automatic_graceful_drain()
+
+
 def _log_opener(engine: Any, mid: str) -> Any:
     """(sid, log id or None) -> the session's SQLite log (`sinkchat logs`): mode 'serve', resumed when the session
-    had one. Its tokens are those of its turns: the engine's own counter is shared by every session."""
+    had one. Its tokens: what the engine processed while the session was installed (`opener.switch`, runlog)."""
     from dataclasses import asdict
 
+    from sinkchat.apps.runlog import SharedTally
     from sinkchat.store.sessionlog import SessionLog
+
+    tally = SharedTally(engine)
 
     def opener(sid: str, log_id: int | None) -> Any:
         if log_id is not None:
-            return SessionLog.resume(int(log_id), warn=log.warning)
+            return SessionLog.resume(int(log_id), warn=log.warning, tokens=tally.counter(sid))
         settings = {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling), "session": sid}
-        return SessionLog.open("serve", mid, settings, warn=log.warning)
+        return SessionLog.open("serve", mid, settings, warn=log.warning, tokens=tally.counter(sid))
 
+    opener.switch = tally.switch  # type: ignore[attr-defined]  # SessionStore.activate: whose tokens these are
     return opener
 
 

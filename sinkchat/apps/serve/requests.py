@@ -96,7 +96,10 @@ def _message(m: Any, i: int) -> Msg:
         raise bad(f"{where}.role must be one of {', '.join(ROLES)}", f"{where}.role")
     role = "system" if role == "developer" else role
     calls: list[tuple[str, str]] = []
-    for j, c in enumerate(m.get("tool_calls") or []) if role == "assistant" else ():
+    raw_calls = m.get("tool_calls")
+    if raw_calls is not None and not isinstance(raw_calls, list):
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    for j, c in enumerate(raw_calls or []) if role == "assistant" else ():
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls")
@@ -108,8 +111,11 @@ def _message(m: Any, i: int) -> Msg:
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise bad("tools must be a list of {'type': 'function', 'function': {...}} objects", "tools")
     tools = []
-    for i, t in enumerate(body.get("tools") or []):
+    for i, t in enumerate(raw or []):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{i}]")
@@ -119,7 +125,8 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
         tools.append({"name": fn["name"], "description": str(fn.get("description") or ""), "parameters": params})
     choice = body.get("tool_choice", "auto" if tools else "none")
     if isinstance(choice, dict):
-        choice = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        choice = fn.get("name") if isinstance(fn, dict) else None
         if choice not in [t["name"] for t in tools]:
             raise bad("tool_choice names no function of tools", "tool_choice")
     elif choice not in TOOL_CHOICES:
@@ -173,9 +180,24 @@ def _common(body: dict[str, Any], req: ChatRequest) -> None:
     if stops is None or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise bad(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings", "stop")
     req.stop = tuple(stops)
-    req.stream = bool(body.get("stream", False))
+    req.stream = _flag(body, "stream", "stream")
     so = body.get("stream_options")
-    req.include_usage = bool(isinstance(so, dict) and so.get("include_usage"))
+    if so is not None and not isinstance(so, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    req.include_usage = _flag(so or {}, "include_usage", "stream_options.include_usage")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad("user must be a string", "user")
+
+
+def _flag(body: dict[str, Any], key: str, param: str) -> bool:
+    """A boolean field: true, false or absent / null. Anything else is refused, not read as truthy: `"stream":
+    "false"` taken as true would answer with an SSE stream the client cannot parse."""
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad(f"{param} must be a boolean", param)
+    return v
 
 
 def _check_body(body: Any) -> None:
@@ -200,7 +222,8 @@ def parse_chat(body: Any) -> ChatRequest:
     rest = msgs[lead:]
     if not rest or rest[-1].role == "assistant":
         raise bad("the last message must be a user, tool or system message (one to answer)", "messages")
-    if body.get("n", 1) not in (1, None):
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1 or not isinstance(n, int)):
         raise bad("n must be 1: one choice per request", "n")
     tools, choice = _tools(body)
     req = ChatRequest(body["model"], system, rest, tools, choice, _schema(body))

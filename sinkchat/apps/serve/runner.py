@@ -25,6 +25,7 @@ from typing import Any, Callable
 from sinkchat.apps.serve.grammar import Constraint, GrammarError, compile_lark, schema_lark, tools_lark
 from sinkchat.apps.serve.requests import ApiError, ChatRequest, Msg, canonical_args
 from sinkchat.apps.serve.sessions import ServeSession, SessionStore, conversation_key, figures, mark, rollback
+from sinkchat.apps.serve.stops import StopText
 from sinkchat.api import capture
 from sinkchat.errors import UserError
 
@@ -134,8 +135,9 @@ class Runner:
         eng = self.engine
         key = conversation_key(system, req.tools)
         k = common_prefix(sess.history, req.messages) if key == sess.key else 0
-        if k == len(req.messages) and not (k in sess.marks and sess.marks[k].reply_turn):
-            k -= 1  # the whole request is history, but it was not fed to be answered: feed its last message again
+        at = sess.marks.get(k)
+        if k == len(req.messages) and not (at is not None and at.reply_turn and at.last_logits is not None):
+            k -= 1  # the whole request is history, but not fed to be answered (or reloaded without its logits)
         end = sess.marks.get(len(sess.history))
         moved = end is not None and (end.cache_len, end.seen) != (eng.cache.length, eng.ledger.seen)
         if key != sess.key or k < len(sess.history) or moved:  # moved: a reply that failed half-way
@@ -173,15 +175,18 @@ class Runner:
         if "seed" in req.sampling:
             eng.generator = make_generator(req.sampling["seed"])
         cfg = replace(eng.sampling, **{k: v for k, v in req.sampling.items() if k != "seed"})
-        pieces, done, t0 = [], None, time.perf_counter()
+        out, done, t0 = StopText(req.stop), None, time.perf_counter()
         calling = bool(req.tools) and req.tool_choice != "none"
         gen = eng.generate(req.max_tokens, req.stop, cfg, logits_processors=procs)
+
+        def send(piece: str) -> None:  # a tool call's JSON is not streamed: its arguments are whole only at the end
+            if piece and not (calling and out.text.lstrip().startswith("{")):
+                emit(piece)
+
         try:
             for ev in gen:
                 if isinstance(ev, TokenEvent) and ev.text:
-                    pieces.append(ev.text)
-                    if not (calling and "".join(pieces).lstrip().startswith("{")):
-                        emit(ev.text)
+                    send(out.add(ev.text))
                 elif isinstance(ev, EvictionEvent):
                     sess.evictions += 1
                 elif isinstance(ev, GaugeEvent):
@@ -194,9 +199,10 @@ class Runner:
                     break
         finally:
             gen.close()  # a cancelled reply: what was generated stays, the cache consistent
-            eng.conv.add_reply(eng.reply_text())
-        text = "".join(pieces)
-        res = Result(text, "length" if done is not None and done.reason == "length" else "stop",
+            eng.conv.add_reply(eng.reply_text())  # the cache holds the stop string: the template text must too
+        send(out.finish())
+        text = out.text  # what the client gets, and so what the history holds (its echo then matches)
+        res = Result(text, "length" if done is not None and done.reason == "length" and not out.hit else "stop",
                      completion_tokens=len(eng.last_reply_ids))
         if done is None:
             res.finish = "cancelled"

@@ -4,7 +4,7 @@ A session is an `api.EngineState` (its own cache buffers, ledger, template state
 been answered (`history`, normalized `Msg`s) and `marks`: the cache length after each message, so a request that
 diverges from the history can go back to the common prefix while nothing was evicted since (a truncation, no
 recompute). Every session is written through to its snapshot file (`<store>/<id>.safetensors`, the chat REPL's
-snapshot format, with the history in its `extra`) after each request, so:
+snapshot format, with the history and the marks in its `extra`) after each request, so:
 
 - at most `max_ram` sessions stay in RAM; the least recently used one is simply dropped and reloaded on demand;
 - a server restarted, or killed -9 and restarted, continues each session exactly (the file is replaced atomically);
@@ -86,6 +86,30 @@ def rollback(engine: Any, m: Mark) -> bool:
     return True
 
 
+def marks_to_json(marks: dict[int, Mark], conv: Any) -> list[dict[str, Any]]:
+    """The marks for the snapshot, so that a session reloaded from disk can still go back to a common prefix. Each
+    mark's template state is usually a prefix of the conversation's current one: then only its length is stored
+    (the whole of it otherwise, e.g. after the template bookkeeping trimmed old messages). No logits: a mark
+    reloaded is only gone back to with a message to feed after it (runner._sync)."""
+    out = []
+    for i, m in sorted(marks.items()):
+        msgs: Any = len(m.messages) if conv.messages[:len(m.messages)] == m.messages else m.messages
+        fed: Any = len(m.fed) if conv.fed.startswith(m.fed) else m.fed
+        out.append({"i": i, "cache_len": m.cache_len, "evicted": m.evicted, "seen": m.seen, "messages": msgs,
+                    "fed": fed, "reply_turn": m.reply_turn})
+    return out
+
+
+def marks_from_json(items: list[dict[str, Any]], conv: Any) -> dict[int, Mark]:
+    marks = {}
+    for d in items:
+        msgs, fed = d["messages"], d["fed"]
+        marks[int(d["i"])] = Mark(int(d["cache_len"]), int(d["evicted"]), int(d["seen"]),
+                                  [dict(x) for x in (conv.messages[:msgs] if isinstance(msgs, int) else msgs)],
+                                  conv.fed[:fed] if isinstance(fed, int) else str(fed), None, bool(d["reply_turn"]))
+    return marks
+
+
 def msg_to_json(m: Msg) -> dict[str, Any]:
     return {"role": m.role, "text": m.text, "calls": [list(c) for c in m.calls], "call_id": m.call_id}
 
@@ -115,6 +139,8 @@ class SessionStore:
             raise ApiError(400, "X-Session-Id must be 1-128 letters, digits, '.', '_', ':' or '-', starting with a "
                                 "letter or digit", param="X-Session-Id", code="invalid_session_id")
         self._park()
+        if hasattr(self.open_log, "switch"):  # the tokens the engine processes from now on are sid's (its log)
+            self.open_log.switch(sid)
         if sid is None:
             sess = ServeSession(None, fresh_state(self.engine, system))
         else:
@@ -170,6 +196,8 @@ class SessionStore:
                             [msg_from_json(m) for m in extra.get("history", [])],
                             evictions=int(extra.get("evictions", 0)), requests=int(extra.get("requests", 0)),
                             mtime=mtime, log_id=extra.get("log_id"))
+        sess.marks = marks_from_json(extra.get("marks", []), self.engine.conv)
+        sess.marks[len(sess.history)] = mark(self.engine)  # the end, with the logits the snapshot kept
         install(self.engine, self.idle)
         if sess.log_id is not None and self.open_log is not None:
             sess.log = self.open_log(sid, sess.log_id)
@@ -195,6 +223,7 @@ class SessionStore:
                 self._park()
             return
         extra = {EXTRA_KEY: {"key": sess.key, "history": [msg_to_json(m) for m in sess.history],
+                             "marks": marks_to_json(sess.marks, self.engine.conv),
                              "evictions": sess.evictions, "requests": sess.requests, "log_id": sess.log_id},
                  "evictions": {"tokens": int(evicted), "count": sess.evictions}}
         p = save_snapshot(self.engine, self.path(sess.sid), extra)

@@ -1,0 +1,175 @@
+"""`sinkchat serve` audit fixes, against real server processes as in tests/test_serve.py: `stop` strings left out of
+the reply (chat, completions, streamed or not) and of the session's history; a session reloaded from disk that can
+still go back to a common prefix; non-list `tools` / non-boolean `stream` refused with a 400; SIGTERM that lets a
+streamed reply end with its final chunk and [DONE]."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from test_serve import MODEL, post, served, start_server, stop, wait_busy  # noqa: F401 - served: a fixture
+
+ASK = [{"role": "user", "content": "count to ten"}]
+
+
+def stream_lines(url: str, body: dict[str, Any], path: str = "/v1/chat/completions") -> list[str]:
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + path, json=body) as resp:
+        assert resp.status_code == 200
+        return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def chunks(lines: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+
+
+def a_stop(text: str) -> str:
+    """A stop string in the middle of `text` (the tiny model's reply): two characters, not all whitespace."""
+    for at in range(len(text) // 3, len(text) - 2):
+        if text[at:at + 2].strip():
+            return text[at:at + 2]
+    pytest.skip(f"the tiny model's reply is too short for a stop string: {text!r}")
+
+
+def test_stop_strings_are_left_out_of_chat_replies(served):
+    url = served[0]
+    whole = post(url, {"model": MODEL, "messages": ASK, "max_tokens": 24}).json()["choices"][0]["message"]["content"]
+    s = a_stop(whole)
+    want = whole[:whole.find(s)]
+    r = post(url, {"model": MODEL, "messages": ASK, "max_tokens": 24, "stop": [s]}).json()
+    assert r["choices"][0]["message"]["content"] == want and r["choices"][0]["finish_reason"] == "stop"
+    got = chunks(stream_lines(url, {"model": MODEL, "messages": ASK, "max_tokens": 24, "stop": s, "stream": True}))
+    deltas = [c["choices"][0]["delta"].get("content") or "" for c in got]
+    assert "".join(deltas) == want and not any(s in d for d in deltas)
+    assert got[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_stop_strings_are_left_out_of_completions(served):
+    url = served[0]
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 24}
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    s = a_stop(whole)
+    want = whole[:whole.find(s)]
+    r = httpx.post(url + "/v1/completions", json={**body, "stop": [s]}, timeout=60).json()
+    assert r["choices"][0]["text"] == want and r["choices"][0]["finish_reason"] == "stop"
+    got = chunks(stream_lines(url, {**body, "stop": [s], "stream": True}, "/v1/completions"))
+    assert "".join(c["choices"][0]["text"] for c in got) == want
+
+
+def test_a_stopped_reply_echoed_back_is_fed_incrementally(served):
+    """The session's history holds the reply as the client got it (without the stop string): a client that sends
+    it back extends the session, only its new message is fed."""
+    url = served[0]
+    whole = post(url, {"model": MODEL, "messages": ASK, "max_tokens": 24}).json()["choices"][0]["message"]["content"]
+    s = a_stop(whole)
+    r1 = post(url, {"model": MODEL, "messages": ASK, "max_tokens": 24, "stop": [s]}, "s-stop").json()
+    assert r1["choices"][0]["message"]["content"] == whole[:whole.find(s)]
+    msgs = ASK + [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "and then?"}]
+    r2 = post(url, {"model": MODEL, "messages": msgs}, "s-stop").json()
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"] > 0
+
+
+def test_bad_field_types_are_400s_naming_the_field(served):
+    url = served[0]
+    ok = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("tools", -1, "tools"), ("tools", 1.5, "tools"), ("tools", True, "tools"), ("tools", "x", "tools"),
+             ("stream", 1, "stream"), ("stream", "auto", "stream"), ("stream", [1], "stream"),
+             ("stream_options", "yes", "stream_options"), ("stream_options", {"include_usage": "y"},
+                                                             "stream_options.include_usage"),
+             ("tool_choice", {"type": "function", "function": "f"}, "tool_choice"), ("user", 5, "user"),
+             ("n", True, "n"), ("messages", [{"role": "assistant", "content": "x", "tool_calls": 3},
+                                             {"role": "user", "content": "y"}], "messages[0].tool_calls")]
+    for key, value, param in cases:
+        resp = post(url, {**ok, key: value})
+        assert resp.status_code == 400, (key, value, resp.text)
+        assert resp.json()["error"]["param"] == param, (key, value, resp.text)
+    assert post(url, {**ok, "stream": False, "tools": None}).status_code == 200
+
+
+def test_going_back_after_a_session_is_reloaded(served, tmp_path):
+    """A session dropped from RAM (--max-sessions 1, another session used) and one after a restart still go back
+    to the common prefix when the last user turn is edited: cached_tokens is the shared prefix, no 409."""
+    _, model, _ = served
+    home = tmp_path / "home"
+    proc, url = start_server(model, home, "--max-sessions", "1")
+    try:
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+        r1 = post(url, {"model": MODEL, "messages": msgs}, "r-a").json()
+        msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "first question"}]
+        r2 = post(url, {"model": MODEL, "messages": msgs}, "r-a").json()
+        assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]
+        post(url, {"model": MODEL, "messages": [{"role": "user", "content": "other"}]}, "r-b")
+        assert httpx.get(url + "/v1/sessions/r-a").json()["in_ram"] is False
+        edited = msgs[:-1] + [{"role": "user", "content": "second question"}]
+        r3 = post(url, {"model": MODEL, "messages": edited}, "r-a")
+        assert r3.status_code == 200, r3.text
+        assert r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]
+    finally:
+        stop(proc)
+    proc, url = start_server(model, home)  # a restart: the session comes from its file
+    try:
+        again = post(url, {"model": MODEL, "messages": msgs}, "r-a")  # the first edit back: diverges again
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]
+        same = post(url, {"model": MODEL, "messages": msgs}, "r-a").json()  # a regenerate right after
+        assert same["usage"]["prompt_tokens_details"]["cached_tokens"] > r1["usage"]["total_tokens"]
+    finally:
+        stop(proc)
+
+
+def _stream_through_sigterm(url: str, proc: Any, body: dict[str, Any]) -> tuple[list[str], float]:
+    """Start a streamed reply, SIGTERM the server once it runs; the stream's data lines and how long it ran on."""
+    box: dict[str, Any] = {"lines": []}
+
+    def run() -> None:
+        try:
+            with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/chat/completions", json=body,
+                                                        headers={"X-Session-Id": "s-term"}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        box["lines"].append(line)
+        except httpx.HTTPError as e:  # a stream cut short: what came before it is what the test looks at
+            box["lines"].append(f"cut: {e!r}")
+        box["end"] = time.time()
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_busy(url)
+    time.sleep(0.3)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    t.join(40)
+    assert proc.wait(20) == 128 + signal.SIGTERM
+    return box["lines"], box["end"] - sent
+
+
+def test_sigterm_lets_a_stream_finish_or_ends_it_properly(served):
+    _, model, home = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True,
+            "stream_options": {"include_usage": True}}
+    proc, url = start_server(model, home)
+    try:
+        lines, _ = _stream_through_sigterm(url, proc, {**body, "max_tokens": 300})
+    finally:
+        stop(proc)
+    assert lines[-1] == "data: [DONE]"
+    got = chunks(lines)
+    assert [c["choices"][0]["finish_reason"] for c in got if c["choices"]][-1] == "length"
+    assert got[-1]["usage"]["completion_tokens"] == 300  # finished, not cut
+    proc, url = start_server(model, home)
+    try:  # a reply that would outlast the grace: stopped in time, still with its final chunk and [DONE]
+        lines, took = _stream_through_sigterm(url, proc, {**body, "max_tokens": 1 << 20})
+    finally:
+        stop(proc)
+    assert lines[-1] == "data: [DONE]" and took < 10.5
+    got = chunks(lines)
+    assert [c["choices"][0]["finish_reason"] for c in got if c["choices"]][-1] == "length"
+    assert 0 < got[-1]["usage"]["completion_tokens"] < 1 << 20
