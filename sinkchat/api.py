@@ -199,7 +199,7 @@ def settings_for(model: str | None = None, cache: int | None = None, **settings:
     opts["model"] = model
     if opts.get("cache_size") is None:  # `cache_size=` (the settings' own name) wins over the default `cache`
         opts["cache_size"] = cache
-    return build_settings(opts)
+    return build_settings(opts, FRIENDLY)
 
 
 def load(model: str | None = None, cache: int | None = 2048, *, resume: str | os.PathLike[str] | None = None,

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -74,17 +75,20 @@ def pop_common(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_settings(opts: dict[str, Any]) -> Settings:
-    """Flags (non-None values in `opts`) over environment / .env over defaults. A key that names no setting is a
-    ConfigError naming it (a misspelled `{"memroy": "on"}` must not be silently ignored)."""
-    unknown = sorted(set(opts) - set(COMMON_KEYS) - set(EXTRA_KEYS))
-    if unknown:
-        import difflib
+# the type each `build_settings` key takes (every other key is text); a string that reads as one is accepted, as
+# the CLI and the environment give them
+INT_KEYS = ("threads", "sinks", "cache_size", "evict_chunk", "max_tokens", "seed", "memory_budget", "memory_block",
+            "memory_topk", "memory_bits", "memory_ram", "top_k", "gauge_every", "verbose")
+FLOAT_KEYS = ("temperature", "top_p", "repetition_penalty")
 
-        known = sorted(COMMON_KEYS + EXTRA_KEYS)
-        hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else "")
-                 for k in unknown]
-        raise ConfigError(f"unknown setting {', '.join(hints)}; settings: {', '.join(known)}")
+
+def build_settings(opts: dict[str, Any], names: dict[str, str] | None = None) -> Settings:
+    """Flags (non-None values in `opts`) over environment / .env over defaults. A key that names no setting, or a
+    value of the wrong type, is a ConfigError naming it (a misspelled `{"memroy": "on"}` must not be silently
+    ignored). `names`: other names callers know settings by (the Python API's `cache`), used in those errors."""
+    names = names or {}
+    _check_keys(opts, names)
+    opts = {k: _typed(k, v, names) for k, v in opts.items()}
     base = settings_from_env()
     m = base.model
     m = replace(m, **{k: opts[k] for k in ("model", "quant", "device", "dtype", "kv_dtype", "decoder", "threads") if opts.get(k) is not None})
@@ -96,12 +100,52 @@ def build_settings(opts: dict[str, Any]) -> Settings:
     samp = {k: opts.get(k) for k in ("temperature", "max_tokens", "seed", "top_p", "top_k", "repetition_penalty")}
     s = replace(s, **{k: v for k, v in samp.items() if v is not None})
     mem = {"mode": opts.get("memory"), "budget_mb": opts.get("memory_budget"), "block": opts.get("memory_block"),
-           "topk": opts.get("memory_topk"), "ram_mb": opts.get("memory_ram"),
-           "bits": int(opts["memory_bits"]) if opts.get("memory_bits") is not None else None}
+           "topk": opts.get("memory_topk"), "ram_mb": opts.get("memory_ram"), "bits": opts.get("memory_bits")}
     mc = replace(base.memory, **{k: v for k, v in mem.items() if v is not None})
     gauge = opts.get("gauge_every")
     return replace(base, model=m, cache=c, sampling=s, memory=mc,
                    gauge_every=base.gauge_every if gauge is None else gauge)
+
+
+def _check_keys(opts: dict[str, Any], names: dict[str, str]) -> None:
+    """ConfigError for keys that name no setting, with the closest name (a name of `names` where it has one)."""
+    import difflib
+
+    unknown = sorted(set(opts) - set(COMMON_KEYS) - set(EXTRA_KEYS))
+    if not unknown:
+        return
+    shown = {key: alias for alias, key in names.items()}
+    known = sorted({shown.get(k, k) for k in COMMON_KEYS + EXTRA_KEYS} - {"verbose"})
+    hints = [f"{k!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k, known, 1)) else "")
+             for k in unknown]
+    raise ConfigError(f"unknown setting {', '.join(hints)}; settings: {', '.join(known)}")
+
+
+def _typed(key: str, value: Any, names: dict[str, str]) -> Any:
+    """`value` as the type `key` takes (None stays None: not given); a ConfigError naming the key otherwise."""
+    if value is None:
+        return None
+    shown = next((alias for alias, k in names.items() if k == key), key)
+    if key in INT_KEYS:
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{shown} must be a whole number, not {value!r}")
+    if key in FLOAT_KEYS:
+        try:
+            if not isinstance(value, bool) and isinstance(value, (int, float, str)):
+                return float(value)
+        except ValueError:
+            pass
+        raise ConfigError(f"{shown} must be a number, not {value!r}")
+    if key == "model" and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{shown} must be a string, not {value!r}")
+    return value
 
 
 def setup_logging(verbose: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import click
 
 from sinkchat.store.logdb import LogError, db_path
+from sinkchat.store.sessionlog import MODES
 from sinkchat.store.transcript import SessionInfo, delete_session, export, latest_session, list_sessions
 
 
@@ -24,14 +25,23 @@ def _when(ts: float | None) -> str:
 def format_sessions(sessions: list[SessionInfo]) -> str:
     """One row per session. TOKENS is what the model processed in every mode (see `logs --help`); a session
     logged before that was counted shows the tokens of its turns, marked `+` (a lower bound)."""
-    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>8}  STATUS"
+    named = any(_name(s) for s in sessions)
+    head = f"{'ID':>5}  {'STARTED':16}  {'MODE':9}  {'MODEL':28}  {'TURNS':>5}  {'TOKENS':>8}  " + \
+        (f"{'STATUS':12}  NAME" if named else "STATUS")
     lines = [head]
     for s in sessions:
         status = s.status or ("ended" if s.ended else "open/crashed")
         tokens = f"{s.tokens}" if s.tokens_counted else f"{s.tokens}+"
+        tail = f"{status:12}  {_name(s)}".rstrip() if named else status
         lines.append(f"{s.id:>5}  {_when(s.started):16}  {s.mode[:9]:9}  {_cut(_model_name(s.model), 28):28}  {s.turns:>5}  "
-                     f"{tokens:>8}  {status}")
+                     f"{tokens:>8}  {tail}")
     return "\n".join(lines)
+
+
+def _name(s: SessionInfo) -> str:
+    """What names the session beyond its id: a served session's X-Session-Id ('' for the other modes)."""
+    name = s.settings.get("session") if s.mode == "serve" else None
+    return str(name) if name else ""
 
 
 def format_transcript(data: dict[str, Any], markdown: bool = False) -> str:
@@ -170,7 +180,7 @@ def _model_name(model: str | None) -> str:
 
 # ------------------------------------------------------------------------------------------------ CLI
 @click.group("logs", invoke_without_command=True)
-@click.option("--mode", type=click.Choice(("chat", "agent", "summarize", "soak")), default=None,
+@click.option("--mode", type=click.Choice(MODES), default=None,
               help="only sessions of this mode")
 @click.option("-n", "--limit", type=click.IntRange(1, None), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
@@ -181,6 +191,8 @@ def logs_command(ctx: click.Context, mode: str | None, limit: int, as_json: bool
     TOKENS: the tokens the model processed in the session, fed and generated: prompts and replies, and what is
     fed between them (an agent's tool results, summarize's log lines); the soak report's total for a soak run. A
     trailing + marks a session logged before that was counted: the tokens of its turns, a lower bound.
+
+    NAME: a served session's X-Session-Id.
 
     STATUS: ended; running (the process that writes it still runs); crashed (never closed, and its process is
     gone); other host (written on another machine); open/crashed (logged by an older sinkchat: cannot tell)."""

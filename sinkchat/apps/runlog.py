@@ -69,3 +69,37 @@ def _counter(tally: ForwardTally | None) -> Callable[[], int] | None:
         return None
     start = tally.tokens
     return lambda: tally.tokens - start
+
+
+class SharedTally:
+    """Token counts per session on one engine that several sessions take turns on (`serve`: one request at a time,
+    each session installed in the engine for its request). `switch(key)` is called when a session is installed
+    (key None: a session that is not logged); the tokens the engine processes until the next switch are that
+    session's. `counter(key)` is what its SessionLog reads: that session's tokens since the counter was made."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.counted = ForwardTally.of(engine) is not None  # False: an engine double, nothing to count
+        self.current: Any = None
+        self.mark = self._now()
+        self.done: dict[Any, int] = {}
+
+    def _now(self) -> int:
+        return int(self.engine.processed) if self.counted else 0
+
+    def switch(self, key: Any) -> None:
+        now = self._now()
+        if self.current is not None:
+            self.done[self.current] = self.done.get(self.current, 0) + now - self.mark
+        self.current, self.mark = key, now
+
+    def total(self, key: Any) -> int:
+        live = self._now() - self.mark if key is not None and key == self.current else 0
+        return self.done.get(key, 0) + live
+
+    def counter(self, key: Any) -> Callable[[], int] | None:
+        """None where the engine keeps no counter (the log then shows the tokens of the turns)."""
+        if not self.counted:
+            return None
+        start = self.total(key)
+        return lambda: self.total(key) - start

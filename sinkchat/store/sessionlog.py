@@ -1,4 +1,4 @@
-"""Writing the session log: one `SessionLog` per chat / agent / summarize / soak session, or a `NullLog`.
+"""Writing the session log: one `SessionLog` per chat / agent / summarize / soak / serve session, or a `NullLog`.
 
 The log stores only what the user typed, what the model (or a tool) produced, and settings. Each turn is one
 transaction (durable on return); evictions and metrics are buffered and written in the next turn's transaction
@@ -26,6 +26,7 @@ from sinkchat.store.logdb import LogError, clean_settings, connect, db_path, red
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY = 256  # buffered evictions/metrics rows before a forced write
+MODES = ("chat", "agent", "summarize", "soak", "serve")  # the modes sessions are logged with (`logs --mode`)
 
 
 class NullLog:

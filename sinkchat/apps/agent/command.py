@@ -210,7 +210,7 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
     interactive = sys.stdin.isatty()
     if undo is not None:
         return undo_changes(workspace, undo)
-    with user_errors():
+    with user_errors(), contextlib.ExitStack() as stack:
         settings = build_settings(opts)
         if task is None and tasks_file is None and not interactive:
             tasks_file = "-"
@@ -219,6 +219,7 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         mode = approve or ("ask" if interactive else "never-shell")
         shell = allow_shell and not _shell_refused(mode, approve is not None, interactive)
         mcp_servers, tools = _tools_with_mcp(ws, shell, max_result_chars, extra, not no_builtin_tools, mcp_commands)
+        stack.callback(lambda: mcp_servers is not None and mcp_servers.close())  # every exit: servers ended
         engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
         agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
                       constrain=not no_constrain, fresh_tasks=not keep_context)
@@ -241,8 +242,7 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
             display.line(f"interrupted; {tally.unverified} task(s) ended unverified before it", "red")
         finally:
             slog.close()
-            if mcp_servers is not None:
-                mcp_servers.close()
+            stack.close()
         click.echo(_summary(agent, tally, metrics, rss0), err=True)
     if interrupted:
         sys.exit(130)  # Ctrl-C: 128 + SIGINT, as a shell reports it (the project's convention), never 0

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import re
 import shlex
+import sys
 import threading
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT = 30.0  # seconds for a server to start and list its tools
 CALL_TIMEOUT = 30.0
+GRACE = 2.0  # seconds between terminate and kill for a server left running at close
 JSON_TO_PY = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list, "object": dict}
 
 
@@ -60,25 +64,44 @@ class McpServers:
         self.sessions: dict[str, Any] = {}  # command -> ClientSession
         self._stop = asyncio.Event()
         self._tasks: list[Any] = []
-        self._devnull: Any = None
+        self._errfiles: dict[str, Any] = {}  # command -> its open stderr file
+        self.procs: list[Any] = []  # psutil.Process of every server started, ended for sure in `close`
 
     def start(self) -> list[Tool]:
-        """Connect every server; the tools of those that came up (a name taken already is skipped, with a line)."""
+        """Connect every server; the tools of those that came up (a name taken already is skipped, with a line).
+        Interrupted or failing, it stops every server started so far before raising."""
         self.thread.start()
         tools: list[Tool] = []
-        for cmd in self.commands:
-            fut = asyncio.run_coroutine_threadsafe(self._open(cmd), self.loop)
-            try:
-                listed = fut.result(START_TIMEOUT)
-            except FutureTimeout:
-                self.warn(f"MCP server '{cmd}' did not list its tools within {START_TIMEOUT:.0f} s; left out")
-                continue
-            except Exception as e:  # noqa: BLE001 - any start failure: one line, the run goes on
-                self.warn(f"MCP server '{cmd}' could not start: {_one_line(e)}; left out")
-                continue
-            for t in listed:
-                tools.append(self._tool(cmd, t))
+        try:
+            for cmd in self.commands:
+                tools.extend(self._start_one(cmd))
+        except BaseException:
+            self.close()
+            raise
         return tools
+
+    def _start_one(self, cmd: str) -> list[Tool]:
+        """The tools of one server; [] (with one warning line) when it fails or hangs, its process then ended."""
+        before = {p.pid for p in _children()}
+        fut = asyncio.run_coroutine_threadsafe(self._open(cmd), self.loop)
+        try:
+            listed = fut.result(START_TIMEOUT)
+        except FutureTimeout:
+            self.warn(f"MCP server '{cmd}' did not list its tools within {START_TIMEOUT:.0f} s; left out"
+                      f"{self._where(cmd)}")
+            self._cancel_last()
+            return []
+        except Exception as e:  # noqa: BLE001 - any start failure: one line, the run goes on
+            self.warn(f"MCP server '{cmd}' could not start: {_one_line(e)}; left out{self._where(cmd)}")
+            return []
+        finally:
+            self.procs.extend(p for p in _children() if p.pid not in before)
+        return [self._tool(cmd, t) for t in listed]
+
+    def _cancel_last(self) -> None:
+        """Cancel the newest server's task (its start hung): the SDK closes its stdin and ends its process."""
+        if self._tasks:
+            self.loop.call_soon_threadsafe(self._tasks[-1].cancel)
 
     async def _open(self, cmd: str) -> list[Any]:
         """Start `cmd`, keep its session open in a task until `close`; return its tools."""
@@ -93,7 +116,7 @@ class McpServers:
         async def hold() -> None:
             try:
                 params = StdioServerParameters(command=argv[0], args=argv[1:])
-                async with stdio_client(params, errlog=self._errlog()) as (read, write):
+                async with stdio_client(params, errlog=self._errlog(cmd)) as (read, write):
                     async with ClientSession(read, write) as session:
                         await session.initialize()
                         result = await session.list_tools()
@@ -111,17 +134,22 @@ class McpServers:
         self._tasks.append(asyncio.ensure_future(hold()))
         return await listed
 
-    def _errlog(self) -> Any:
-        """Where a server's stderr goes: ours with -v (its tracebacks help there), else nowhere (an SDK server
-        prints a framed traceback for every failing call, which would bury the agent's own lines)."""
-        import os
-        import sys
-
+    def _errlog(self, cmd: str) -> Any:
+        """Where a server's stderr goes: ours with -v (its tracebacks help there), else a file under the data dir
+        (an SDK server prints a framed traceback for every failing call, which would bury the agent's own lines)."""
         if log.isEnabledFor(logging.INFO):
             return sys.stderr
-        if self._devnull is None:
-            self._devnull = open(os.devnull, "w")  # noqa: SIM115 - kept open for the servers' lifetime
-        return self._devnull
+        if cmd not in self._errfiles:
+            self._errfiles[cmd] = open(errlog_path(cmd), "w", encoding="utf-8")  # noqa: SIM115 - closed in close
+        return self._errfiles[cmd]
+
+    def _where(self, cmd: str) -> str:
+        """'; its stderr: PATH' for a server whose stderr went to a file and wrote something there."""
+        f = self._errfiles.get(cmd)
+        if f is None:
+            return ""
+        f.flush()
+        return f"; its stderr: {f.name}" if os.path.getsize(f.name) else ""
 
     def _tool(self, cmd: str, t: Any) -> Tool:
         name = str(t.name)
@@ -155,23 +183,77 @@ class McpServers:
         return text
 
     def close(self) -> None:
-        """Stop every server (their sessions end, their processes are ended by the SDK) and the loop."""
-        if not self.thread.is_alive():
-            return
+        """Stop every server: their sessions end (a task still starting is cancelled), the SDK closes their stdin
+        and ends their processes; whatever process is left is terminated, then killed after GRACE seconds."""
+        if self.thread.is_alive():
+            async def stop() -> None:
+                self._stop.set()
+                pending = [t for t in self._tasks if not t.done()]
+                if pending:
+                    _, pending = await asyncio.wait(pending, timeout=3)
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=8)
 
-        async def stop() -> None:
-            self._stop.set()
-            if self._tasks:
-                await asyncio.wait(self._tasks, timeout=5)
+            try:
+                asyncio.run_coroutine_threadsafe(stop(), self.loop).result(15)
+            except BaseException:  # noqa: BLE001 - closing is best effort; the processes are ended below anyway
+                log.debug("MCP shutdown", exc_info=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(5)
+        end_processes(self.procs)
+        self.procs = []
+        for f in self._errfiles.values():
+            f.close()
 
+
+def _children() -> list[Any]:
+    """This process's child processes now (psutil.Process objects: a reused pid is not mistaken for ours)."""
+    import psutil
+
+    try:
+        return psutil.Process().children()
+    except psutil.Error:
+        return []
+
+
+def end_processes(procs: list[Any], grace: float = GRACE) -> None:
+    """Terminate each process still running (and its children), kill what is left after `grace` seconds."""
+    import psutil
+
+    alive = []
+    for p in procs:
         try:
-            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        except Exception:  # noqa: BLE001 - closing is best effort
-            log.debug("MCP shutdown", exc_info=True)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        if self._devnull is not None:
-            self._devnull.close()
+            alive.extend([p, *p.children(recursive=True)])
+        except psutil.Error:
+            continue
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, left = psutil.wait_procs(alive, timeout=grace)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=grace)
+
+
+def errlog_path(cmd: str) -> Any:
+    """The file a server's stderr goes to: <data dir>/mcp/<command and first argument's names>.log."""
+    from sinkchat.config import data_dir
+
+    folder = data_dir() / "mcp"
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        words = shlex.split(cmd)[:2]
+    except ValueError:
+        words = [cmd]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", "-".join(os.path.basename(w) for w in words))[:80] or "server"
+    return folder / f"{name}.log"
 
 
 def argv0(cmd: str) -> str:
