@@ -72,15 +72,13 @@ def _home(tmp_path, monkeypatch):
 
 
 def test_hanging_servers_are_ended(tmp_path, monkeypatch):
-    from sinkchat.apps.agent.tools import mcp_client
     from sinkchat.apps.agent.tools.mcp_client import McpServers
 
-    monkeypatch.setattr(mcp_client, "START_TIMEOUT", 2.0)
     init_cmd, init_pids = _server(tmp_path, "init")
     list_cmd, list_pids = _server(tmp_path, "list")
     call_cmd, call_pids = _server(tmp_path, "call")
     warnings: list[str] = []
-    servers = McpServers([init_cmd, list_cmd, call_cmd], warn=warnings.append, call_timeout=1)
+    servers = McpServers([init_cmd, list_cmd, call_cmd], warn=warnings.append, call_timeout=1, start_timeout=2)
     try:
         tools = servers.start()
         assert [t.name for t in tools] == ["wait"]
@@ -119,7 +117,8 @@ def _agent(tmp_path: Path, server_cmd: str, model: str) -> subprocess.CompletedP
     ws = tmp_path / "ws"
     ws.mkdir(exist_ok=True)
     cmd = [sys.executable, "-m", "sinkchat", "agent", "Wait for x.", "--mcp", server_cmd, "--no-builtin-tools",
-           "--workspace", str(ws), "--max-steps", "1", "--model", model, "--quant", "none", "--no-log",
+           "--workspace", str(ws), "--max-steps", "1", "--mcp-timeout", "10", "--model", model, "--quant", "none",
+           "--no-log",
            "--temperature", "0", "--max-tokens", "30"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
 

@@ -93,14 +93,15 @@ def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: lis
     return box
 
 
-def start_mcp(commands: tuple[str, ...]) -> tuple[Any, list[Any]]:
-    """The MCP servers of --mcp (None when there are none) and their tools; a server that cannot start is one
-    warning line and the run goes on without it."""
+def start_mcp(commands: tuple[str, ...], timeout: float = 30.0) -> tuple[Any, list[Any]]:
+    """The MCP servers of --mcp (None when there are none) and their tools; a server that cannot start (or list
+    its tools within `timeout` s) is one warning line and the run goes on without it."""
     if not commands:
         return None, []
     from sinkchat.apps.agent.tools.mcp_client import McpServers
 
-    servers = McpServers(list(commands), warn=lambda m: click.echo(f"warning: {m}", err=True))
+    servers = McpServers(list(commands), warn=lambda m: click.echo(f"warning: {m}", err=True), call_timeout=timeout,
+                         start_timeout=timeout)
     return servers, servers.start()
 
 
@@ -179,6 +180,8 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
 @click.option("--allow-shell", is_flag=True, help="offer the shell tool (NOT confined to the workspace)")
 @click.option("--mcp", "mcp_commands", multiple=True, metavar='"COMMAND ARGS"',
               help="an MCP stdio server whose tools the agent gets (repeatable), e.g. --mcp \"npx -y @modelcontextprotocol/server-filesystem .\"")
+@click.option("--mcp-timeout", type=click.FloatRange(0.1, None), default=30.0, show_default=True, metavar="SECONDS",
+              help="how long an MCP server may take to list its tools, and a tool call to answer")
 @click.option("--no-builtin-tools", is_flag=True, help="offer only --tools-module and --mcp tools")
 @click.option("--tools-module", multiple=True, type=click.Path(dir_okay=False), help="extra tools: a .py file (repeatable)")
 @click.option("--max-result-chars", type=click.IntRange(100, None), default=1500, show_default=True,
@@ -194,7 +197,7 @@ def load_extra_tools(paths: tuple[str, ...]) -> list[Callable[..., Any]]:
 @common_options
 def agent_command(task: str | None, workspace: str | None, create_workspace: bool, max_steps: int, forever: bool,
                   tasks_file: str | None, approve: str | None, allow_shell: bool, mcp_commands: tuple[str, ...],
-                  no_builtin_tools: bool, tools_module: tuple[str, ...], max_result_chars: int, no_log: bool,
+                  mcp_timeout: float, no_builtin_tools: bool, tools_module: tuple[str, ...], max_result_chars: int, no_log: bool,
                   no_constrain: bool, keep_context: bool, undo: int | None,
                   **kw: Any) -> None:
     """Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line).
@@ -218,7 +221,8 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
         ws = open_workspace(workspace, create_workspace)
         mode = approve or ("ask" if interactive else "never-shell")
         shell = allow_shell and not _shell_refused(mode, approve is not None, interactive)
-        mcp_servers, tools = _tools_with_mcp(ws, shell, max_result_chars, extra, not no_builtin_tools, mcp_commands)
+        mcp_servers, tools = _tools_with_mcp(ws, shell, max_result_chars, extra, not no_builtin_tools, mcp_commands,
+                                            mcp_timeout)
         stack.callback(lambda: mcp_servers is not None and mcp_servers.close())  # every exit: servers ended
         engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
         agent = Agent(engine, tools, ws, make_approver(mode, interactive, explicit=approve is not None),
@@ -251,10 +255,10 @@ def agent_command(task: str | None, workspace: str | None, create_workspace: boo
 
 
 def _tools_with_mcp(ws: Any, shell: bool, max_result_chars: int, extra: Any, builtin: bool,
-                    mcp_commands: tuple[str, ...]) -> tuple[Any, Any]:
+                    mcp_commands: tuple[str, ...], mcp_timeout: float = 30.0) -> tuple[Any, Any]:
     """The MCP servers started (None: none asked for) and the toolbox with their tools; the servers stopped again
     when the toolbox cannot be built."""
-    mcp_servers, mcp_tools = start_mcp(mcp_commands)
+    mcp_servers, mcp_tools = start_mcp(mcp_commands, mcp_timeout)
     try:
         return mcp_servers, _toolbox(ws, shell, max_result_chars, extra, builtin, mcp_tools)
     except BaseException:

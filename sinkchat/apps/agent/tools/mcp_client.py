@@ -57,8 +57,9 @@ class McpServers:
     """The MCP servers of one agent run, connected on a background loop; `tools()` lists what they offer."""
 
     def __init__(self, commands: list[str], warn: Callable[[str], None] = log.warning,
-                 call_timeout: float = CALL_TIMEOUT) -> None:
+                 call_timeout: float = CALL_TIMEOUT, start_timeout: float = START_TIMEOUT) -> None:
         self.commands, self.warn, self.call_timeout = list(commands), warn, call_timeout
+        self.start_timeout = start_timeout
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="sinkchat-mcp", daemon=True)
         self.sessions: dict[str, Any] = {}  # command -> ClientSession
@@ -85,9 +86,9 @@ class McpServers:
         before = {p.pid for p in _children()}
         fut = asyncio.run_coroutine_threadsafe(self._open(cmd), self.loop)
         try:
-            listed = fut.result(START_TIMEOUT)
+            listed = fut.result(self.start_timeout)
         except FutureTimeout:
-            self.warn(f"MCP server '{cmd}' did not list its tools within {START_TIMEOUT:.0f} s; left out"
+            self.warn(f"MCP server '{cmd}' did not list its tools within {self.start_timeout:g} s; left out"
                       f"{self._where(cmd)}")
             self._cancel_last()
             return []
@@ -206,6 +207,15 @@ class McpServers:
         self.procs = []
         for f in self._errfiles.values():
             f.close()
+
+
+def _quiet_reaped(record: logging.LogRecord) -> bool:
+    """Drops asyncio's "Unknown child process pid N" warning: `end_processes` reaps a server it had to end, and the
+    SDK's child watcher then finds it gone (nothing the user can act on)."""
+    return not str(record.msg).startswith("Unknown child process pid")
+
+
+logging.getLogger("asyncio").addFilter(_quiet_reaped)
 
 
 def _children() -> list[Any]:
