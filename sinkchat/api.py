@@ -125,7 +125,8 @@ class Session:
 
     def generate(self, max_tokens: int | None = None, stop: Sequence[str] = (),
                  logits_processors: Sequence[Any] = (), **sampling: Any) -> str:
-        """Continue the stream from what is in the cache (after `feed`, a raw completion); returns the text."""
+        """Continue the stream from what is in the cache (after `feed`, a raw completion); returns the text, up to
+        the first of the `stop` strings (left out, as OpenAI's API leaves it out; the cache holds it)."""
         return "".join(self._tokens(max_tokens, tuple(stop), logits_processors, sampling))
 
     def _reply(self, **sampling: Any) -> Iterator[str]:
@@ -140,19 +141,26 @@ class Session:
     def _tokens(self, max_tokens: int | None, stop: tuple[str, ...], procs: Sequence[Any],
                 sampling: dict[str, Any]) -> Iterator[str]:
         from sinkchat.core.events import DoneEvent, EvictionEvent, TokenEvent
+        from sinkchat.core.stops import StopText
 
         unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
         if unknown:
             raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}; "
                               f"sampling: {', '.join(SAMPLING_KEYS)}, stop")
         cfg = replace(self.engine.sampling, **sampling) if sampling else None
+        out = StopText(stop)  # the stop string itself is left out of the text, as OpenAI's API does
         for ev in self.engine.generate(max_tokens, stop, cfg, logits_processors=procs):
             if isinstance(ev, TokenEvent) and ev.text:
-                yield ev.text
+                piece = out.add(ev.text)
+                if piece:
+                    yield piece
             elif isinstance(ev, EvictionEvent):
                 self.evictions += 1
             elif isinstance(ev, DoneEvent):
                 self.last_done = ev
+        rest = out.finish()
+        if rest:
+            yield rest
 
     def _drain(self, events: Iterator[Any]) -> None:
         from sinkchat.core.events import EvictionEvent

@@ -53,6 +53,24 @@ def test_chat_stream_feed_generate_stats(tiny_dir):
     assert st["evicted"] > 0 and st["evictions"] > 0 and st["cache_len"] <= 96
 
 
+def test_stop_strings_are_left_out_of_the_text(tiny_dir):
+    """`generate(stop=...)` and `chat(stop=...)` return the text up to the first stop string, without it (as OpenAI's
+    API and the server do); the same greedy reply without a stop shows where it would have been."""
+    whole = _load(tiny_dir, max_tokens=24)
+    whole.feed("a raw document to continue")
+    text = whole.generate()
+    assert len(text) >= 6, text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = _load(tiny_dir, max_tokens=24)
+    cut.feed("a raw document to continue")
+    assert cut.generate(stop=[stop]) == text[:text.find(stop)]
+    reply = _load(tiny_dir, max_tokens=24).chat("hello there")
+    assert len(reply) >= 6, reply
+    stop = reply[len(reply) // 2:len(reply) // 2 + 3]
+    pieces = list(_load(tiny_dir, max_tokens=24).stream("hello there", stop=[stop]))
+    assert "".join(pieces) == reply[:reply.find(stop)] and all(pieces)
+
+
 def test_save_and_resume_continue_exactly(tiny_dir, tmp_path):
     s = _load(tiny_dir)
     s.chat("remember the number seven")

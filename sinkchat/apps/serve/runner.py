@@ -25,7 +25,7 @@ from typing import Any, Callable
 from sinkchat.apps.serve.grammar import Constraint, GrammarError, compile_lark, schema_lark, tools_lark
 from sinkchat.apps.serve.requests import ApiError, ChatRequest, Msg, canonical_args
 from sinkchat.apps.serve.sessions import ServeSession, SessionStore, conversation_key, figures, mark, rollback
-from sinkchat.apps.serve.stops import StopText
+from sinkchat.core.stops import StopText
 from sinkchat.api import capture
 from sinkchat.errors import UserError
 

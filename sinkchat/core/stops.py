@@ -1,5 +1,5 @@
-"""The client's `stop` strings, applied to the reply as OpenAI and vLLM apply them: the text up to the first stop
-string, the stop string itself left out.
+"""A caller's `stop` strings, applied to the reply as OpenAI and vLLM apply them: the text up to the first stop
+string, the stop string itself left out (the server's replies and the Python API's `Session.generate` / `chat`).
 
 The engine stops generating at a stop string (it is in the text it decoded) but hands out everything it decoded, the
 stop string included, because the chat REPL shows it. A streamed reply cannot take back a delta once sent, so text
