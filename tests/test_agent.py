@@ -181,6 +181,7 @@ def test_compaction_keeps_the_next_delta_identical(bundled, tmp_path):
     assert closing + eng.conv.delta_for("user", "next") == full.delta_for("user", "next")
 
 
+@pytest.mark.slow  # the bundled model's agent turns, ~16 s idle; the agent CLI on it: test_soak's bundled agent soak
 def test_real_model_structural(bundled, tmp_path):
     """The bundled model on a simple task: the loop ends within max_steps and every step's result is fed back
     (what the model says is not asserted)."""

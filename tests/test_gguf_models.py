@@ -311,6 +311,7 @@ def test_full_file_metadata(full_file):
     assert meta["general.quantization_version"] == 2
 
 
+@pytest.mark.slow  # transformers' own load of a full file, ~10 s idle
 def test_full_file_loads_in_transformers(full_file):
     model, path = full_file
     loaded = gm.load_with_transformers(path)

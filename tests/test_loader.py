@@ -53,6 +53,7 @@ def test_the_packed_gguf_model_computes_with_the_files_own_weights(bundled):
     torch.testing.assert_close(q4.model.get_input_embeddings()(ids), want, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # nf4 quantizes the whole bundled model, ~10 s idle
 def test_nf4_quantizes_most_linear_weights(bundled_nf4):
     import bitsandbytes as bnb
 

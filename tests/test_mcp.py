@@ -80,6 +80,7 @@ def test_tools_listed_called_and_failing(server_cmd):
         servers.call(server_cmd, "port_of", {"service": "nginx"})
 
 
+@pytest.mark.slow  # a CLI agent run with an MCP server, ~10 s idle; also test_mcp_lifecycle's agent run
 def test_agent_cli_with_mcp_only(server_cmd, tmp_path):
     model = save_tiny_chat_model(tmp_path / "model")
     ws = tmp_path / "ws"

@@ -412,6 +412,7 @@ def _changelog(min_lines: int) -> tuple[str, list[bytes]]:
     pytest.skip("no Debian changelog with enough lines on this machine")
 
 
+@pytest.mark.slow  # the bundled model over a real changelog, ~8 s idle; a real log: the dpkg test
 def test_real_model_summarizes_a_debian_changelog_through_a_pipe():
     path, lines = _changelog(400)
     lines = lines[:120]
@@ -580,7 +581,8 @@ def _write_quietly(pipe, data: bytes) -> None:
         pass
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), pytest.param(signal.SIGINT, 130, marks=pytest.mark.slow)],
+                         ids=["sigterm", "ctrl-c"])  # ctrl-c: ~15 s idle, the same path as SIGTERM but for the signal
 def test_cli_stop_with_a_large_backlog_skips_it_and_exits_within_10s(tiny_dir, sig, code):
     """A stop must not feed the queued backlog first: with ~1 MB of binary lines queued it used to feed for minutes
     (tens of seconds on this tiny model) while a process manager sends SIGKILL after 10-90 s. Now: the final

@@ -20,7 +20,7 @@ def ppl_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("ppl")
     cmd = [sys.executable, "-m", "sinkchat.cli", "ppl", str(TEXT), "--cache", "128",
            "--policy", "sink", "--policy", "window", "--policy", "recompute", "--tokens", "1100", "--bin", "100",
-           "--recompute-every", "5", "--json", "--plot", str(out / "ppl.png")]
+           "--recompute-every", "10", "--json", "--plot", str(out / "ppl.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout), out
@@ -41,7 +41,7 @@ def test_window_collapses_after_first_eviction_and_sink_does_not(ppl_run):
 def test_sink_is_within_a_few_percent_of_recompute(ppl_run):
     summary, _ = ppl_run
     pols = summary["policies"]
-    assert summary["recompute_targets"] >= 200
+    assert summary["recompute_targets"] >= 100  # every 10th of 1,100: the oracle is ~80% of the run
     ratio = pols["sink"]["sampled_ppl"] / pols["recompute"]["sampled_ppl"]
     assert ratio < 1.05, ratio
     assert pols["window"]["sampled_ppl"] / pols["recompute"]["sampled_ppl"] > 1.3
@@ -79,7 +79,7 @@ def test_recompute_windows_start_with_the_bos_the_stream_starts_with():
 
 
 def test_the_table_shows_recompute_only_on_its_sample_and_the_last_bin_as_it_is(ppl_run):
-    """recompute scores every 5th target: its bins and overall figure cover a sample, so the table leaves them out
+    """recompute scores every 10th target: its bins and overall figure cover a sample, so the table leaves them out
     ("—") and shows it on the "sampled" row beside the others' figures on the same targets; the last bin is labelled
     with the targets it really holds (1,099 of 1,100 tokens: 1000-1099, not 1000-1100)."""
     from sinkchat.apps.evals.ppl import format_table

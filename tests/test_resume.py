@@ -40,6 +40,7 @@ def test_save_then_load_gives_the_same_next_reply(tmp_path):
     assert json.loads(b.stdout.splitlines()[-1])["answer"] == answer and answer.strip()
 
 
+@pytest.mark.slow  # two CLI runs on the bundled model, ~11 s idle
 def test_load_at_start_takes_a_json_transcript_too(tmp_path):
     t = tmp_path / "t.json"
     a = run_chat([], f"Name a color.\n/save {t}\n", tmp_path)

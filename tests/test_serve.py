@@ -358,6 +358,7 @@ def test_api_key_and_host_guard():
     assert out.returncode == 2 and "give --api-key" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # two real servers on the bundled model, ~13 s idle; the CLI's memory through a kill -9: test_memory_persist / test_resume
 def test_sessions_keep_their_own_recall_memory_through_a_kill_9(tmp_path):
     """--memory on: each session evicts into a memory of its own (its figures add up: evicted == held + forgotten),
     a stateless request's memory goes with it, and a server killed -9 and restarted continues a session with its

@@ -93,6 +93,7 @@ def test_bad_field_types_are_400s_naming_the_field(served):
     assert post(url, {**ok, "stream": False, "tools": None}).status_code == 200
 
 
+@pytest.mark.slow  # two real servers, ~16 s idle
 def test_going_back_after_a_session_is_reloaded(served, tmp_path):
     """A session dropped from RAM (--max-sessions 1, another session used) and one after a restart still go back
     to the common prefix when the last user turn is edited: cached_tokens is the shared prefix, no 409."""
@@ -151,6 +152,7 @@ def _stream_through_sigterm(url: str, proc: Any, body: dict[str, Any]) -> tuple[
     return box["lines"], box["end"] - sent
 
 
+@pytest.mark.slow  # waits out the 8 s cutoff on a real server, ~26 s idle; the drain on SIGTERM: test_serve's second-server test
 def test_sigterm_lets_a_stream_finish_or_ends_it_properly(served):
     _, model, home = served
     body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "stream": True,

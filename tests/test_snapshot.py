@@ -281,6 +281,7 @@ def test_corrupt_auto_snapshot_falls_back_to_rebuild(chat_parts, tmp_path):
     assert res.method == "rebuild" and "refused" in res.note and res.turns_replayed == 2
 
 
+@pytest.mark.slow  # the bundled model twice, ~9 s idle; the CLI's save / load: test_resume
 def test_bundled_save_load_next_greedy_reply_identical(bundled, tmp_path):
     """The issue's acceptance test: real model, small cache (evictions before the save), greedy."""
     samp = SamplingConfig(temperature=0.0, max_tokens=12)
@@ -335,6 +336,7 @@ print("FINISHED", flush=True)
 """
 
 
+@pytest.mark.slow  # a crashing bundled-model process, ~8 s idle; the CLI's kill -9 resume: test_resume
 def test_kill_9_mid_reply_then_resume(chat_parts, bundled, tmp_path):
     """Library-level crash test: a process is SIGKILLed mid-reply; every completed turn is in the log and the
     session resumes from its automatic snapshot (plus the turns logged after it)."""

@@ -76,6 +76,7 @@ def _no_gguf_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gguf, "GGUFReader", boom)
 
 
+@pytest.mark.slow  # gguf-py's full parse of the bundled file, ~12 s idle
 def test_inspect_reads_what_gguf_py_reads(tmp_path, monkeypatch):
     """`inspect` takes every value from the header scan, without gguf-py's parse: the architecture's fields
     (Gemma's window pattern, soft-capping, key length) and the rest equal gguf-py's `contents()`."""
@@ -120,6 +121,7 @@ def test_config_dict_is_transformers_own(tmp_path):
         assert gguf_meta.config_dict(path) == load_gguf_checkpoint(str(path), return_tensors=False)["config"], path
 
 
+@pytest.mark.slow  # two conversions of the bundled file, one through transformers' parse, ~13 s idle
 def test_first_start_parses_the_gguf_once_and_converts_the_same(tmp_path, cache, monkeypatch):
     """The bundled file's conversion without gguf-py's parse (it ran three times: 4.4 s twice in transformers and
     3.4 s in sinkchat's check) writes the very files transformers' own conversion wrote, byte for byte."""
