@@ -21,7 +21,8 @@ is meaningless, shapes, types and bytes are real). All kept under the user cache
 llama-bench on the 3B file once to show llama.cpp reads it.
 
 Measured (docs/gguf.md, busy 2-core box): every row passes; the thinnest margin is the 3B file's first start after
-loading, 2,100 MB against 2,133 (Q4_K held as q4k at 0.578 bytes a weight against the file's 0.5625: +36 MB).
+loading, 2,062 MB against 2,133 (2,100 while Q4_K's scales were held a byte each, 0.578 bytes a weight against the
+file's 0.5625; now the file's 144 bytes per 256).
 
 Usage: python benchmarks/gguf_memory.py [--file PATH ...] [--only-files] [--bundled] [--layers 28] [--check]
        [--json]

@@ -23,7 +23,11 @@ Rounds (`--rounds`, default 2): everything is measured that many times, alternat
 and each side keeps its best round (llama.cpp's round figure the mean of its 3 repetitions, sinkchat's one run; the
 bandwidth its best probe): other tenants of a shared host only slow a run down. The table shows the spread.
 
-Usage: python benchmarks/llamacpp_bench.py [--threads 1,2] [--big] [--rounds 2] [--json]
+`--bytes-only` skips the speed runs and prints the MB read a token at fill 512 alone (each file loaded once, no
+timing: the figure does not depend on the machine's load), also for any `--file PATH` given (repeatable); run it
+with `PYTHONPATH=<another checkout>` from outside this one to get that checkout's figures for a before / after table.
+
+Usage: python benchmarks/llamacpp_bench.py [--threads 1,2] [--big] [--rounds 2] [--json] [--bytes-only] [--file P]
 """
 
 from __future__ import annotations
@@ -203,6 +207,18 @@ def ratios(sc: dict[str, float], ll: dict[str, float], bw: float, sc_info: dict[
     return out
 
 
+def bytes_rows(model_list: list[Path]) -> list[dict[str, Any]]:
+    """The MB read a token at fill 512 on each side (`ratios`' column) without any timed run."""
+    rows = []
+    for model in model_list:
+        sc_info, ll_bytes = info(model), llama_weight_bytes(model)
+        kv = sc_info["kv_bytes_per_token_bf16"] * 512
+        rows.append({"model": model.name, "sinkchat_mb_per_token@512": (sc_info["weight_bytes"] + kv) / 1e6,
+                     "llama_mb_per_token@512": (ll_bytes + kv) / 1e6})
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    return rows
+
+
 def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Path) -> list[dict[str, Any]]:
     """`rounds` rounds, each measuring every (model, threads) pair once on both sides (llama.cpp first in even
     rounds, sinkchat first in odd ones) and the bandwidth, so a slow spell of the host lands on both sides; then
@@ -238,8 +254,17 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the ~1B random-weight Q4_0 and Q4_K_M files")
     ap.add_argument("--rounds", type=int, default=2, help="measure everything this many times; keep each best")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--bytes-only", action="store_true", help="only the MB read a token (no timed runs)")
+    ap.add_argument("--file", action="append", type=Path, default=[], help="another GGUF to measure (repeatable)")
     a = ap.parse_args()
-    rows = measure(models(a.big), [int(x) for x in a.threads.split(",")], max(1, a.rounds), lt.ensure_tools())
+    if a.bytes_only:
+        rows = bytes_rows(models(a.big) + a.file)
+        print(json.dumps(rows) if a.json else "\n".join(
+            ["| model | MB read a token sc / llama (fill 512) | ratio |", "|---|---|---|"]
+            + [f"| {r['model']} | {r['sinkchat_mb_per_token@512']:.1f} / {r['llama_mb_per_token@512']:.1f} | "
+               f"{r['sinkchat_mb_per_token@512'] / r['llama_mb_per_token@512']:.3f} |" for r in rows]))
+        return
+    rows = measure(models(a.big) + a.file, models(a.big), [int(x) for x in a.threads.split(",")], max(1, a.rounds), lt.ensure_tools())
     if a.json:
         print(json.dumps(rows))
         return

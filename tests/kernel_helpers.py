@@ -111,7 +111,7 @@ def q8g_case(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor,
 
 def k_case(layout: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """K-quant values over each field's whole range: q, d, dmin [N, K/256] (fp16 values of either sign, one
-    subnormal), sc, mn [N, K/sub] (q4k: per 32, unsigned; q8k: per 16, signed scales)."""
+    subnormal), sc, mn [N, K/sub] (q4k: per 32, 6-bit unsigned; q8k: per 16, signed scales)."""
     g = torch.Generator().manual_seed(seed)
     s = k // 256
     d = (torch.randn(n, s, generator=g) * 0.01).half().float()
@@ -121,7 +121,7 @@ def k_case(layout: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, ..
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
         sc = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
         mn = torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8)
-        sc[0, 0], mn[0, 1] = 255, 255  # the byte's extremes
+        sc[0, 0], mn[0, 1] = 63, 63  # the 6 bits' extremes (both planes' bits set)
         return q, d, dmin, sc, mn
     q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     q[:, 0], q[:, 1] = -128, 127  # the extremes of the +128 storage

@@ -1,4 +1,4 @@
-"""Q6_K at its own bits: the q6k layout (`native.pack_q6k`, csrc/kernels.h: sc_q6k_block / sc_q6k_scales), its
+"""Q6_K at its own bits: the q6k layout (`native.pack_q6k`, csrc/layouts.h: sc_q6k_block / sc_q6k_scales), its
 kernels (the q8 family's loops with the q6k_bytes weight-unpack step) and `Int6KLinear`.
 
 - The weights are the file's: `rows` / `dequantized` equal gguf-py's dequantize of random real blocks bit for bit,

@@ -138,7 +138,9 @@ def test_packing_refuses_what_the_kernels_cannot_take():
     with pytest.raises(ValueError, match="outside 0..15"):
         native.pack_q4k(q + 1, d, dmin, sc, mn)
     with pytest.raises(ValueError, match="outside torch.uint8"):
-        native.pack_q4k(q, d, dmin, sc.int() + 1, mn)
+        native.pack_q4k(q, d, dmin, sc.int() + 256, mn)
+    with pytest.raises(ValueError, match="outside 0..63"):
+        native.pack_q4k(q, d, dmin, sc, mn.int() + 1)  # mn[0, 1] is 63: Q4_K's 6 bits hold no 64
     with pytest.raises(ValueError, match="do not fit"):
         native.q4k_matmul(torch.randn(1, 256), *native.pack_q4k(q, d, dmin, sc, mn), None)
     q8, d, dmin, sc8, mn8 = _case("q8k", 32, 512)

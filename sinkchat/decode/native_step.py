@@ -30,6 +30,8 @@ import torch
 from sinkchat.model import int4
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.int5 import Int5KLinear, Int5Q0Linear, Int5Q1Linear
+from sinkchat.model.int8q0 import Int8Q0Linear
 from sinkchat.model.intk import Int4KLinear, Int6KLinear, Int8KLinear
 from sinkchat.kernels import native
 from sinkchat.decode.native_prefill import NativePrefill
@@ -42,8 +44,10 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
             "mlp.up_proj", "mlp.down_proj")
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}  # Phi-3: parts in this order along the rows
-_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3, "q40": 5, "q6k": 6}  # csrc/kernels.h: SC_LIN_Q4, .., _Q40, _Q6K
-_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear, Int4Q0Linear, Int6KLinear)  # one per layout above
+_LIN_TYPE = {"q4": 0, "q8g": 1, "q4k": 2, "q8k": 3, "q40": 5, "q6k": 6, "q80": 7, "q50": 8, "q51": 9,
+             "q5k": 10}  # csrc/kernels.h: SC_LIN_*
+_PACKED = (int4.Int4Linear, Int8GLinear, Int4KLinear, Int8KLinear, Int4Q0Linear, Int6KLinear, Int8Q0Linear,
+           Int5Q0Linear, Int5Q1Linear, Int5KLinear)  # one per layout above
 
 
 def why_not(model: Any, spec: ModelSpec) -> str | None:

@@ -29,22 +29,26 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-ABI = 11  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
+ABI = 12  # csrc/kernels.h: SC_ABI_VERSION (3: q8g weights; per-linear types, q/k norms, partial rotary in Model;
 #          4: the K-quant layouts q4k / q8k, lin_type 2 / 3; 5: the worker pool, sc_*_work(M, K, threads);
 #          6: sc_layers and sc_step_layers: per-layer RoPE / scale / cache slice, Gemma's norms, GELU, soft-cap;
 #          7: sc_silu, the MLP activation on its own exp; 8: Model.head / head_type, the head as any linear;
 #          9: sc_prefill's off (recalled memory slots before the stream) and last-row queries;
 #          10: the q40 layout (Q4_0 at its own 18 bytes: sc_q40_scales), lin_type 5, q40_matmul, sc_q40_work;
-#          11: sc_step / sc_step_layers' gauge [L][3]: the share on the recalled memory slots third)
+#          11: sc_step / sc_step_layers' gauge [L][3]: the share on the recalled memory slots third;
+#          12: sc_q4k_scales' sc / mn at 6 bits (lo nibbles + hi 2-bit planes: Q4_K's own 144 bytes per 256); the
+#              q80 layout (Q8_0 at its own 34 bytes: sc_q80_scales), lin_type 7, q80_matmul, sc_q80_work; the q5
+#              blocks (sc_q5_block: Q5_0 / Q5_1 / Q5_K at 5 bits), lin_type 8 / 9 / 10, q50 / q51 / q5k_matmul)
 KEY_VERSION = 4  # part of the cached library's name: bump to rebuild every cached copy (4: one per ISA variant)
 CSRC = Path(__file__).parent / "csrc"
 SHARED = ("linear.c", "step.c", "prefill.c", "pool.c", "api.c")  # every build: jobs, step, prefill, pool, entry points
 _V256 = ("matmul256.c", "matmul256_k.c", "attend256.c", *SHARED)
 SOURCES = {"avx512": ("matmul.c", "matmul_k.c", "attend.c", *SHARED), "avxvnni": _V256, "avx2": _V256,
            "neon": ("matmul_neon.c", "matmul_neon_k.c", "attend_neon.c", *SHARED), "ref": ("ref.c", *SHARED)}
-_H256 = ("kernels.h", "simd256.h", "rows256.h", "attend_v16.h")
-HEADERS = {"avx512": ("kernels.h", "simd512.h", "rows512.h", "attend_v16.h"), "avxvnni": _H256, "avx2": _H256,
-           "neon": ("kernels.h", "simd_neon.h", "rows_neon.h", "attend_v16.h"), "ref": ("kernels.h",)}
+_H256 = ("kernels.h", "layouts.h", "simd256.h", "rows256.h", "attend_v16.h")
+HEADERS = {"avx512": ("kernels.h", "layouts.h", "simd512.h", "rows512.h", "attend_v16.h"), "avxvnni": _H256,
+           "avx2": _H256, "neon": ("kernels.h", "layouts.h", "simd_neon.h", "rows_neon.h", "attend_v16.h"),
+           "ref": ("kernels.h", "layouts.h")}
 VARIANT_ID = {"ref": 0, "avx512": 1, "avx2": 2, "avxvnni": 3, "neon": 4}  # csrc/kernels.h: SC_VARIANT_*
 # -ffp-contract=off: the compiler fuses no multiply-add on its own, so the scalar reference and the vector code
 # round at the same places (ref.c) and the tests can hold them bit-exact. -fvisibility=hidden: only SC_API exports.
@@ -66,11 +70,13 @@ VARIANT_ID["avxvnni_evex"] = VARIANT_ID["avxvnni"]
 RG = 16  # output rows per register (the layouts' row interleave)
 QB = 32  # weights per quant block
 QK = 256  # weights per K-quant super-block (csrc/kernels.h: SC_QK)
-Q4K_SCALES = 2 * RG * 2 + 2 * 8 * RG  # sc_q4k_scales: fp16 d, dmin [16]; uint8 sc, mn [8][16]
+Q4K_SCALES = 2 * RG * 2 + 12 * RG  # sc_q4k_scales: fp16 d, dmin [16]; lo [8][16] (sc | mn << 4), hi [4][16] (2-bit)
 Q8K_SCALES = 2 * RG * 2 + 2 * 16 * RG  # sc_q8k_scales: fp16 d, dmin [16]; int8 sc, uint8 mn [16][16]
 Q40_SCALES = RG * 2  # sc_q40_scales: fp16 d [16] (Q4_0: no m)
 Q6K_BLOCK = QB * RG // 2 + QB * RG // 4  # sc_q6k_block: the q4 nibble tile, then 2 bit-planes of the high 2 bits
 Q6K_SCALES = RG * 2 + 16 * RG  # sc_q6k_scales: fp16 d [16]; int8 sc [16][16] (Q6_K: no dmin, mn)
+Q80_SCALES = RG * 2  # sc_q80_scales: fp16 d [16] (Q8_0: no m)
+Q5_BLOCK = QB * RG // 2 + QB * RG // 8  # sc_q5_block: the q4 nibble tile, then the bit-plane of the fifth bit
 
 P, I, Z, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_long
 
@@ -111,6 +117,10 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "sc_q8k_work": (Z, [I, I, I]),
     "sc_q40_work": (Z, [I, I, I]),
     "sc_q6k_work": (Z, [I, I, I]),
+    "sc_q80_work": (Z, [I, I, I]),
+    "sc_q50_work": (Z, [I, I, I]),
+    "sc_q51_work": (Z, [I, I, I]),
+    "sc_q5k_work": (Z, [I, I, I]),
     "sc_set_threads": (I, [I]),  # (n: 0 / 1 no pool) -> the pool's size now
     "sc_set_grain": (L, [L]),  # (bytes: a job under it runs on the caller alone; < 0 only asks) -> the previous
     "sc_set_deal": (I, [I]),  # (1: deal each job's chunks to every thread, 0: claimed; < 0 only asks) -> previous
@@ -123,6 +133,10 @@ API: dict[str, tuple[Any, list[Any]]] = {
     "q8k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, hw, sw, bias, y, work, work_size)
     "q40_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
     "q6k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
+    "q80_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, hw, sw, bias, y, work, work_size)
+    "q50_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),  # (x, M, K, N, qw, sw, bias, y, work, work_size)
+    "q51_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),
+    "q5k_matmul": (I, [P, I, I, I, P, P, P, P, P, Z]),
     "sc_attend": (I, [P, P, P, P, I, I, I, P, P, P]),  # (model, q, K, V, cap, pos, n_gauge, out, gauge, scores)
     "sc_step": (I, [P, P, I, I, P, P, I, P, P, P, P, Z]),  # (model, x, pos, n_gauge, keys, values, cap, out,
     #                                                        queries, gauge [L][3], work, work_size)
@@ -151,7 +165,8 @@ def layouts() -> dict[str, int]:
     return {"Model": ctypes.sizeof(StepModel), "sc_q4_block": QB * RG // 2, "sc_q4_scales": 2 * RG * 2,
             "sc_q8_block": QB * RG, "sc_q8g_scales": 4 * RG * 2, "sc_q4k_scales": Q4K_SCALES,
             "sc_q8k_scales": Q8K_SCALES, "sc_q40_scales": Q40_SCALES,
-            "sc_q6k_block": Q6K_BLOCK, "sc_q6k_scales": Q6K_SCALES, "sc_layers": ctypes.sizeof(StepLayers)}
+            "sc_q6k_block": Q6K_BLOCK, "sc_q6k_scales": Q6K_SCALES, "sc_q80_scales": Q80_SCALES,
+            "sc_q5_block": Q5_BLOCK, "sc_layers": ctypes.sizeof(StepLayers)}
 
 
 def signature(restype: Any, argtypes: list[Any]) -> str:

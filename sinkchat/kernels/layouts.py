@@ -1,7 +1,7 @@
-"""The weight layouts the native kernels read (csrc/kernels.h: sc_q4_block / sc_q4_scales, sc_q8_block, q8g's
+"""The weight layouts the native kernels read (csrc/layouts.h: sc_q4_block / sc_q4_scales, sc_q8_block, q8g's
 sc_q8_block / sc_q8g_scales, the K-quants' q4k / q8k: sc_q4k_scales, sc_q8k_scales, Q6_K's q6k: sc_q6k_block /
-sc_q6k_scales, and Q4_0's q40: sc_q4_block / sc_q40_scales): packing from integer values and scales, and unpacking
-rows back to fp32 in torch. Pure torch, no library: `native` re-exports every function here (`native.pack_q4`,
+sc_q6k_scales, Q4_0's q40: sc_q4_block / sc_q40_scales, and Q8_0's q80: sc_q8_block / sc_q80_scales; the q5 blocks:
+model/int5.py): packing from integer values and scales, and unpacking rows back to fp32 in torch. Pure torch, no library: `native` re-exports every function here (`native.pack_q4`,
 `native.pack_q8g`, `native.pack_q4k`, ...).
 """
 
@@ -16,7 +16,7 @@ from sinkchat.kernels.abi import Q4K_SCALES, Q6K_SCALES, Q8K_SCALES, QB, QK, RG
 
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q int [N, K] in 0..15, scale / zero [N, K/32] in torch's convention (w = (q - 8)·scale + zero) -> the
-    kernel's layout (csrc/kernels.h: sc_q4_block, sc_q4_scales): qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s,
+    kernel's layout (csrc/layouts.h: sc_q4_block, sc_q4_scales): qw uint8 [N/16, K/32, 4, 16, 4] (sub-block s,
     row r, byte t: q[r, 8s+t] low nibble, q[r, 8s+4+t] high nibble) and sw fp16 [N/16, K/32, 2, 16] (d = scale,
     m = zero - 8·scale: w = d·q + m).
 
@@ -112,6 +112,43 @@ def pack_q8g(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.T
     return hw, sw
 
 
+def pack_q80(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0 at its own bits: int8 q [N, K] and d [N, K/32] (fp16 values; stored fp16), w = d·q -> (hw,
+    sw): hw the q8 bytes (q + 128), uint8 [N/16, K/32, 8, 16, 4] (as `pack_q8g`), and sw fp16 [N/16, K/32, 16]
+    (sc_q80_scales: block b's d of rows 16g..16g+15). 32 + 2 bytes per row and 32 weights, the file's 34, where q8g
+    held 40 (d and m = 0 per 16); the kernels run q8g's loop with d for both halves and m = +0: q8g's bits."""
+    n, k = q.shape
+    if n % RG or k % QB or d.shape != (n, k // QB) or q.dtype != torch.int8:
+        raise ValueError(f"q80 weights {tuple(q.shape)} {q.dtype}, d {tuple(d.shape)}: want int8, N % {RG} == 0, "
+                         f"K % {QB} == 0, d [N, K/{QB}]")
+    sw = d.to(torch.float16).reshape(n // RG, RG, k // QB).permute(0, 2, 1)  # [g, b, r]
+    return _byte_blocks(q), sw.contiguous()
+
+
+def q80_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The weights of a `pack_q80` layout in fp32, [N, K] (or rows `rows` [n]: [n, K]; one row `rows` int: [1, K],
+    views, no gather): d·q in fp32, exact, as gguf-py's dequantize computes Q8_0 (bit for bit)."""
+    k = hw.shape[1] * QB
+    if isinstance(rows, int):
+        u, d = hw[rows // RG, :, :, rows % RG, :].reshape(1, k), sw[rows // RG, :, rows % RG].reshape(1, -1)
+    elif rows is None:
+        u = hw.permute(0, 3, 1, 2, 4).reshape(hw.shape[0] * RG, k)  # [N, K]: [g, r, b, s, t]
+        d = sw.permute(0, 2, 1).reshape(sw.shape[0] * RG, -1)  # [N, K/32]
+    else:
+        u, d = hw[rows // RG, :, :, rows % RG, :].reshape(len(rows), k), sw[rows // RG, :, rows % RG]
+    q = (u.to(torch.int16) - 128).float().reshape(u.shape[0], k // QB, QB)  # [n, K/32, 32]
+    return (d.float()[..., None] * q).reshape(u.shape)
+
+
+def q80_gguf_bytes(hw: torch.Tensor, sw: torch.Tensor) -> np.ndarray:
+    """A `pack_q80` layout back to the GGUF tensor's own bytes, uint8 [N, K/32 · 34] (per block: fp16 d, then the 32
+    int8 q in column order): every bit the file had, from what is held (tests, benchmarks)."""
+    n, nb = hw.shape[0] * RG, hw.shape[1]
+    q = (hw.permute(0, 3, 1, 2, 4).reshape(n, nb, QB) ^ 128)  # [N, K/32, 32]: q as a two's-complement byte
+    d = sw.permute(0, 2, 1).reshape(n, nb, 1).contiguous().view(torch.uint8)  # [N, K/32, 2]
+    return torch.cat([d, q], -1).reshape(n, nb * 34).numpy()
+
+
 def q8g_unpack(hw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | int | None = None) -> torch.Tensor:
     """The weights of a `pack_q8g` layout in fp32, [N, K] (or rows `rows` [n] only: [n, K]; one row `rows` int:
     [1, K]), from the bytes and scales directly: d·q is exact in fp32 (11 x 8 bits), so each weight is d·q + m
@@ -143,7 +180,7 @@ def q4_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = No
 
 
 def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4] (csrc/kernels.h: sc_q8_block [V/16][K/32]), padded to a
+    """int8 [V, K] -> uint8 (q + 128) [V/16, K/4, 16, 4] (csrc/layouts.h: sc_q8_block [V/16][K/32]), padded to a
     multiple of 16 rows with q = 0 (stored 128; their scale is 0, so they project to 0 and are cut off)."""
     v, k = q.shape
     pad = (-v) % RG
@@ -169,7 +206,7 @@ def _exact(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
 
 
 def _k_scales(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """Per-row super-block scales -> sc_q4k_scales / sc_q8k_scales as bytes, uint8 [N/16, K/256, size]: fp16 d[16],
+    """Per-row super-block scales -> sc_q8k_scales as bytes, uint8 [N/16, K/256, size]: fp16 d[16],
     dmin[16], then sc[j][16], mn[j][16] (j the sub-blocks of a super-block; sc, mn [N, K/256, j] one byte each)."""
     n, s, j = sc.shape
     f16 = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], -1)  # [N, S, 2]
@@ -191,17 +228,58 @@ def _check_k(name: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc
 
 def pack_q4k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's Q4_K held as it is: q [N, K] in 0..15, d and dmin [N, K/256] (fp32 holding fp16 values: stored
-    fp16), sc and mn [N, K/32] in 0..255 (6-bit in a file) -> (qw, sw): qw the q4 nibbles, uint8 [N/16, K/32, 4, 16,
-    4], and sw the sc_q4k_scales bytes, uint8 [N/16, K/256, 320]. w = (d·sc_j)·q − (dmin·mn_j) per 32 along K."""
+    """llama.cpp's Q4_K held at its own size: q [N, K] in 0..15, d and dmin [N, K/256] (fp32 holding fp16 values:
+    stored fp16), sc and mn [N, K/32] in 0..63 (Q4_K's 6 bits) -> (qw, sw): qw the q4 nibbles, uint8 [N/16, K/32, 4,
+    16, 4], and sw the sc_q4k_scales bytes, uint8 [N/16, K/256, 256]: fp16 d[16], dmin[16], then three uint32 words
+    a row, w[3][16], holding v = (sc_0..7, mn_0..7): v_k (k < 15) at bits 6(k % 5) of w[k / 5], v_15's bits 2i..2i+1
+    at bits 30..31 of w[i]. 144 bytes per row and 256 weights, the file's (ABI 11 held sc, mn a byte each: 148).
+    w = (d·sc_j)·q − (dmin·mn_j) per 32 along K."""
     _check_k("q4k", q, d, dmin, sc, mn, QB)
-    n, k = q.shape
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
         raise ValueError("q4k values outside 0..15")
+    return _nibble_blocks(q), q4k_scale_words(d, dmin, sc, mn)
+
+
+def q4k_scale_words(d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """d, dmin [N, K/256] and 6-bit sc, mn [N, K/32] -> the sc_q4k_scales bytes, uint8 [N/16, K/256, 256] (`pack_q4k`;
+    Q5_K's q5k takes the same)."""
+    n = d.shape[0]
     sc8, mn8 = _exact(sc, torch.uint8, "q4k sc"), _exact(mn, torch.uint8, "q4k mn")
-    sw = _k_scales(d, dmin, sc8.reshape(n, k // QK, 8), mn8.reshape(n, k // QK, 8))
+    if sc8.numel() and (int(sc8.max()) > 63 or int(mn8.max()) > 63):
+        raise ValueError("q4k sc / mn outside 0..63 (Q4_K's 6 bits)")
+    s = d.shape[1]
+    v = torch.cat([sc8.reshape(n, s, 8), mn8.reshape(n, s, 8)], -1).to(torch.int64)  # [N, S, 16]
+    words = torch.zeros(n, s, 3, dtype=torch.int64)
+    for i in range(15):
+        words[..., i // 5] |= v[..., i] << (6 * (i % 5))
+    for i in range(3):
+        words[..., i] |= ((v[..., 15] >> (2 * i)) & 3) << 30
+    w32 = words.to(torch.int32)  # the low 32 bits (two's complement: bit 31 as set)
+    f16 = torch.stack([d.to(torch.float16), dmin.to(torch.float16)], -1)  # [N, S, 2]
+    f16 = f16.reshape(n // RG, RG, s, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [g, S, 2, 32 bytes]
+    w32 = w32.reshape(n // RG, RG, s, 3).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [g, S, 3, 64 bytes]
+    sw = torch.cat([f16.reshape(n // RG, s, -1), w32.reshape(n // RG, s, -1)], -1).contiguous()
     assert sw.shape[-1] == Q4K_SCALES
-    return _nibble_blocks(q), sw
+    return sw
+
+
+def q4k_fields(sw: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """From sc_q4k_scales bytes [N/16, S, 256]: per row (all, or `rows` [n]) ds = d·sc and dm = dmin·mn, fp32 [n, S,
+    8] (products of an fp16 and a 6-bit integer: exact), the 6-bit values taken from the words as the kernels do."""
+    t = sw if rows is None else sw[rows // RG]  # [G or n, S, 256]
+    g, s = t.shape[:2]
+    f16 = t[..., : 4 * RG].contiguous().view(torch.float16).reshape(g, s, 2, RG).float()  # [., S, d|dmin, r]
+    w = t[..., 4 * RG :].contiguous().view(torch.int32).reshape(g, s, 3, RG).to(torch.int64) & 0xFFFFFFFF
+    v = [(w[:, :, i // 5] >> (6 * (i % 5))) & 63 for i in range(15)]  # [., S, r] each
+    v.append(sum(((w[:, :, i] >> 30) & 3) << (2 * i) for i in range(3)))
+    sc, mn = torch.stack(v[:8], 2).float(), torch.stack(v[8:], 2).float()  # [., S, j, r]
+    if rows is None:
+        f16, sc, mn = f16.permute(0, 3, 1, 2), sc.permute(0, 3, 1, 2), mn.permute(0, 3, 1, 2)  # [g, r, S, .]
+        f16, sc, mn = (x.reshape(g * RG, s, -1) for x in (f16, sc, mn))
+    else:
+        i, r = torch.arange(len(rows)), rows % RG
+        f16, sc, mn = f16[i, :, :, r], sc[i, :, :, r], mn[i, :, :, r]  # [n, S, .]
+    return f16[..., :1] * sc, f16[..., 1:] * mn
 
 
 def pack_q8k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
@@ -222,7 +300,7 @@ def pack_q8k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Ten
 
 def _k_fields(sw: torch.Tensor, rows: torch.Tensor | None, j: int, sc_dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """From sc_q4k_scales / sc_q8k_scales bytes [N/16, S, size]: per row (all, or `rows` [n]) ds = d·sc and dm =
+    """From sc_q8k_scales bytes [N/16, S, size]: per row (all, or `rows` [n]) ds = d·sc and dm =
     dmin·mn, fp32 [n, S, j] (products of an fp16 and a small integer: exact)."""
     t = sw if rows is None else sw[rows // RG]  # [G or n, S, size]
     g, s = t.shape[:2]
@@ -246,7 +324,7 @@ def q4k_unpack(qw: torch.Tensor, sw: torch.Tensor, rows: torch.Tensor | None = N
     else:
         b = qw[rows // RG, :, :, rows % RG, :]  # [n, K/32, s, t]
     q = torch.stack([b & 15, b >> 4], -2).float()  # [n, K/32, s, half, t]: column 8s + 4half + t of the block
-    ds, dm = _k_fields(sw, rows, 8, torch.uint8)  # [n, S, 8]
+    ds, dm = q4k_fields(sw, rows)  # [n, S, 8]
     q = q.reshape(b.shape[0], sw.shape[1], 8, QB)  # [n, S, j, 32]
     return (ds[..., None] * q - dm[..., None]).reshape(b.shape[0], qw.shape[1] * QB)
 

@@ -61,6 +61,7 @@ from sinkchat.kernels.layouts import (  # noqa: F401  (the binding's API: native
     pack_q4, pack_q4_dm, pack_q4k, pack_q40, pack_q8, pack_q8g, pack_q8k, q4_unpack, q4k_unpack, q40_gguf_bytes,
     q40_unpack, q8_rows, q8g_unpack, q8k_unpack)
 from sinkchat.kernels.layouts import pack_q6k, q6k_gguf_bytes, q6k_unpack  # noqa: F401  (the binding's API: q6k)
+from sinkchat.kernels.layouts import pack_q80, q80_gguf_bytes, q80_unpack  # noqa: F401  (the binding's API: q80)
 from sinkchat.kernels.variants import (  # noqa: F401  (the binding's API: native.unsupported, native.best, ...)
     CPU_FLAGS, SIMD, VARIANTS, best, lacks, unsupported)
 from sinkchat.kernels import variants as _variants
@@ -311,6 +312,28 @@ def q40_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.
 def q8g_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32 through `pack_q8g` weights (w = d·q + m per 16 along K), plus bias [N] if given."""
     return _packed_matmul("q8g", x, hw, sw, bias, (QB // 4, RG, 4), (2, 2, RG))
+
+
+def q80_matmul(x: torch.Tensor, hw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] fp32 through `pack_q80` weights (Q8_0: w = d·q per 32), plus bias [N] if given: the
+    same bits as `q8g_matmul` on the same tensor packed as q8g (d per 16, m = 0)."""
+    return _packed_matmul("q80", x, hw, sw, bias, (QB // 4, RG, 4), (RG,))
+
+
+def q50_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] through `int5.pack_q50` weights (Q5_0: w = d·(u − 16) per 32), + bias: q8g's bits."""
+    return _packed_matmul("q50", x, qw, sw, bias, (5, RG, 4), (RG,))
+
+
+def q51_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] through `int5.pack_q51` weights (Q5_1: w = d·u + m per 32), + bias: q8g's bits."""
+    return _packed_matmul("q51", x, qw, sw, bias, (5, RG, 4), (2, RG))
+
+
+def q5k_matmul(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] fp32 -> [M, N] through `int5.pack_q5k` weights (Q5_K: w = (d·sc_j)·u − dmin·mn_j per 32), + bias:
+    q8k's bits."""
+    return _k_matmul("q5k_matmul", x, qw, sw, bias, (5, RG, 4), abi.Q4K_SCALES)
 
 
 def _packed_matmul(name: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,

@@ -5,11 +5,11 @@ ever forming the weights in float.
 |---|---|---|---|---|---|
 | Q4_0 | 0..15 | 32 | d·(q−8) | q40 (`Int4Q0Linear`; torch's: q4, m = −8d): d alone | yes (fp16 d; −8d exact) |
 | Q4_1 | 0..15 | 32 | d·q + m | q4: d, m | yes |
-| Q4_K | 0..15 | 32 of 256 | (d·sc)·q − dmin·mn | q4k (`Int4KLinear`): fp16 d, dmin, integer sc, mn | yes |
-| Q8_0 | −127..127 | 32 | d·q | q8g (`Int8GLinear`): d, 0 per 16 | yes |
-| Q5_0 | −16..15 | 32 | d·q | q8g: d, 0 per 16 | yes |
-| Q5_1 | 0..31 | 32 | d·q + m | q8g: d, m per 16 | yes |
-| Q5_K | 0..31 | 32 of 256 | (d·sc)·q − dmin·mn | q8k (`Int8KLinear`) | yes |
+| Q4_K | 0..15 | 32 of 256 | (d·sc)·q − dmin·mn | q4k (`Int4KLinear`): fp16 d, dmin, 6-bit sc, mn (the file's 144 B) | yes |
+| Q8_0 | −127..127 | 32 | d·q | q80 (`Int8Q0Linear`: the file's 34 bytes; torch's: q4), else q8g: d, 0 per 16 | yes |
+| Q5_0 | −16..15 | 32 | d·q | q50 (`int5.Int5Q0Linear`: the file's 22 bytes), else q8g: d, 0 per 16 | yes |
+| Q5_1 | 0..31 | 32 | d·q + m | q51 (`int5.Int5Q1Linear`: the file's 24 bytes), else q8g: d, m per 16 | yes |
+| Q5_K | 0..31 | 32 of 256 | (d·sc)·q − dmin·mn | q5k (`int5.Int5KLinear`: the file's 176 bytes), else q8k | yes |
 | Q6_K | −32..31 | 16 of 256 | (d·sc)·q | q6k (`Int6KLinear`: the file's bytes), else q8k | yes |
 | F32 / F16 / BF16 | float | | w | q8g, absmax per 16 | no: within half a step (max abs w / 254 per 16) |
 

@@ -4,10 +4,11 @@ copy on disk.
 Each tensor's bytes are read with plain reads (not the mmap: mapped pages that were touched count as resident until
 unmapped, which would double the peak), taken apart by `gguf_blocks` into the integers and scales its type holds,
 and packed for the kernels at once: for the native kernels Q4_0 into `Int4Q0Linear` ("q40": its own 18 bytes a
-block), Q4_K / Q5_K / Q6_K into `Int4KLinear` / `Int8KLinear` ("q4k" / "q8k"), Q4_1 into `Int4Linear` ("q4") and
-Q8_0 / Q5_0 / Q5_1 into `Int8GLinear` ("q8g"); for torch's, the 4-bit types into `Int4Linear`. The token table is
-packed the same way and serves both the embedding lookups (rows unpacked on demand) and, when tied, the output head.
-Norms and biases are read as fp32.
+block), Q8_0 into `Int8Q0Linear` ("q80": its own 34), Q5_0 / Q5_1 / Q5_K into `Int5Q0Linear` / `Int5Q1Linear` /
+`Int5KLinear` ("q50" / "q51" / "q5k": their own 22 / 24 / 176), Q4_K / Q6_K into `Int4KLinear` / `Int6KLinear`
+("q4k" / "q6k"), Q4_1 into `Int4Linear` ("q4") and the float types into `Int8GLinear` ("q8g"); for torch's, the
+4-bit types into `Int4Linear`. The token table is packed the same way and serves both the embedding lookups (rows
+unpacked on demand) and, when tied, the output head. Norms and biases are read as fp32.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs neighbouring dims; transformers'
 pairs halves); rows are whole quant blocks, so undoing that is a row permutation of the packed integers and scales.
@@ -28,6 +29,8 @@ from sinkchat.model import gguf_blocks, int4
 from sinkchat.model.gguf_file import GGUFError, TensorInfo
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.int5 import Int5KLinear, Int5Q0Linear, Int5Q1Linear
+from sinkchat.model.int8q0 import Int8Q0Linear
 from sinkchat.model.intk import Int4KLinear, Int6KLinear, Int8KLinear
 
 log = logging.getLogger(__name__)
@@ -117,12 +120,23 @@ def module_of(f: Any, t: TensorInfo, kernels: str, rows: slice | None = None, he
         cls = Int4KLinear if k.layout == "q4k" else Int8KLinear
         if t.qtype == gguf_blocks.T.Q6_K:  # Q6_K at its own 210 bytes per 256 (intk: Int6KLinear)
             cls = Int6KLinear
+        elif t.qtype == gguf_blocks.T.Q5_K:  # Q5_K at its own 176 bytes per 256 (int5: Int5KLinear)
+            cls = Int5KLinear
         return cls.from_values(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
     p = parts_of(f, t, rows)
-    if kernels == "native" and t.qtype == gguf_blocks.T.Q4_0:  # Parts' m is -8·d, formed by the kernel instead
-        q, d = (_unpermute(a, heads) if heads else a for a in (p.q, p.d))
-        return Int4Q0Linear.from_values(torch.from_numpy(np.ascontiguousarray(q)),
-                                        torch.from_numpy(np.ascontiguousarray(d)))
+    if kernels == "native" and t.qtype in (gguf_blocks.T.Q4_0, gguf_blocks.T.Q8_0):  # d alone, as the file holds it
+        q, d = (_unpermute(a, heads) if heads else a for a in (p.q, p.d))  # Q4_0's m is -8·d, Q8_0's 0
+        if t.qtype == gguf_blocks.T.Q4_0:
+            return Int4Q0Linear.from_values(torch.from_numpy(np.ascontiguousarray(q)),
+                                            torch.from_numpy(np.ascontiguousarray(d)))
+        return Int8Q0Linear.from_values(torch.from_numpy(np.ascontiguousarray(q)),  # Parts' d per 16: one a block
+                                        torch.from_numpy(np.ascontiguousarray(d[:, ::2])))
+    if kernels == "native" and t.qtype in (gguf_blocks.T.Q5_0, gguf_blocks.T.Q5_1):  # their own 22 / 24 bytes
+        q, d, m = (torch.from_numpy(np.ascontiguousarray(_unpermute(a, heads) if heads else a))
+                   for a in (p.q, p.d, p.m))
+        if t.qtype == gguf_blocks.T.Q5_0:
+            return Int5Q0Linear.from_values(q, d)
+        return Int5Q1Linear.from_values(q, d, m)
     if heads:
         p = gguf_blocks.Parts(p.layout, _unpermute(p.q, heads), _unpermute(p.d, heads), _unpermute(p.m, heads))
     return pack(p, kernels)

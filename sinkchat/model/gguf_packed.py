@@ -30,15 +30,20 @@ from sinkchat.model import int4, intk
 from sinkchat.model.gguf_load import PackedEmbedding, skeleton
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
+from sinkchat.model.int5 import Int5KLinear, Int5Q0Linear, Int5Q1Linear
+from sinkchat.model.int8q0 import Int8Q0Linear
 from sinkchat.model.q4load import read_tensors
 
 log = logging.getLogger(__name__)
 
-VERSION = 3  # 2: Q4_0 held as q40 (`Int4Q0Linear`, 18 bytes a block), no longer as q4: a v1 cache is not read;
-#             3: Q6_K may be held as q6k (`Int6KLinear`, its own 210 bytes per 256) where v2 held q8k
+VERSION = 4  # 2: Q4_0 held as q40 (`Int4Q0Linear`, 18 bytes a block), no longer as q4: a v1 cache is not read;
+#             3: Q6_K may be held as q6k (`Int6KLinear`, its own 210 bytes per 256) where v2 held q8k;
+#             4: q4k's scales at 6 bits (256 bytes per 16 rows x 256, v3: 320), Q8_0 as q80 (`Int8Q0Linear`),
+#                Q5_0 / Q5_1 / Q5_K as q50 / q51 / q5k (`int5`) where v3 held q8g / q8k
 CLASSES: dict[str, type[nn.Module]] = {c.__name__: c for c in (int4.Int4Linear, Int8GLinear, int4.Int8Table,
                                                                 intk.Int4KLinear, intk.Int8KLinear, Int4Q0Linear,
-                                                                intk.Int6KLinear)}
+                                                                intk.Int6KLinear, Int8Q0Linear, Int5Q0Linear,
+                                                                Int5Q1Linear, Int5KLinear)}
 
 
 def weights_name(kernels: str) -> str:

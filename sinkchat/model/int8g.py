@@ -7,6 +7,8 @@ holds all of them exactly, so a GGUF of mixed types loads without re-quantizing 
 (`native.q8g_matmul`, csrc/matmul.c) runs them all: twice the bytes of q4, ~the same arithmetic per weight.
 
 The loader builds these with `Int8GLinear.from_values`; an embedding table stored the same way is read with `rows`.
+On the native kernels Q8_0 now has its own layout at the file's 34 bytes a block (`int8q0.Int8Q0Linear`, "q80", the
+same output bits) and Q4_K / Q5_K / Q6_K theirs (`intk`); q8g holds Q5_0, Q5_1 and the float types.
 """
 
 from __future__ import annotations

@@ -5,12 +5,14 @@ Why: a K-quant (Q4_K, Q5_K, Q6_K) scales each 32 or 16 weights by d·sc_j, d an 
 8-bit integer (Q4_K / Q5_K also subtract dmin·mn_j). The q4 / q8g layouts keep an fp16 (d, m) pair per 32 / 16
 weights instead: the products rounded to fp16 (up to half an fp16 ulp off the file's weights), and more bytes than
 the file: q4 0.625 bytes a weight against Q4_K's 0.5625, q8g 1.25 against Q6_K's 0.82, so a 3B Q4_K_M model missed
-its memory bound (RSS ≤ 1.1 × file + 150 MB). These keep the file's integers and fp16 super-block scales (q4k 0.578
-bytes a weight, q8k 1.14) and the kernels (`native.q4k_matmul`, `native.q8k_matmul`: csrc/matmul_k.c) form d·sc_j
-in fp32, where it is exact: `dequantized` / `rows` equal gguf-py's dequantize bit for bit.
+its memory bound (RSS ≤ 1.1 × file + 150 MB). These keep the file's integers and fp16 super-block scales (q4k
+0.5625 bytes a weight, Q4_K's own 144 per 256: its 6-bit scales and mins in three 32-bit words a row, csrc/kernels.h;
+ABI 11 held them a byte each, 0.578; q8k 1.14) and the kernels (`native.q4k_matmul`, `native.q8k_matmul`:
+csrc/matmul_k.c) form d·sc_j in fp32, where it is exact: `dequantized` / `rows` equal gguf-py's dequantize bit for
+bit.
 
 - `Int4KLinear`: Q4_K. Buffers `qw` (the q4 nibbles, uint8 [N/16, K/32, 4, 16, 4]) and `sw` (sc_q4k_scales bytes,
-  uint8 [N/16, K/256, 320]).
+  uint8 [N/16, K/256, 256]: fp16 d, dmin, then the 6-bit sc, mn as three words a row).
 - `Int8KLinear`: Q5_K (q 0..31, each 32-weight scale and min given for both 16-halves) and Q6_K (q −32..31, int8 scale
   per 16, dmin = mn = 0). Buffers `hw` (q + 128, uint8 [N/16, K/32, 8, 16, 4]) and `sw` (sc_q8k_scales bytes, uint8
   [N/16, K/256, 576]).

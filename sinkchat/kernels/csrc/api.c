@@ -15,6 +15,10 @@ size_t sc_q4k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q4K, M
 size_t sc_q8k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q8K, M, K, slots_of(threads)); }
 size_t sc_q40_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q40, M, K, slots_of(threads)); }
 size_t sc_q6k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q6K, M, K, slots_of(threads)); }
+size_t sc_q80_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q80, M, K, slots_of(threads)); }
+size_t sc_q50_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q50, M, K, slots_of(threads)); }
+size_t sc_q51_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q51, M, K, slots_of(threads)); }
+size_t sc_q5k_work(int M, int K, int threads) { return sc_lin_work(SC_LIN_Q5K, M, K, slots_of(threads)); }
 
 // ---- kernels ---------------------------------------------------------------------------------------------------
 // Each takes the caller's work buffer of at least its sc_*_work bytes for one thread (or NULL: allocated and freed
@@ -63,6 +67,26 @@ int q6k_matmul(const float* x, int M, int K, int N, const sc_q6k_block* qw, cons
     return run_lin(&(sc_lin){SC_LIN_Q6K, N, qw, sw, bias, y}, x, M, K, work, work_size);
 }
 
+int q80_matmul(const float* x, int M, int K, int N, const sc_q8_block* hw, const sc_q80_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q80, N, hw, sw, bias, y}, x, M, K, work, work_size);
+}
+
+int q50_matmul(const float* x, int M, int K, int N, const sc_q5_block* qw, const sc_q80_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q50, N, qw, sw, bias, y}, x, M, K, work, work_size);
+}
+
+int q51_matmul(const float* x, int M, int K, int N, const sc_q5_block* qw, const sc_q4_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q51, N, qw, sw, bias, y}, x, M, K, work, work_size);
+}
+
+int q5k_matmul(const float* x, int M, int K, int N, const sc_q5_block* qw, const sc_q4k_scales* sw, const float* bias,
+               float* y, void* work, size_t work_size) {
+    return run_lin(&(sc_lin){SC_LIN_Q5K, N, qw, sw, bias, y}, x, M, K, work, work_size);
+}
+
 // g = silu(g) * u over n elements (the MLP's activation, as the step and the prefill run it).
 int sc_silu(float* g, const float* u, size_t n) {
     sc_silu_mul(g, u, n);
@@ -94,6 +118,8 @@ long sc_sizeof(const char* type) {
              {"sc_q40_scales", sizeof(sc_q40_scales)},
              {"sc_q6k_block", sizeof(sc_q6k_block)},
              {"sc_q6k_scales", sizeof(sc_q6k_scales)},
+             {"sc_q80_scales", sizeof(sc_q80_scales)},
+             {"sc_q5_block", sizeof(sc_q5_block)},
              {"sc_layers", sizeof(sc_layers)}};
     for (size_t i = 0; i < sizeof t / sizeof t[0]; i++)
         if (!strcmp(type, t[i].name)) return (long)t[i].size;

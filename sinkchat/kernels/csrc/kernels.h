@@ -1,7 +1,7 @@
 // The C side of sinkchat's kernels as the binding (sinkchat/kernels/native.py) sees it: the ABI version, the typed
-// weight layouts, the decode step's Model, the caller-owned work buffers, the exported functions (with their
-// signatures spelled once, here, so the binding can check its ctypes declarations against them at load), and the
-// internal interface that each variant implements.
+// weight layouts (layouts.h), the decode step's Model, the caller-owned work buffers, the exported functions (with
+// their signatures spelled once, here, so the binding can check its ctypes declarations against them at load), and
+// the internal interface that each variant implements.
 //
 // One build per variant links the same shared code (linear.c, step.c, pool.c, api.c) to that variant's kernels:
 // avx512 (matmul.c, matmul_k.c, attend.c: AVX-512 VNNI, -march=native), avx2 and avxvnni (matmul256.c,
@@ -16,10 +16,7 @@
 #include <string.h>
 
 // Bump on any change to an exported signature, the Model struct or a layout: the binding refuses another number.
-#define SC_ABI_VERSION 11  // 11: sc_step / sc_step_layers' gauge [L][3] (the recalled slots' share third)
-
-#define QB 32  // weights per quant block
-#define RG 16  // rows per group: one 512-bit lane per row
+#define SC_ABI_VERSION 12  // 12: sc_q4k_scales at 6 bits (Q4_K's 144 bytes per 256), the q80 layout
 
 #define SC_API __attribute__((visibility("default")))  // everything else is hidden (-fvisibility=hidden)
 
@@ -29,96 +26,7 @@
 #define SC_EWORK (-2)   // the work buffer given is smaller than the sc_*_work function says
 #define SC_EARG (-3)    // arguments out of range (sc_prefill: rows or slots outside the cache)
 
-// ---- typed layouts (ggml style): what native.pack_q4 / pack_q8 write, one struct per 32 weights x 16 rows ------
-
-// 4-bit weights of rows 16g..16g+15, columns 32b..32b+31: q[s][r][t] holds w[r, 32b+8s+t] in its low nibble and
-// w[r, 32b+8s+4+t] in its high one. A row group is [K/32] of these (qw [N/16][K/32]).
-typedef struct {
-    uint8_t q[4][RG][4];
-} sc_q4_block;
-// Their fp16 scales: w = d[r]*q + m[r] (sw [N/16][K/32], parallel to qw).
-typedef struct {
-    uint16_t d[RG], m[RG];
-} sc_q4_scales;
-// 8-bit table rows 16g..16g+15, columns 32b..32b+31, stored q+128: q[s][r][t] is w[r, 32b+4s+t] (hw [N/16][K/32]).
-typedef struct {
-    uint8_t q[QB / 4][RG][4];
-} sc_q8_block;
-
-// The q8g layout's fp16 scales (llama.cpp's Q8_0, Q5_0, Q5_1, Q5_K, Q6_K held exactly): the block's bytes are an
-// sc_q8_block (q + 128), and every 16 weights along K of a row have their own d and m: w = d*q + m, index 0 for
-// columns 32b..32b+15 (sub-blocks s = 0..3), 1 for 32b+16..32b+31 (s = 4..7). sw [N/16][K/32], parallel to hw.
-typedef struct {
-    uint16_t d[2][RG], m[2][RG];
-} sc_q8g_scales;
-
-// q40 (llama.cpp's Q4_0 at its own 18 bytes per 32 weights): the nibbles are sc_q4_blocks (qw [N/16][K/32], as q4)
-// and each block of 32 of a row has one fp16 d, w = d*(q - 8): no m is stored; the kernels form m = -8*d in fp32
-// (exact: a power-of-two multiple of an fp16), the very value q4 held for a Q4_0 tensor, so the two give the same
-// bits. sw [N/16][K/32], parallel to qw: 16 + 2 bytes per row and 32 weights, Q4_0's 0.5625 bytes a weight.
-typedef struct {
-    uint16_t d[RG];
-} sc_q40_scales;
-
-_Static_assert(sizeof(sc_q4_block) == QB * RG / 2, "q4 block: 16 rows x 32 nibbles, no padding");
-_Static_assert(sizeof(sc_q4_scales) == 2 * RG * sizeof(uint16_t), "q4 scales: 16 fp16 d then 16 fp16 m");
-_Static_assert(sizeof(sc_q40_scales) == RG * sizeof(uint16_t), "q40 scales: 16 fp16 d, no m");
-_Static_assert(sizeof(sc_q8_block) == QB * RG, "q8 block: 16 rows x 32 bytes, no padding");
-_Static_assert(sizeof(sc_q8g_scales) == 4 * RG * sizeof(uint16_t), "q8g scales: 2x16 fp16 d then 2x16 fp16 m");
-_Static_assert(offsetof(sc_q8g_scales, m) == 2 * RG * sizeof(uint16_t), "q8g scales: m follows d, no padding");
-_Static_assert(sizeof(sc_q4_block) % 64 == 0 && sizeof(sc_q8_block) % 64 == 0, "blocks are whole 512-bit loads");
-
-// ---- K-quant layouts: llama.cpp's Q4_K / Q5_K / Q6_K with the file's own scales -----------------------------------
-// A K-quant super-block is 256 weights along K with fp16 d (and dmin) and small integer scales per sub-block:
-// w = (d*sc_j)*q - (dmin*mn_j). Stored as the file stores them (not as fp16 products, which round: d has an 11-bit
-// mantissa, sc up to 8 bits) and multiplied in fp32 in the kernel, where d*sc and dmin*mn are exact. K % 256 == 0.
-#define SC_QK 256  // weights per super-block
-
-// q4k: the nibbles are sc_q4_blocks (qw [N/16][K/32], as q4); per 16 rows x 256 columns one of these (sw
-// [N/16][K/256]): sub-block j (32 weights, columns 32j..32j+31 of the super-block) of row r has scale sc[j][r] and
-// min mn[j][r] (6-bit, unsigned). 320 bytes per 4096 weights: 0.578 bytes a weight with the nibbles (Q4_K: 0.5625).
-typedef struct {
-    uint16_t d[RG], dmin[RG];
-    uint8_t sc[8][RG], mn[8][RG];
-} sc_q4k_scales;
-
-// q8k: the bytes are sc_q8_blocks (hw [N/16][K/32], q + 128, as q8g); per 16 rows x 256 columns one of these (sw
-// [N/16][K/256]) with a signed scale and unsigned min per 16 weights (j = 0..15: columns 16j..16j+15). Q6_K: its own
-// int8 scales, dmin = 0, mn = 0; Q5_K: each 32-weight scale / min on both of its 16-halves.
-typedef struct {
-    uint16_t d[RG], dmin[RG];
-    int8_t sc[16][RG];
-    uint8_t mn[16][RG];
-} sc_q8k_scales;
-
-_Static_assert(sizeof(sc_q4k_scales) == 4 * RG + 16 * RG, "q4k scales: 2x16 fp16, then 2x8x16 bytes, no padding");
-_Static_assert(offsetof(sc_q4k_scales, sc) == 2 * RG * sizeof(uint16_t), "q4k scales: sc follows d, dmin");
-_Static_assert(offsetof(sc_q4k_scales, mn) == 2 * RG * sizeof(uint16_t) + 8 * RG, "q4k scales: mn follows sc");
-_Static_assert(sizeof(sc_q8k_scales) == 4 * RG + 32 * RG, "q8k scales: 2x16 fp16, then 2x16x16 bytes, no padding");
-_Static_assert(offsetof(sc_q8k_scales, sc) == 2 * RG * sizeof(uint16_t), "q8k scales: sc follows d, dmin");
-_Static_assert(offsetof(sc_q8k_scales, mn) == 2 * RG * sizeof(uint16_t) + 16 * RG, "q8k scales: mn follows sc");
-_Static_assert(sizeof(sc_q4k_scales) % 64 == 0 && sizeof(sc_q8k_scales) % 64 == 0, "scales keep 64-byte strides");
-
-// q6k (llama.cpp's Q6_K at its own 210 bytes per 256 weights, where q8k takes 292): per 16 rows x 32 columns the
-// low 4 bits of u = q + 32 (0..63) as an sc_q4_block's nibbles (q), then the high 2 bits as two bit-planes laid over
-// the same [row][byte] tiles: bits 2i..2i+1 of h[p][r][t] are those of w[r, 32b + 4(4p + i) + t], i.e. of the q8
-// layout's sub-block s = 4p + i (byte t), so plane p is half block p. The kernels rebuild q8k's bytes q + 128 = u + 96
-// in registers (rows512.h: the weight-unpack step; avx2 dots u itself and takes 32, not 128, x the sum of x off: the
-// same exact integer) and run q8k's loop and float steps: every output has q8k's bits.
-typedef struct {
-    uint8_t q[4][RG][4];  // sc_q4_block's nibbles: low bits of w[r, 32b+8s+t] (low nibble), w[r, 32b+8s+4+t] (high)
-    uint8_t h[2][RG][4];  // the high 2 bits, four sub-blocks a byte
-} sc_q6k_block;
-// Per 16 rows x 256 columns (sw [N/16][K/256]): fp16 d and the file's int8 scale per 16 weights (j: columns
-// 16j..16j+15). No dmin / mn (Q6_K has none): 288 bytes, so blocks + scales are the file's 210 bytes a row and 256.
-typedef struct {
-    uint16_t d[RG];
-    int8_t sc[16][RG];
-} sc_q6k_scales;
-_Static_assert(offsetof(sc_q6k_block, h) == sizeof(sc_q4_block), "q6k block: the q4 nibble tile, then the planes");
-_Static_assert(sizeof(sc_q6k_block) == 6 * 64, "q6k block: 16 rows x 32 x 6 bits, whole 512-bit loads");
-_Static_assert(sizeof(sc_q6k_scales) == 2 * RG + 16 * RG, "q6k scales: 16 fp16 d, then 16x16 int8 sc, no padding");
-_Static_assert(8 * sizeof(sc_q6k_block) + sizeof(sc_q6k_scales) == RG * 210, "q6k: Q6_K's 210 bytes a row and 256");
+#include "layouts.h"  // the typed weight layouts
 
 // ---- the decode step's model (native.StepModel mirrors it; the binding checks its size and every offset) -----
 // Kinds of a linear (Model.lin_type).
@@ -128,6 +36,10 @@ _Static_assert(8 * sizeof(sc_q6k_block) + sizeof(sc_q6k_scales) == RG * 210, "q6
 #define SC_LIN_Q8K 3  // lin triple: (sc_q8_block*, sc_q8k_scales*, bias)
 #define SC_LIN_Q40 5  // lin triple: (sc_q4_block*, sc_q40_scales*, bias) (4 is SC_LIN_TABLE, linear.c's own)
 #define SC_LIN_Q6K 6  // lin triple: (sc_q6k_block*, sc_q6k_scales*, bias)
+#define SC_LIN_Q80 7  // lin triple: (sc_q8_block*, sc_q80_scales*, bias)
+#define SC_LIN_Q50 8  // lin triple: (sc_q5_block*, sc_q80_scales*, bias)
+#define SC_LIN_Q51 9  // lin triple: (sc_q5_block*, sc_q4_scales*, bias)
+#define SC_LIN_Q5K 10 // lin triple: (sc_q5_block*, sc_q4k_scales*, bias)
 
 typedef struct {
     int n_layers, dim, n_heads, n_kv, head_dim, inter, vocab, kv_bf16;  // vocab: padded to 16
@@ -271,12 +183,15 @@ typedef struct {
 #define SC_ACC (RG * SC_MB)  // floats of one thread's prefill accumulators, any layout
 _Static_assert(SC_ACC == 2 * RG * SC_MB8 && SC_ACC * sizeof(float) % 64 == 0, "one accumulator size, 64-byte pieces");
 
-static inline int sc_lin_pass(int type) {  // rows per prefill pass (the table keeps no accumulators: all rows)
-    if (type == SC_LIN_Q6K) return SC_MB8;  // q8k's loop
-    return type == SC_LIN_Q8G || type == SC_LIN_Q8K ? SC_MB8 : type == SC_LIN_TABLE ? 1 << 30 : SC_MB;
+static inline int sc_lin_8bit(int type) {  // the layouts on the 8-bit loops (q6k, q5k: q8k's; q80, q50, q51: q8g's)
+    return type == SC_LIN_Q8G || type == SC_LIN_Q8K || type == SC_LIN_Q6K || type == SC_LIN_Q80 || type == SC_LIN_Q50 ||
+           type == SC_LIN_Q51 || type == SC_LIN_Q5K;
 }
-static inline int sc_lin_act(int type) {  // q6k runs q8k's loop: its per-16 sums too
-    return type == SC_LIN_Q8G || type == SC_LIN_Q8K || type == SC_LIN_Q6K ? SC_ACT_16 : 0;
+static inline int sc_lin_pass(int type) {  // rows per prefill pass (the table keeps no accumulators: all rows)
+    return sc_lin_8bit(type) ? SC_MB8 : type == SC_LIN_TABLE ? 1 << 30 : SC_MB;
+}
+static inline int sc_lin_act(int type) {  // the 8-bit loops read the per-16 sums too
+    return sc_lin_8bit(type) ? SC_ACT_16 : 0;
 }
 
 // Quantize x [M][K] into a (and the sums `what` asks for).
@@ -303,6 +218,10 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(size_t, sc_q8k_work, int, int, int)                                                                              \
     X(size_t, sc_q40_work, int, int, int)                                                                              \
     X(size_t, sc_q6k_work, int, int, int)                                                                              \
+    X(size_t, sc_q80_work, int, int, int)                                                                              \
+    X(size_t, sc_q50_work, int, int, int)                                                                              \
+    X(size_t, sc_q51_work, int, int, int)                                                                              \
+    X(size_t, sc_q5k_work, int, int, int)                                                                              \
     X(int, sc_set_threads, int)                                                                                        \
     X(long, sc_set_grain, long)                                                                                        \
     X(int, sc_set_deal, int)                                                                                           \
@@ -320,6 +239,14 @@ static inline int sc_head_bad(const Model* m) { return (m->table || m->head) && 
     X(int, q40_matmul, const float*, int, int, int, const sc_q4_block*, const sc_q40_scales*, const float*, float*,    \
       void*, size_t)                                                                                                   \
     X(int, q6k_matmul, const float*, int, int, int, const sc_q6k_block*, const sc_q6k_scales*, const float*, float*,  \
+      void*, size_t)                                                                                                   \
+    X(int, q80_matmul, const float*, int, int, int, const sc_q8_block*, const sc_q80_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q50_matmul, const float*, int, int, int, const sc_q5_block*, const sc_q80_scales*, const float*, float*,    \
+      void*, size_t)                                                                                                   \
+    X(int, q51_matmul, const float*, int, int, int, const sc_q5_block*, const sc_q4_scales*, const float*, float*,     \
+      void*, size_t)                                                                                                   \
+    X(int, q5k_matmul, const float*, int, int, int, const sc_q5_block*, const sc_q4k_scales*, const float*, float*,    \
       void*, size_t)                                                                                                   \
     X(int, sc_attend, const Model*, const float*, const void*, const void*, int, int, int, float*, float*, float*)     \
     X(int, sc_step, const Model*, const float*, int, int, void* const*, void* const*, int, float*, float*, float*,     \
@@ -366,6 +293,8 @@ void sc_quant_rows(const float* x, int M, int K, int8_t* xq, float* dx, float* s
 typedef void sc_run_fn(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc);
 sc_run_fn sc_lin_run, sc_q4_run, sc_q8g_run, sc_q4k_run, sc_q8k_run, sc_q40_run, sc_table_run;
 sc_run_fn sc_q6k_run;  // q6k: q8k's 8-bit loop over bytes rebuilt from the nibbles and bit-planes
+sc_run_fn sc_q80_run;  // q80: q8g's 8-bit loop with one d per block and no m
+sc_run_fn sc_q50_run, sc_q51_run, sc_q5k_run;  // q5 blocks rebuilt into q8g's (q50, q51) and q8k's (q5k) loops
 // Rotate-half RoPE of one row k [D] by cos/sin [rot] into o (o may be k); dims past rot are copied.
 void sc_rot_row(const float* k, float* o, const float* cs, const float* sn, int rot, int D);
 // Softmax attention of one query head qh [D] over n rows of Kh / Vh [n][D] (fp32, or bf16 when bf): the

@@ -24,6 +24,10 @@ static size_t group_bytes(int type, int K) {
         case SC_LIN_Q8K: return nb * sizeof(sc_q8_block) + ns * sizeof(sc_q8k_scales);
         case SC_LIN_Q40: return nb * (sizeof(sc_q4_block) + sizeof(sc_q40_scales));
         case SC_LIN_Q6K: return nb * sizeof(sc_q6k_block) + ns * sizeof(sc_q6k_scales);
+        case SC_LIN_Q80: return nb * (sizeof(sc_q8_block) + sizeof(sc_q80_scales));
+        case SC_LIN_Q50: return nb * (sizeof(sc_q5_block) + sizeof(sc_q80_scales));
+        case SC_LIN_Q51: return nb * (sizeof(sc_q5_block) + sizeof(sc_q4_scales));
+        case SC_LIN_Q5K: return nb * sizeof(sc_q5_block) + ns * sizeof(sc_q4k_scales);
         case SC_LIN_TABLE: return nb * sizeof(sc_q8_block) + RG * sizeof(float);
         default: return nb * (sizeof(sc_q4_block) + sizeof(sc_q4_scales));
     }
@@ -46,7 +50,7 @@ typedef struct {
     int nl, G, pass;
 } LinsJob;
 
-// The one dispatch of every build: each variant implements the seven layouts' functions (kernels.h).
+// The one dispatch of every build: each variant implements the eleven layouts' functions (kernels.h).
 void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     switch (l->type) {
         case SC_LIN_TABLE: sc_table_run(l, a, m0, mn, g0, g1, acc); break;
@@ -55,6 +59,10 @@ void sc_lin_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
         case SC_LIN_Q8K: sc_q8k_run(l, a, m0, mn, g0, g1, acc); break;
         case SC_LIN_Q40: sc_q40_run(l, a, m0, mn, g0, g1, acc); break;
         case SC_LIN_Q6K: sc_q6k_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q80: sc_q80_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q50: sc_q50_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q51: sc_q51_run(l, a, m0, mn, g0, g1, acc); break;
+        case SC_LIN_Q5K: sc_q5k_run(l, a, m0, mn, g0, g1, acc); break;
         default: sc_q4_run(l, a, m0, mn, g0, g1, acc);
     }
 }

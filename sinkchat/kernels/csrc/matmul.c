@@ -88,6 +88,17 @@ static inline int q8g_mins(const void* sw, size_t g, int nb) {
     return 1;
 }
 
+// q80: Q8_0's fp16 d per block of 32 for both halves k, mt = +0 (sw [N/16][K/32] of sc_q80_scales): q8g's values
+// for a Q8_0 tensor, so its bits; no m term can be non-zero, so the prefill leaves them out (q8_half0: the same bits).
+static inline void q80_scales(const void* sw, size_t t, int j, int k, __m512* ds, __m512* mt) {
+    const sc_q80_scales* s = (const sc_q80_scales*)sw + t + j;  // j is 0: span 1
+    (void)k, *ds = f16x16(s->d), *mt = _mm512_setzero_ps();
+}
+static inline int q80_mins(const void* sw, size_t g, int nb) {
+    (void)sw, (void)g, (void)nb;
+    return 0;
+}
+
 // The one-row paths when the input has one row (through the prefill path a decode step measured 2% slower), the
 // prefill ones otherwise.
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
@@ -103,6 +114,31 @@ void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales, 1);
     else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales,
+                 q8g_mins, 1);
+}
+
+void sc_q80_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q80_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q80_scales,
+                 q80_mins, 1);
+}
+
+// q51: Q5_1's fp16 d and m per block of 32 for both halves k (sw [N/16][K/32] of sc_q4_scales): q8g's values for a
+// Q5_1 tensor, so its bits (q50 takes q80_scales: Q5_0 is d*q, m +0).
+static inline void q51_scales(const void* sw, size_t t, int j, int k, __m512* ds, __m512* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + t + j;  // j is 0: span 1
+    (void)k, *ds = f16x16(s->d), *mt = f16x16(s->m);
+}
+
+void sc_q50_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q50_bytes, q80_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q50_bytes, q80_scales,
+                 q80_mins, 1);
+}
+
+void sc_q51_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q51_bytes, q51_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q51_bytes, q51_scales,
                  q8g_mins, 1);
 }
 

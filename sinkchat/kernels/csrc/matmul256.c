@@ -88,6 +88,13 @@ static inline void q8g_scales(const void* sw, size_t t, int j, int k, int h, __m
     *ds = f16x8(s->d[k] + 8 * h), *mt = f16x8(s->m[k] + 8 * h);
 }
 
+// q80: Q8_0's fp16 d per block of 32 for both halves k, rows 8h..8h+7, mt = +0: q8g's values for a Q8_0 tensor
+// (matmul.c's q80_scales; span 1).
+static inline void q80_scales(const void* sw, size_t t, int j, int k, int h, __m256* ds, __m256* mt) {
+    const sc_q80_scales* s = (const sc_q80_scales*)sw + t + j;
+    (void)k, *ds = f16x8(s->d + 8 * h), *mt = _mm256_setzero_ps();
+}
+
 // The one-row paths when the input has one row, the prefill ones otherwise.
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     if (a->M == 1) q4_row(&a->x, a->K, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
@@ -102,6 +109,27 @@ void sc_q40_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q8g_scales, 1);
     else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q8g_scales, 1);
+}
+
+void sc_q80_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q80_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, 0, q80_scales, 1);
+}
+
+// q51: Q5_1's fp16 d and m per block of 32 for both halves k, rows 8h..8h+7 (matmul.c's q51_scales; span 1).
+static inline void q51_scales(const void* sw, size_t t, int j, int k, int h, __m256* ds, __m256* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + t + j;
+    (void)k, *ds = f16x8(s->d + 8 * h), *mt = f16x8(s->m + 8 * h);
+}
+
+void sc_q50_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {  // u, lift 16: shr 3
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q50_bytes, 3, q80_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q50_bytes, 3, q80_scales, 1);
+}
+
+void sc_q51_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    if (a->M == 1) q8_row(&a->x, &a->h, a->K, g0, g1, l->w, l->s, l->bias, l->y, q51_bytes, 0, q51_scales, 1);
+    else q8_rows(&a->x, &a->h, acc, m0, mn, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q51_bytes, 0, q51_scales, 1);
 }
 
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

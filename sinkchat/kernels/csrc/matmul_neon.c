@@ -88,6 +88,13 @@ static inline void q8g_scales(const void* sw, size_t t, int j, int k, int i, flo
     *ds = f16x4(s->d[k] + 4 * i), *mt = f16x4(s->m[k] + 4 * i);
 }
 
+// q80: Q8_0's fp16 d per block of 32 for both halves k, rows 4i..4i+3, mt = +0: q8g's values for a Q8_0 tensor
+// (matmul.c's q80_scales; span 1).
+static inline void q80_scales(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q80_scales* s = (const sc_q80_scales*)sw + t + j;
+    (void)k, *ds = f16x4(s->d + 4 * i), *mt = vdupq_n_f32(0.0f);
+}
+
 void sc_q4_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc;  // every row's accumulators are registers here
     for (int m = m0; m < m0 + mn; m++) q4_row(&a->x, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q4_scales, 1);
@@ -102,6 +109,30 @@ void sc_q8g_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
     (void)acc;
     for (int m = m0; m < m0 + mn; m++)
         q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q8g_scales, 1);
+}
+
+void sc_q80_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++)
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q8_bytes, q80_scales, 1);
+}
+
+// q51: Q5_1's fp16 d and m per block of 32 for both halves k, rows 4i..4i+3 (matmul.c's q51_scales; span 1).
+static inline void q51_scales(const void* sw, size_t t, int j, int k, int i, float32x4_t* ds, float32x4_t* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + t + j;
+    (void)k, *ds = f16x4(s->d + 4 * i), *mt = f16x4(s->m + 4 * i);
+}
+
+void sc_q50_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++)
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q50_bytes, q80_scales, 1);
+}
+
+void sc_q51_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc;
+    for (int m = m0; m < m0 + mn; m++)
+        q8_row(&a->x, &a->h, m, a->K, l->N, g0, g1, l->w, l->s, l->bias, l->y, q51_bytes, q51_scales, 1);
 }
 
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {

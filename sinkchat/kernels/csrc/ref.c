@@ -110,6 +110,16 @@ static inline int q6k_byte(const void* hw, size_t blk, int s, int r, int t) {
     return (lo | hi << 4) + 96;
 }
 
+// q5 blocks: u = nibble (tile s / 2, low half for even s) | bit s of the plane << 4; q50's q + 128 is u + 112 (q =
+// u - 16), q51's and q5k's u + 128 (q = u).
+static inline int q5_u(const void* hw, size_t blk, int s, int r, int t) {
+    const sc_q5_block* wb = (const sc_q5_block*)hw + blk;
+    int v = wb->q[s / 2][r][t], lo = s % 2 ? v >> 4 : v & 15;
+    return lo | ((wb->h[r][t] >> s) & 1) << 4;
+}
+static inline int q50_byte(const void* hw, size_t blk, int s, int r, int t) { return q5_u(hw, blk, s, r, t) + 112; }
+static inline int q51_byte(const void* hw, size_t blk, int s, int r, int t) { return q5_u(hw, blk, s, r, t) + 128; }
+
 // Row r of half h (sub-blocks 4h..4h+3) of block blk times the 16 int8 values they meet: sum of (q + 128) * x.
 static inline int32_t q8_half_dot(q8_byte_fn byte, const void* hw, size_t blk, int r, int h, const int8_t* xb) {
     int32_t isum = 0;
@@ -183,13 +193,25 @@ static inline void q8g_scales(const void* sw, int nb, int g, int b, int h, int r
     *ds = h2f(s->d[h][r]), *mt = h2f(s->m[h][r]);
 }
 
+// q80: Q8_0's one fp16 d per block of 32 for both halves, m +0: q8g's values for a Q8_0 tensor, so its bits.
+static inline void q80_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    const sc_q80_scales* s = (const sc_q80_scales*)sw + (size_t)g * nb + b;
+    (void)h, *ds = h2f(s->d[r]), *mt = 0.0f;
+}
+
+// q51: Q5_1's fp16 d and m per block of 32 for both halves (sc_q4_scales): q8g's values for a Q5_1 tensor.
+static inline void q51_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    const sc_q4_scales* s = (const sc_q4_scales*)sw + (size_t)g * nb + b;
+    (void)h, *ds = h2f(s->d[r]), *mt = h2f(s->m[r]);
+}
+
 // The K-quants (matmul_k.c's twins): ds = d*sc and mt = -(dmin*mn) of sub-block j of super-block b / 8, products of an
 // fp16 and a small integer, exact; the m step is then one rounding of acc - dmin*mn*sx (as the vector fnmadd was).
 static inline float k_prod(uint16_t d, int v) { return h2f(d) * (float)v; }
 
 static inline void q4k_scales(const void* sw, int nb, int g, int b, int r, float* ds, float* mt) {
     const sc_q4k_scales* s = (const sc_q4k_scales*)sw + (size_t)g * (nb / 8) + b / 8;
-    *ds = k_prod(s->d[r], s->sc[b % 8][r]), *mt = -k_prod(s->dmin[r], s->mn[b % 8][r]);
+    *ds = k_prod(s->d[r], sc_q4k_v(s, b % 8, r)), *mt = -k_prod(s->dmin[r], sc_q4k_v(s, 8 + b % 8, r));
 }
 
 // q8k: half h of block b is sub-block j = 2*(b % 8) + h.
@@ -203,6 +225,12 @@ static inline void q8k_scales(const void* sw, int nb, int g, int b, int h, int r
 static inline void q6k_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
     const sc_q6k_scales* s = (const sc_q6k_scales*)sw + (size_t)g * (nb / 8) + b / 8;
     *ds = k_prod(s->d[r], s->sc[2 * (b % 8) + h][r]), *mt = -0.0f;
+}
+
+// q5k: Q5_K's sc_j, mn_j per 32 (sc_q4k_scales) for both halves of block b: q8k's values for a Q5_K tensor.
+static inline void q5k_scales(const void* sw, int nb, int g, int b, int h, int r, float* ds, float* mt) {
+    q4k_scales(sw, nb, g, b, r, ds, mt);
+    (void)h;
 }
 
 // kernels.h: the layouts' run functions (every output's accumulator is a local here: acc unused).
@@ -223,6 +251,18 @@ void sc_q8k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1
 }
 void sc_q6k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q8_family(l, a, m0, mn, g0, g1, q6k_byte, q6k_scales);
+}
+void sc_q80_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q8_byte, q80_scales);
+}
+void sc_q50_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q50_byte, q80_scales);
+}
+void sc_q51_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q51_byte, q51_scales);
+}
+void sc_q5k_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
+    (void)acc, q8_family(l, a, m0, mn, g0, g1, q51_byte, q5k_scales);
 }
 void sc_table_run(const sc_lin* l, const sc_act* a, int m0, int mn, int g0, int g1, float* acc) {
     (void)acc, q8_table_run(l, a, m0, mn, g0, g1);

@@ -1,8 +1,9 @@
-// The avx512 variant's row loops, one per weight family and path: the 4-bit nibbles (q4, q4k) and the 8-bit bytes
-// (q8g, q8k, q6k), each for one row (decode) and for many (prefill). A layout is its family's loop plus its
-// scale-forming step (matmul.c: q4, q8g; matmul_k.c: q4k, q8k, q6k): the layouts of a family share their integer dots
-// and float steps and differ only in how a block's (q8: half block's) scales are formed, so the step is what is
-// passed in; the 8-bit loops also take a weight-unpack step (q8_bytes, q6k_bytes: how a block's bytes are formed).
+// The avx512 variant's row loops, one per weight family and path: the 4-bit nibbles (q4, q40, q4k) and the 8-bit
+// bytes (q8g, q80, q50, q51; q8k, q6k, q5k), each for one row (decode) and for many (prefill). A layout is its
+// family's loop plus its scale-forming step (matmul.c: q4, q40, q8g, q80, q51; matmul_k.c: q4k, q8k, q6k, q5k): the
+// layouts of a family share their integer dots and float steps and differ only in how a block's (q8: half block's)
+// scales are formed, so the step is what is passed in; the 8-bit loops also take a weight-unpack step (q8_bytes,
+// q6k_bytes, q50_bytes, q51_bytes: how a block's bytes are formed).
 //
 // Why a step passed to an always_inline loop: every caller passes a constant step, so after inlining the loop GCC
 // calls the step directly and inlines it too (no indirect call is left: benchmarks/kernel_dedup.py checks the
@@ -63,6 +64,7 @@ SC_LOOP void q4_row(const sc_xq* xa, int K, int g0, int g1, const sc_q4_block* q
         const sc_q4_block* wg = qw + (size_t)g * nb;
         __m512 acc = _mm512_setzero_ps();
         for (int b0 = 0; b0 < nb; b0 += span)
+            #pragma GCC unroll 8  // a super-block's 8 blocks: q4k_v's word index and shift fold to constants
             for (int j = 0, b = b0; j < span; j++, b++) {
                 __m512i isum = q4_isum(wg + b, xm + 8 * b, lo4);
                 __m512 ds, mt;
@@ -136,7 +138,7 @@ static inline void q8_bytes(const void* hw, size_t blk, __m512i w[8]) {
     for (int s = 0; s < 8; s++) w[s] = _mm512_loadu_si512((const void*)wb->q[s]);
 }
 
-// q6k (kernels.h: sc_q6k_block): sub-block s's bytes are (its nibbles | its 2 high bits << 4) + 96, i.e. u + 96 =
+// q6k (layouts.h: sc_q6k_block): sub-block s's bytes are (its nibbles | its 2 high bits << 4) + 96, i.e. u + 96 =
 // q + 128, the very bytes q8k holds for the tensor. Sub-block s = 4p + i has its high bits at bits 2i of plane p:
 // shifted to bits 4..5 (within each byte: the 16-bit shifts' spill is masked off). 6 loads of 64 bytes for q8k's 8.
 // In L2 (512 x 2048 repeated, one row: the unpack is the bound) q6k takes 1.34x q8k's time. Dotting u itself (lift
@@ -156,6 +158,25 @@ static inline void q6k_bytes(const void* hw, size_t blk, __m512i w[8]) {
         w[2 * s + 1] = _mm512_add_epi8(_mm512_or_si512(hi, _mm512_and_si512(hs[2 * s + 1], hi2)), off);
     }
 }
+
+// q5 blocks (layouts.h: sc_q5_block): sub-block s's bytes are its nibbles | bit s of the plane moved to bit 4 (16-bit
+// shifts, the spill masked off within each byte), plus `off`: q + 128 is u + 112 for q50 (q = u - 16), u + 128 for
+// q51 and q5k (q = u). 5 loads of 64 bytes for q8g's 8: the bytes of q8g's / q8k's layout for the tensor, rebuilt.
+static inline void q5_bytes(const void* hw, size_t blk, __m512i w[8], int off) {
+    const sc_q5_block* wb = (const sc_q5_block*)hw + blk;
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10), o = _mm512_set1_epi8((char)off);
+    __m512i p = _mm512_loadu_si512((const void*)wb->h);
+    __m512i hs[8] = {_mm512_slli_epi16(p, 4), _mm512_slli_epi16(p, 3), _mm512_slli_epi16(p, 2), _mm512_slli_epi16(p, 1),
+                     p, _mm512_srli_epi16(p, 1), _mm512_srli_epi16(p, 2), _mm512_srli_epi16(p, 3)};
+    for (int s = 0; s < 4; s++) {
+        __m512i v = _mm512_loadu_si512((const void*)wb->q[s]);
+        __m512i lo = _mm512_and_si512(v, lo4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+        w[2 * s] = _mm512_add_epi8(_mm512_or_si512(lo, _mm512_and_si512(hs[2 * s], b4)), o);
+        w[2 * s + 1] = _mm512_add_epi8(_mm512_or_si512(hi, _mm512_and_si512(hs[2 * s + 1], b4)), o);
+    }
+}
+static inline void q50_bytes(const void* hw, size_t blk, __m512i w[8]) { q5_bytes(hw, blk, w, 112); }
+static inline void q51_bytes(const void* hw, size_t blk, __m512i w[8]) { q5_bytes(hw, blk, w, 128); }
 
 // One row (decode): two accumulators (one per half block) in registers, summed last.
 SC_LOOP void q8_row(const sc_xq* xa, const sc_x16* xh, int K, int g0, int g1, const void* hw, const void* sw,

@@ -33,6 +33,28 @@ static inline void q6k_bytes(const void* hw, size_t blk, int k, int i, int8x16_t
     }
 }
 
+// q5 blocks (rows512.h: q5_bytes): half block k is nibble tiles 2k, 2k + 1 and bits 4k..4k+3 of the plane;
+// q = (nibble | bit << 4) - off (q50: 16; q51, q5k: 0).
+static inline void q5_bytes(const void* hw, size_t blk, int k, int i, int8x16_t w[4], int off) {
+    const sc_q5_block* wb = (const sc_q5_block*)hw + blk;
+    const uint8x16_t lo4 = vdupq_n_u8(0x0F), one = vdupq_n_u8(1), o = vdupq_n_u8((uint8_t)off);
+    uint8x16_t p = vld1q_u8(wb->h[4 * i]);
+    for (int n = 0; n < 2; n++) {
+        uint8x16_t v = vld1q_u8(wb->q[2 * k + n][4 * i]);
+        uint8x16_t u[2] = {vandq_u8(v, lo4), vshrq_n_u8(v, 4)};
+        for (int e = 0; e < 2; e++) {
+            uint8x16_t bit = vandq_u8(vshlq_u8(p, vdupq_n_s8((int8_t)-(4 * k + 2 * n + e))), one);  // right: to bit 0
+            w[2 * n + e] = vreinterpretq_s8_u8(vsubq_u8(vorrq_u8(u[e], vshlq_n_u8(bit, 4)), o));
+        }
+    }
+}
+static inline void q50_bytes(const void* hw, size_t blk, int k, int i, int8x16_t w[4]) {
+    q5_bytes(hw, blk, k, i, w, 16);
+}
+static inline void q51_bytes(const void* hw, size_t blk, int k, int i, int8x16_t w[4]) {
+    q5_bytes(hw, blk, k, i, w, 0);
+}
+
 // acc + isum*(ds*dx), then + mt*sx, each fused: rows512.h's q_step per lane (mt: m, or the K-quants' -(dmin*mn)).
 static inline float32x4_t q_step(float32x4_t acc, int32x4_t isum, float32x4_t ds, float32x4_t mt, float dx, float sx) {
     acc = vfmaq_f32(acc, vcvtq_f32_s32(isum), vmulq_f32(ds, vdupq_n_f32(dx)));
@@ -49,6 +71,7 @@ SC_LOOP void q4_row(const sc_xq* xa, int m, int K, int N, int g0, int g1, const 
         const sc_q4_block* wg = qw + (size_t)g * nb;
         float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
         for (int b0 = 0; b0 < nb; b0 += span)
+            #pragma GCC unroll 8  // a super-block's 8 blocks: q4k_v's word index and shift fold to constants
             for (int j = 0, b = b0; j < span; j++, b++) {
                 int8x16x2_t x = xblock(xm + b * QB);
                 for (int i = 0; i < 4; i++) {
