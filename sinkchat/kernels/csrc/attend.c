@@ -79,4 +79,5 @@ static inline v16 v16_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 static inline v16 v16_fma(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v16 v16_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 static inline float v16_sum(v16 v) { return hsum512(v); }
+#define V16_PAIRS  // 32 zmm registers: a tile scores its queries two at a time (attend_v16.h: block_scores2)
 #include "attend_v16.h"  // head_scores, head_pv and sc_head_attend_cap, over this file's hsum16 and softmax
