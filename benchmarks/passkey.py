@@ -12,7 +12,8 @@ the last prompt token recalled, in how many of the memory layers.
 
 Usage: python benchmarks/passkey.py [--lengths 4096,16384] [--trials 20] [--cache 1024] [--modes off,on,dense]
                                     [--haystack filler|prose] [--task passkey|number|kv] [--no-intro] [--out DIR]
-                                    [--model M] [--topk K] [--block B]
+                                    [--model M] [--topk K] [--block B] [--rule far|attn|bound|mass] [--reps R]
+                                    [--oracle]
 Writes DIR/passkey.json (every trial) and prints the table (right / trials per length and mode).
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+DEFAULT_REPS = 4  # --reps, for modes "on:RULE" that name none
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
          "you about the important information there.\n")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -107,23 +109,29 @@ def build(engine: Any, units: list[str], length: int, depth: float, key: Any, in
     return ids, len(ids) - len(q) - len(body) + at - len(nd)
 
 
-def answer(engine: Any, ids: list[int], start: int, n: int, max_tokens: int = 10) -> tuple[str, int | None]:
+def answer(engine: Any, ids: list[int], start: int, n: int, max_tokens: int = 10, oracle: list[Any] | None = None
+           ) -> tuple[str, int | None]:
     """The greedy reply, and in how many memory layers the last prompt token recalled the needle (None: off)."""
     engine.clear()
     for _ in engine.feed_ids(ids):
         pass
-    hits = needle_layers(engine, start, n) if engine.memory is not None else None
+    hits = needle_layers(engine, start, n) if engine.memory is not None else None  # None: off, or not in a block
+    if oracle is not None and hits is not None:
+        oracle.append(oracle_layers(engine, start, n))
     text = ""
     for ev in engine.generate(max_tokens=max_tokens):
         text = getattr(ev, "text", text) if type(ev).__name__ == "DoneEvent" else text
     return text, hits
 
 
-def needle_layers(engine: Any, start: int, n: int) -> int:
-    """In how many memory layers the last prompt token's recall held a block overlapping the needle."""
+def needle_layers(engine: Any, start: int, n: int) -> int | None:
+    """In how many memory layers the last prompt token's recall held a block overlapping the needle; None when no
+    stored block holds a needle token (the needle is still in the window or the queue)."""
     mem = engine.memory
     where = mem.store.where
     start += engine.ledger.start  # stream indices run on across clears
+    if not any(w.first < start + n and w.last > start for w in where.values()):
+        return None
     hits = 0
     for c in mem.chosen:
         if any(b in where and where[b].first < start + n and where[b].last > start for b in c):
@@ -131,10 +139,51 @@ def needle_layers(engine: Any, start: int, n: int) -> int:
     return hits
 
 
+def oracle_layers(engine: Any, start: int, n: int) -> tuple[int, int]:
+    """(rule, exact): in how many memory layers the needle's block is among the top-k of the next choice (the last
+    prompt token's queries) by the memory's own rule, and by the exact attention mass those queries would put on
+    each block with all its keys (per query head a softmax over every stored key, summed over the block and the
+    heads): the best any index of a few rows a block can do with these queries."""
+    import torch
+
+    mem = engine.memory
+    where, ids, k = mem.store.where, mem.index_ids, mem.topk
+    start += engine.ledger.start
+    hit = {i for i, b in enumerate(ids) if where[b].first < start + n and where[b].last > start}
+    pos = engine.pinned_slots()
+    rule = sum(any(ids.index(b) in hit for b in c) for c in mem.choose(pos))
+    q = mem._rotated_queries(pos).float()  # [M, H_kv, G, D]
+    lse = []
+    for b in ids:
+        blk = mem.store.read(b)
+        un = mem._rotate(blk.keys.float(), torch.from_numpy(-blk.slots.astype("int64")))  # [M, H_kv, n, D]
+        dots = torch.einsum("mkgd,mknd->mkgn", q, un) * mem.scaling.float()[:, None, None, None]
+        lse.append(torch.logsumexp(dots, -1))  # [M, H_kv, G]
+    mass = torch.softmax(torch.stack(lse), 0).sum((2, 3))  # [NB, M]
+    top = mass.topk(min(k, len(ids)), dim=0).indices  # [k, M]
+    return rule, sum(any(int(i) in hit for i in top[:, m]) for m in range(mass.shape[1]))
+
+
+def recall_line(layers: list[int], engine: Any) -> str:
+    """", needle's block stored in N trials: recalled in a..b of M layers (median x)" for memory-on runs."""
+    if engine.memory is None or not layers:
+        return ""
+    s = sorted(layers)
+    med = (s[(len(s) - 1) // 2] + s[len(s) // 2]) / 2
+    return (f", needle in a block in {len(s)} trials: recalled in {s[0]}-{s[-1]} of {len(engine.memory.layers)} "
+            f"layers (median {med:g}), in >= half the layers in {sum(x * 2 >= len(engine.memory.layers) for x in s)}")
+
+
 def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, block: int, budget: int) -> Any:
     from sinkchat.api import start
     from sinkchat.bootstrap import build_settings
 
+    from sinkchat.memory import recall
+
+    if mode.startswith("on:"):  # "on:RULE" or "on:RULE:REPS": another retrieval rule, side by side in one run
+        _, rule, *reps = mode.split(":")
+        recall.RULE, recall.REPS = rule, int(reps[0]) if reps else DEFAULT_REPS
+        mode = "on"
     opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block,
                             "memory_budget": budget}
     if mode == "dense":
@@ -158,23 +207,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"{length:>7} {mode:>5}: not run ({e})", file=sys.stderr)
                 continue
             units_cache = units_cache or haystack_units(args.haystack, args.task)
-            right = 0
+            right, layers, oracle = 0, [], []
             for key, depth in zip(keys, depths):
                 ids, at = build(engine, units_cache, length, depth, key, not args.no_intro, args.task)
                 t0 = time.perf_counter()
                 text, hits = answer(engine, ids, at, len(engine.encode(needle(key, args.task))),
-                                    max_tokens=24 if args.task == "kv" else 12)
+                                    max_tokens=24 if args.task == "kv" else 12, oracle=oracle if args.oracle else None)
                 ok = is_right(args.task, key, text)
                 right += ok
+                layers += [] if hits is None else [hits]
                 results["trials"].append({"length": len(ids), "target": length, "mode": mode, "depth": depth,
                                           "key": key, "reply": text, "right": ok, "needle_layers": hits,
                                           "layers": len(engine.memory.layers) if engine.memory else None,
+                                          "next_rule_exact": oracle[-1] if oracle and hits is not None else None,
                                           "seconds": round(time.perf_counter() - t0, 2)})
                 print(f"{length:>7} {mode:>5} depth {depth:.2f}: {'right' if ok else 'WRONG'} {text.strip()[:24]!r}"
                       + (f" needle in {hits} layers" if hits is not None else ""), file=sys.stderr, flush=True)
             if engine.memory is not None:
                 engine.memory.close()
-            print(f"{length:>7} {mode:>5}: {right}/{len(keys)}", flush=True)
+            print(f"{length:>7} {mode:>5}: {right}/{len(keys)}" + recall_line(layers, engine), flush=True)
+            if oracle:
+                print(f"{length:>7} {mode:>5}: next choice, the rule / the exact attention mass: "
+                      + recall_line([o[0] for o in oracle], engine)[2:] + " / "
+                      + recall_line([o[1] for o in oracle], engine).split(": ", 1)[1], flush=True)
     return results
 
 
@@ -183,7 +238,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 16384])
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--cache", type=int, default=1024)
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on", "dense"])
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on", "dense"],
+                    help="off, on, dense, or on:RULE[:REPS] (e.g. on:far,on:bound,on:far:16: rules side by side)")
     ap.add_argument("--haystack", choices=("filler", "prose"), default="filler")
     ap.add_argument("--topk", type=int, default=4)
     ap.add_argument("--block", type=int, default=64)
@@ -193,9 +249,19 @@ def main() -> None:
     ap.add_argument("--task", choices=("passkey", "number", "kv"), default="passkey",
                     help="the needle: a 5-digit pass key, a 10-digit number (Retrieve.Number), a UUID pair (Retrieve.KV)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--oracle", action="store_true", help="also rank every block by the exact attention mass of "
+                    "the last prompt token's queries (all its keys) and say in how many layers the needle's is top-k")
+    ap.add_argument("--rule", default=None, help="the memory's retrieval rule (sinkchat.memory.recall.RULES; "
+                    "default: recall.RULE)")
+    ap.add_argument("--reps", type=int, default=None, help="representative keys a block (rules far, mix, attn)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sinkchat" / "passkey")
     args = ap.parse_args()
+    from sinkchat.memory import recall
+
+    global DEFAULT_REPS
+    recall.RULE = args.rule or recall.RULE
+    recall.REPS = DEFAULT_REPS = args.reps or recall.REPS
     res = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     res["args"] = {k: str(v) for k, v in vars(args).items()}

@@ -183,7 +183,11 @@ def open_mode(args: argparse.Namespace, mode: str) -> tuple[Any, list[int]]:
     opts: dict[str, Any] = {"temperature": 0.0, "threads": args.threads, "model": args.model_path,
                             "max_tokens": args.max_tokens, "memory_budget": args.budget}
     if mode != "dense":
-        opts.update(policy="sink", cache_size=args.cache, memory=mode)
+        if mode.startswith("on:"):  # "on:RULE": the memory with another retrieval rule, side by side
+            from sinkchat.memory import recall
+
+            recall.RULE = mode.split(":", 1)[1]
+        opts.update(policy="sink", cache_size=args.cache, memory="on" if mode.startswith("on") else mode)
         return start(build_settings(opts)).engine, args.lengths
     for k in range(len(args.lengths), 0, -1):
         try:
@@ -228,14 +232,14 @@ def run(args: argparse.Namespace, texts: list[str], results: dict[str, Any]) -> 
             engine.memory.close()
 
 
-def table(results: dict[str, Any]) -> str:
-    """checkpoint x mode -> right / asked; for memory on: the facts whose block a question recalled (in any layer),
-    of those the right ones, and in how many layers (at one call, median) the fact's block and the other blocks read
-    were chosen."""
+def table(results: dict[str, Any], mem_mode: str = "on") -> str:
+    """checkpoint x mode -> right / asked; for memory on (`mem_mode`: "on" or "on:RULE"): the facts whose block a
+    question recalled (in any layer), of those the right ones, and in how many layers (at one call, median) the
+    fact's block and the other blocks read were chosen."""
     cells: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for c in results["conversations"]:
         for t in c["trials"]:
-            cells.setdefault((t["target"], c["mode"]), []).append(t)
+            cells.setdefault((t["target"], "on" if c["mode"] == mem_mode else c["mode"]), []).append(t)
     modes = [m for m in ("off", "on", "dense") if any(k[1] == m for k in cells)]
     rows = [f"| tokens | {' | '.join(modes)} | on: fact's block recalled | on: right when recalled "
             "| on: layers, fact's block / others (median) |", "|---|" + "---|" * (len(modes) + 3)]
@@ -256,7 +260,7 @@ def fact_table(results: dict[str, Any]) -> str:
     for c in results["conversations"]:
         for t in c["trials"]:
             cells.setdefault((t["fact"], t["target"], c["mode"]), []).append(t["right"])
-    cols = sorted({k[1:] for k in cells}, key=lambda k: (k[0], ("off", "on", "dense").index(k[1])))
+    cols = sorted({k[1:] for k in cells}, key=lambda k: (k[0], k[1] != "off", k[1] == "dense", k[1]))
     rows = ["| fact | " + " | ".join(f"{n:,} {m}" for n, m in cols) + " |", "|---|" + "---|" * len(cols)]
     for fact in QUESTIONS:
         got = [cells.get((fact, *k), []) for k in cols]
@@ -274,7 +278,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[5000, 20000, 100000])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="base seed (conversation i uses base and i)")
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on", "dense"])
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=["off", "on", "dense"],
+                    help="off, on, dense, or on:RULE (sinkchat.memory.recall.RULES: rules side by side)")
     ap.add_argument("--plant-after", type=int, default=0, help="filler turns before the facts (a control: the "
                     "facts then sit past the stream's first blocks)")
     ap.add_argument("--model", default=None, help="a model path; gemma3 = Gemma 3 270M (benchmarks/hybrid_ppl.py)")
@@ -297,8 +302,10 @@ def main() -> None:
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "conversations": []}
     run(args, texts, results)
     save(args, results)
-    print(f"{args.tag} (cache {args.cache}, {args.seeds} seeds, 4 facts each)\n{table(results)}\n\n"
-          f"{fact_table(results)}")
+    for on in [m for m in args.modes if m.startswith("on")] or ["on"]:
+        print(f"{args.tag} (cache {args.cache}, {args.seeds} seeds, 4 facts each, memory on = {on})\n"
+              f"{table(results, on)}\n")
+    print(fact_table(results))
 
 
 if __name__ == "__main__":

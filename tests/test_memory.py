@@ -25,14 +25,17 @@ from sinkchat.core.engine import Engine
 from sinkchat.core.events import ForgottenEvent
 from sinkchat.decode import select
 from sinkchat.kernels import native
+from sinkchat.memory.blocks import representatives
 from sinkchat.memory.recall import RecallMemory
 from sinkchat.model.spec import ModelSpec
 
 IDS = [(37 * i + 3) % 120 + 1 for i in range(150)]  # 150 tokens through a 40-slot cache: ~110 evicted
 
 
-def memory(model: Any, root: Path, block: int = 8, topk: int = 2, budget_mb: int = 64) -> RecallMemory:
-    return RecallMemory.for_spec(MemoryConfig("on", budget_mb, block, topk, 64), ModelSpec.from_model(model), root)
+def memory(model: Any, root: Path, block: int = 8, topk: int = 2, budget_mb: int = 64, rule: str | None = None,
+           reps: int | None = None) -> RecallMemory:
+    return RecallMemory.for_spec(MemoryConfig("on", budget_mb, block, topk, 64), ModelSpec.from_model(model), root,
+                                 rule, reps)
 
 
 def engine(model: Any, mem: RecallMemory | None, chunk: int = 16, step: Any = None, kv: str = "auto") -> Engine:
@@ -76,42 +79,57 @@ def test_one_layer_memory_equals_a_fresh_forward_over_what_it_attends(kind: str,
     assert worst < 1e-6  # transformers rotates an fp64 model's keys with fp32 cos / sin: ~1e-8 seen
 
 
+def _rope(x: torch.Tensor, inv: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x [..., n, D] rotated by shift [n] (rotate-half, the first 2 * len(inv) dims), in fp64."""
+    a = shift.double()[:, None] * inv[None]  # [n, R/2]
+    c, s = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
+    half, r = inv.numel(), 2 * inv.numel()
+    out = x.clone()
+    out[..., :half] = x[..., :half] * c[:, :half] - x[..., half:r] * s[:, :half]
+    out[..., half:r] = x[..., half:r] * c[:, half:] + x[..., :half] * s[:, half:]
+    return out
+
+
+def _block_score(mem: RecallMemory, rule: str, q: torch.Tensor, un: torch.Tensor) -> torch.Tensor:
+    """One block's score per query head [H] (rule far: per KV head, in column 0) from the rotated queries q [H, D]
+    and the block's un-rotated keys un [H_kv, n, D], written out plainly."""
+    g = mem.n_heads // mem.n_kv
+    if rule == "bound":  # Quest: sum_d max(q_d * min_d, q_d * max_d) per query head
+        hi, lo = un.amax(1), un.amin(1)  # [H_kv, D]
+        return torch.stack([torch.maximum(q[h] * lo[h // g], q[h] * hi[h // g]).sum() for h in range(mem.n_heads)])
+    spread = (un - un.mean(1, keepdim=True)).norm(dim=-1)  # [H_kv, n]
+    reps = torch.gather(un, 1, spread.topk(mem.reps, -1).indices[..., None].expand(-1, -1, un.shape[-1]))
+    if rule == "far":
+        qg = q.reshape(mem.n_kv, g, -1).sum(1)  # [H_kv, D]
+        return torch.einsum("kd,krd->kr", qg, reps).amax(-1)
+    return torch.stack([(reps[h // g] @ q[h]).max() for h in range(mem.n_heads)])  # mass: best key per head
+
+
 def reference_choice(mem: RecallMemory, position: int) -> list[list[int]]:
     """The blocks each layer should recall, computed from the stored blocks in fp64 (not from the index)."""
     q = mem.queries.double()  # [M, H, D]
-    g = mem.n_heads // mem.n_kv
     out = []
     for i, f in enumerate(mem.inv_freqs):
         inv = f.double()
-        ang = (mem.q_pos - position) * inv
-        cos, sin = torch.cat([ang.cos(), ang.cos()]), torch.cat([ang.sin(), ang.sin()])
-        half = inv.numel()
-        qi = q[i]
-        r = 2 * half
-        rot = qi.clone()
-        rot[:, :half] = qi[:, :half] * cos[:half] - qi[:, half:r] * sin[:half]
-        rot[:, half:r] = qi[:, half:r] * cos[half:] + qi[:, :half] * sin[half:]
-        qg = rot.reshape(mem.n_kv, g, -1).sum(1)  # [H_kv, D]
-        scores = []
+        rot = _rope(q[i][:, None], inv, torch.tensor([mem.q_pos - position]))[:, 0]  # [H, D]
+        per = []
         for bid in mem.index_ids:
             b = mem.store.read(bid)
-            k = b.keys[i].double()  # [H_kv, n, D], rotated at b.slots
-            a = -torch.from_numpy(b.slots.astype(np.int64)).double()[:, None] * inv[None]  # [n, R/2]
-            c, s = torch.cat([a.cos(), a.cos()], -1), torch.cat([a.sin(), a.sin()], -1)
-            un = k.clone()
-            un[..., :half] = k[..., :half] * c[:, :half] - k[..., half:r] * s[:, :half]
-            un[..., half:r] = k[..., half:r] * c[:, half:] + k[..., :half] * s[:, half:]
-            spread = (un - un.mean(1, keepdim=True)).norm(dim=-1)  # [H_kv, n]
-            reps = torch.gather(un, 1, spread.topk(mem.reps, -1).indices[..., None].expand(-1, -1, un.shape[-1]))
-            scores.append(float(torch.einsum("kd,krd->kr", qg, reps).amax(-1).sum()))
+            un = _rope(b.keys[i].double(), inv, -torch.from_numpy(b.slots.astype(np.int64)))  # [H_kv, n, D]
+            per.append(_block_score(mem, mem.rule, rot, un))
+        s = torch.stack(per)  # [NB, H or H_kv]
+        if mem.rule == "mass":  # each head's share among the blocks
+            s = torch.softmax(s * float(mem.scaling[i]), dim=0)
+        scores = s.sum(1).tolist()
         top = sorted(np.argsort(scores)[::-1][: mem.topk].tolist())
         out.append([mem.index_ids[j] for j in top])
     return out
 
 
-def test_every_layer_recalls_the_blocks_an_fp64_scoring_picks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rule", ["far", "mass", "bound"])
+def test_every_layer_recalls_the_blocks_an_fp64_scoring_picks(rule: str, tmp_path: Path) -> None:
     model = tiny_model("llama", layers=3, score_std=3.0).double()
-    eng = engine(model, memory(model, tmp_path / "m", topk=3))
+    eng = engine(model, memory(model, tmp_path / "m", topk=3, rule=rule))
     checked, distinct = 0, set()
     for i, tok in enumerate(IDS):
         list(eng.feed_ids([tok]))
@@ -393,6 +411,61 @@ def test_the_index_keeps_its_rows_in_block_order_through_growth_and_removals() -
     want = torch.stack([torch.einsum("mkd,mkrd->mkr", q, kept[b]).amax(-1).sum(-1) for b in sorted(kept)])  # [NB, M]
     assert idx.ids == sorted(kept)
     torch.testing.assert_close(idx.scores(q), want)
+
+
+def test_the_index_scores_each_heads_share_and_quests_bound_as_written() -> None:
+    """Rule "mass": per block and layer, each query head's best row dot, times the layer's scale, through a softmax
+    over the blocks, summed over heads (through growth and a removal). Rule "bound": the row [max | min] of a
+    block's keys against the query's positive / negative parts is sum_d max(q_d min_d, q_d max_d), never below
+    any key's dot, and equal to the best one for a block of one key."""
+    from sinkchat.memory.blocks import bound_queries, bounds
+    from sinkchat.memory.index import Index
+
+    g = torch.Generator().manual_seed(1)
+    m, h, grp, r, d = 3, 2, 3, 4, 8
+    idx, kept = Index(), {}
+    for bid in range(40):
+        kept[bid] = torch.randn(m, h, r, d, generator=g, dtype=torch.float64)
+        idx.add(bid, kept[bid])
+    idx.remove(0)
+    del kept[0]
+    q = torch.randn(m, h, d, grp, generator=g, dtype=torch.float64)
+    scale = torch.tensor([0.3, 0.5, 0.7], dtype=torch.float64)
+    best = torch.stack([torch.einsum("mkrd,mkdg->mkgr", kept[b], q).amax(-1) for b in sorted(kept)])  # [NB,M,H,G]
+    want = torch.softmax(best * scale[None, :, None, None], dim=0).sum((2, 3))
+    torch.testing.assert_close(idx.scores(q, scale), want, rtol=1e-12, atol=1e-12)
+    keys = torch.randn(m, h, 16, d, generator=g, dtype=torch.float64)
+    qb = torch.randn(m, h, grp, d, generator=g, dtype=torch.float64)
+    ib = Index()
+    ib.add(0, bounds(keys))
+    hi, lo = keys.amax(2), keys.amin(2)  # [M, H, D]
+    plain = torch.maximum(qb * lo[:, :, None], qb * hi[:, :, None]).sum(-1)  # [M, H, G]
+    torch.testing.assert_close(ib.scores(bound_queries(qb).transpose(2, 3))[0], plain.sum((1, 2)))
+    assert bool((plain[..., None] >= torch.einsum("mkgd,mknd->mkgn", qb, keys) - 1e-12).all())
+    one = Index()
+    one.add(0, bounds(keys[:, :, :1]))
+    torch.testing.assert_close(one.scores(bound_queries(qb).transpose(2, 3))[0],
+                               torch.einsum("mkgd,mkd->m", qb, keys[:, :, 0]))
+    with pytest.raises(ValueError, match="added to an index"):
+        idx.add(99, bounds(keys))  # another rule's rows in the same index: refused, not scored as these
+
+
+def test_the_attn_rule_keeps_the_keys_the_last_queries_attend_most(tmp_path: Path) -> None:
+    """Rule "attn" (InfLLM-like, measured in docs/memory.md): a block's rows are, per layer and KV head, the r keys
+    with the largest dot against the head group's queries rotated to the recall distance, in token order; with no
+    queries yet, the "far" keys."""
+    model = tiny_model("llama", layers=2, score_std=3.0).double()
+    mem = memory(model, tmp_path / "m", rule="attn")
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, mem.n_kv, 8, mem.head_dim, generator=g, dtype=torch.float64)  # [M, H_kv, n, D]
+    assert torch.equal(mem._rows(keys, 4), representatives(keys, mem.reps))
+    mem.queries, mem.q_pos = torch.randn(2, mem.n_heads, mem.head_dim, generator=g, dtype=torch.float64), 30
+    q = mem._group_queries(4)  # [M, H_kv, D]
+    for i in range(2):
+        for k in range(mem.n_kv):
+            pick = sorted((keys[i, k] @ q[i, k]).topk(mem.reps).indices.tolist())
+            assert torch.equal(mem._rows(keys, 4)[i, k], keys[i, k, pick])
+    mem.close()
 
 
 def test_the_slice_cache_stays_within_its_bytes_and_reads_each_block_once_a_call() -> None:

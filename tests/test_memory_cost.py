@@ -103,3 +103,26 @@ def test_bf16_dots_a_batch_at_a_time_equal_the_batched_matmul() -> None:
     buf = torch.randn(90, 6400, 64, generator=g).bfloat16()
     rows, qs = buf[:, 100:6300], torch.randn(90, 64, 1, generator=g).bfloat16()
     assert torch.equal(_batched(rows, qs), torch.matmul(rows, qs))
+
+
+def test_the_bf16_index_with_several_query_columns_scores_a_batch_at_a_time_like_the_plain_formula() -> None:
+    """Rule "mass" (one column per query head, a softmax over the blocks): past PER_BATCH_ROWS the bf16 dots are
+    taken as [G, W] x [W, N] a batch (`_batched`); its scores agree with the plain formula over an fp32 product of the
+    same bf16 rows, its dots rounded to bf16 as the index's are (and with the one batched call below the threshold),
+    through removals at the front."""
+    g = torch.Generator().manual_seed(3)
+    m, h, r, d, grp = 3, 2, 4, 64, 3
+    scale = torch.full((m,), 0.125)
+    for nb in (20, 300):
+        idx = Index()
+        for b in range(nb):
+            idx.add(b, (torch.randn(m, h, r, d, generator=g) * 3).bfloat16())
+        for b in range(0, 30, 3):
+            idx.remove(b)
+        q = torch.randn(m, h, d, grp, generator=g) * 5
+        rows = idx.buf[:, idx.lo * r : idx.hi * r].float()  # [M*H, NB*r, D]
+        qb = q.reshape(m * h, d, grp).bfloat16().float()
+        best = torch.matmul(rows, qb).bfloat16().float().view(m, h, -1, r, grp).amax(3)  # [M, H, NB, G], bf16 dots
+        want = torch.softmax(best * 0.125, dim=2).sum((1, 3)).T
+        torch.testing.assert_close(idx.scores(q, scale), want, rtol=2e-2, atol=2e-3)
+        assert (idx.hi - idx.lo) * r >= PER_BATCH_ROWS or nb == 20

@@ -104,3 +104,48 @@ def test_save_then_load_through_the_cli_carries_the_memory(tmp_path: Path) -> No
     want = [json.loads(ln)["answer"] for ln in a.stdout.splitlines()][-1]
     assert json.loads(b.stdout.splitlines()[-1])["answer"] == want and want.strip()
     assert "not in the recall memory" not in b.stderr
+
+
+def _as_format(version: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Snapshots saved from now on as an older sinkchat wrote them: format 1 named no rule (it was "far", 4 keys)."""
+    from sinkchat.memory import persist
+
+    real = persist.save
+
+    def save(memory: Any, folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        head, tensors = real(memory, folder)
+        head["version"] = version
+        for k in ("rule", "reps"):
+            head.get("index", {}).pop(k, None)
+        return head, tensors
+
+    monkeypatch.setattr(persist, "save", save)
+
+
+def test_an_index_saved_under_another_rule_or_an_older_format_is_rebuilt_and_an_unknown_one_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index's rows depend on the rule: a session saved under "far" (or by format 1, which was "far") and
+    loaded under "mass" gets its index made again from its blocks, row for row what its own memory would have
+    made, and goes on recalling; loaded under "far" it takes the saved rows; an unknown format is one line."""
+    model = tiny_model("llama", layers=2, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a", rule="far"))
+    list(eng.feed_ids(IDS[:70]))
+    _as_format(1, monkeypatch)
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    for rule in ("mass", "far"):
+        other = engine(model, memory(model, tmp_path / f"b-{rule}", rule=rule))
+        load_snapshot(other, snap)
+        mem, ix = other.memory, other.memory.index
+        assert mem.index_ids == eng.memory.index_ids and mem.rule == rule
+        want = torch.stack([mem.index_rows(mem.store.read(b)) for b in mem.index_ids])  # [NB, M, H_kv, r, W]
+        m, h, r, w = ix.shape
+        got = ix.buf[:, ix.lo * r : ix.hi * r].reshape(m, h, -1, r, w).permute(2, 0, 1, 3, 4)
+        assert torch.equal(got, want.to(got.dtype))
+        list(other.feed_ids(IDS[70:100]))
+        assert mem.blocks > eng.memory.blocks and all(len(c) == mem.topk for c in mem.chosen)
+        assert other.ledger.evicted == mem.tokens + mem.forgotten
+    _as_format(99, monkeypatch)
+    snap = save_snapshot(eng, tmp_path / "t.safetensors")
+    other = engine(model, memory(model, tmp_path / "c"))
+    with pytest.raises(SnapshotError, match=r"format 99; this sinkchat reads 1, 2$"):
+        load_snapshot(other, snap)

@@ -194,8 +194,12 @@ def test_recall_prints_the_evicted_text_of_the_blocks_the_last_reply_read(tmp_pa
     `SHOWN`, the ones chosen in the most layers (`/recall all`: every one)."""
     from sinkchat.apps.chat import recall
 
+    # the "far" rule: on this tiny model it reads some blocks in both layers and some in one, which the cut below
+    # needs (the default "mass" happened to read every block in one layer only here)
+    monkeypatch.setattr("sinkchat.memory.recall.RULE", "far")
     loop, _, _ = make(tmp_path / "m")
     eng = loop.engine
+    assert eng.memory.rule == "far"
     stream = stream_of(eng)
     per_turn = watch_choices(eng)
     layers: dict[int, int] = {}

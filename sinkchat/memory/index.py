@@ -5,6 +5,12 @@ so scoring every block is one batched matrix-vector product over contiguous rows
 [blocks, M, H_kv, r, D] and scored by einsum, the permute it needed copied the whole index at every choice (15 ms
 at 300 blocks in bf16). Room to grow (capacity doubling) and a moving front: blocks arrive one at a time and the
 budget removes the oldest, so appending by `torch.cat` would copy the whole index at every block.
+
+Scoring (`scores`): rule "mass" (the default) takes one query column per query head and turns each head's best dots
+into its share among the blocks (a softmax at the layer's attention scale) before summing heads, so a head that
+singles out one block is not outvoted by heads whose dots are merely large: Retrieve.Number at 4k tokens 8/10
+against 6/10 for the plain sum of group-summed dots (rule "far"), the needle's block chosen in a median of 29
+layers of 30 against 28.5 (docs/memory.md "Choosing blocks").
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ PER_BATCH_ROWS = 512  # live rows a batch (128 blocks of 4) from which bf16 scor
 
 
 class Index:
-    """The representatives of the blocks `ids` (oldest first), `r` rows a block in every (layer, KV head) batch."""
+    """The rows of the blocks `ids` (oldest first), `r` rows a block in every (layer, KV head) batch: representative
+    keys (W = D) or one row of bounds [max | min] (W = 2D)."""
 
     def __init__(self) -> None:
         self.buf: torch.Tensor | None = None  # [M * H_kv, capacity * r, D]
@@ -34,10 +41,13 @@ class Index:
         return 0 if self.buf is None else self.buf.nbytes
 
     def add(self, bid: int, reps: torch.Tensor) -> None:
-        """Append block `bid`'s representatives [M, H_kv, r, D]."""
+        """Append block `bid`'s rows [M, H_kv, r, W]."""
         m, h, r, d = reps.shape
         n = self.hi - self.lo
-        if self.buf is None or self.shape != tuple(reps.shape) or self.buf.dtype != reps.dtype:
+        other = self.buf is None or self.shape != tuple(reps.shape) or self.buf.dtype != reps.dtype
+        if other and self.ids:  # rows of another rule or dtype would be scored as if they were these
+            raise ValueError(f"index rows {tuple(reps.shape)} {reps.dtype} added to an index of {self.shape}")
+        if other:
             self.buf, self.lo, self.hi, n, self.r, self.shape = reps.new_empty(m * h, 16 * r, d), 0, 0, 0, r, tuple(
                 reps.shape)
         elif self.hi * r == self.buf.shape[1]:  # full: compact to the front, doubling when more than half is live
@@ -64,33 +74,51 @@ class Index:
         if not self.ids:
             self.lo = self.hi = 0
 
-    def scores(self, q: torch.Tensor) -> torch.Tensor:
-        """[NB, M]: per block and layer, the sum over KV heads of the best representative's dot with q [M, H_kv, D]
-        (the head group's queries summed), computed in q's dtype (fp64 queries: fp64, else the index's)."""
+    def scores(self, q: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """[NB, M]: per block and layer, summed over KV heads and query columns, the best row's dot with the
+        queries q [M, H_kv, W] (one column: rule "far", the head group's queries summed) or q [M, H_kv, W, G] (one
+        column per query head). With `scale` [M] (rule "mass") each column's best dots, times the layer's softmax
+        scale, go through a softmax over the blocks first: a block's share of each head's attention among the
+        blocks, so every head has the same say. Computed in q's dtype (fp64 queries: fp64, else the index's; what
+        follows the dots in fp32)."""
         assert self.buf is not None
         m, h, r, d = self.shape
-        rows = self.buf[:, self.lo * r : self.hi * r]  # [M*H_kv, NB*r, D]
+        q = q[..., None] if q.dim() == 3 else q  # [M, H_kv, W, G]
+        g = q.shape[-1]
+        rows = self.buf[:, self.lo * r : self.hi * r]  # [M*H_kv, NB*r, W]
         dt = torch.float64 if q.dtype == torch.float64 else rows.dtype
-        qs = q.reshape(m * h, d, 1).to(dt)
+        qs = q.reshape(m * h, d, g).to(dt)
         if dt == torch.bfloat16 and rows.shape[1] >= PER_BATCH_ROWS and not rows.is_contiguous():
             dots = _batched(rows, qs)
         else:
-            dots = torch.matmul(rows.to(dt), qs)  # [M*H_kv, NB*r, 1]
-        best = dots.view(m, h, -1, r).amax(-1)  # [M, H_kv, NB]
-        return best.to(torch.float64 if dt == torch.float64 else torch.float32).sum(1).T  # [NB, M]
+            dots = torch.matmul(rows.to(dt), qs)  # [M*H_kv, NB*r, G]
+        out = torch.float64 if dt == torch.float64 else torch.float32
+        if g == 1 and scale is None:  # rule "far": the one column
+            best = dots.view(m, h, -1, r).amax(-1)  # [M, H_kv, NB]
+            return best.to(out).sum(1).T  # [NB, M]
+        best = dots.reshape(m, h, -1, r, g).amax(3).to(out)  # [M, H_kv, NB, G]
+        if scale is not None:
+            best = torch.softmax(best * scale.to(out)[:, None, None, None], dim=2)
+        return best.sum((1, 3)).T  # [NB, M]
 
     def clear(self) -> None:
         self.buf, self.lo, self.hi, self.ids = None, 0, 0, []
 
 
 def _batched(rows: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
-    """torch.matmul(rows, qs) of bf16 rows [B, N, D] (a slice of the growing buffer) and qs [B, D, 1], one matmul a
+    """torch.matmul(rows, qs) of bf16 rows [B, N, W] (a slice of the growing buffer) and qs [B, W, G], one matmul a
     batch. Why: the live rows are contiguous within each batch but not across batches (the buffer has room to
     grow), and torch's batched matmul copied the whole slice first: scoring 1,550 blocks (100k tokens) took ~380
     ms on a busy core against ~60 ms a batch at a time (190 blocks: 28 against 3.4 ms). Bit-identical to the
     batched call for bf16 (the same oneDNN kernel per batch: 60 random shapes, 1 and 2 threads;
     tests/test_memory_cost.py); fp32 and fp64 keep the batched call, whose kernel there differs from the per-batch
     one in its last bits."""
+    if qs.shape[-1] > 1:  # several query columns (rule "mass"): [G, W] x [W, N] a batch, faster than [N, W] x
+        qt = qs.transpose(1, 2).contiguous()  # [W, G] here (1,550 blocks, 3 columns: ~97 ms against ~155, busy)
+        outt = rows.new_empty(rows.shape[0], qs.shape[-1], rows.shape[1])  # [B, G, N]
+        for i in range(rows.shape[0]):
+            torch.matmul(qt[i], rows[i].T, out=outt[i])
+        return outt.transpose(1, 2)
     out = rows.new_empty(rows.shape[0], rows.shape[1], 1)
     for i in range(rows.shape[0]):
         torch.matmul(rows[i], qs[i], out=out[i])

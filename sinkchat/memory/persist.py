@@ -28,7 +28,8 @@ from sinkchat.memory.blocks import HEADER, Shape
 from sinkchat.memory.index import Index
 from sinkchat.memory.store import BlockStore, Where
 
-VERSION = 1
+VERSION = 2  # 2: the index's rule and rows a block saved with it (1: the "far" rule, 4 rows, implied)
+READS = (1, 2)  # versions a load takes; an index saved under another rule than this session's is rebuilt
 
 
 class MemoryStateError(ValueError):
@@ -62,7 +63,8 @@ def save(memory: Any, folder: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
     ix = memory.index
     if ix.buf is not None and ix.ids:
         tensors["index"] = ix.buf[:, ix.lo * ix.r : ix.hi * ix.r].contiguous()
-        head["index"] = {"ids": ix.ids, "r": ix.r, "shape": list(ix.shape)}
+        head["index"] = {"ids": ix.ids, "r": ix.r, "shape": list(ix.shape), "rule": memory.rule,
+                         "reps": memory.reps}
     if memory.queries is not None:
         tensors["queries"] = memory.queries.contiguous()
     if memory.queue:
@@ -112,8 +114,9 @@ class Restored:
 def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor], snapshot: Path) -> Restored:
     """Check the saved memory against this one and its folder, and copy its segments into a new store folder;
     MemoryStateError (nothing of the live memory touched) if anything does not fit."""
-    if head.get("version") != VERSION:
-        raise MemoryStateError(f"its recall memory has format {head.get('version')!r}; this sinkchat reads {VERSION}")
+    if head.get("version") not in READS:
+        raise MemoryStateError(f"its recall memory has format {head.get('version')!r}; this sinkchat reads "
+                               f"{', '.join(map(str, READS))}")
     if head["block"] != memory.B or list(head["layers"]) != memory.layers:
         raise MemoryStateError(f"its recall memory has blocks of {head['block']} tokens over layers "
                                f"{head['layers']}: start with --memory-block {head['block']}")
@@ -132,7 +135,39 @@ def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor],
         store.close(remove=True)
         raise MemoryStateError(f"cannot copy its recall memory: {getattr(e, 'strerror', None) or e}") from None
     store.sizes, store.where, store.current = sizes, where, int(head["current"])
-    return Restored(head, store, _index(head, tensors), _queue(head, tensors), tensors.get("queries"))
+    try:
+        index = _index(head, tensors) if _same_rule(memory, head) else _rebuild(memory, store, _dtype(tensors))
+    except MemoryStateError:
+        store.close(remove=True)
+        raise
+    return Restored(head, store, index, _queue(head, tensors), tensors.get("queries"))
+
+
+def _same_rule(memory: Any, head: dict[str, Any]) -> bool:
+    """Whether the saved index rows are what this memory's rule makes (format 1 saved rule "far", 4 rows)."""
+    meta = head.get("index") or {}
+    return (meta.get("rule", "far"), int(meta.get("reps", 4))) == (memory.rule, memory.reps)
+
+
+def _dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The cache's dtype, which the live memory's index rows have (an 8-bit store reads back fp32 keys)."""
+    return next((tensors[k].dtype for k in ("index", "queue.k") if k in tensors), None)
+
+
+def _rebuild(memory: Any, store: BlockStore, dtype: torch.dtype | None) -> Index:
+    """The index of the restored store's blocks made again from their keys under this memory's rule (a session
+    saved by an older sinkchat, or under another rule): every block read back whole and checked by its CRCs
+    (~1.5 MB a block on the bundled model; an 8-bit store's keys as read back, so rows a little off the ones the
+    saved session had made)."""
+    ix = Index()
+    for bid in list(store.where):
+        try:
+            block = store.read(bid)
+        except OSError as e:
+            raise MemoryStateError(f"its recall memory cannot be re-indexed: {e}") from None
+        rows = memory.index_rows(block)
+        ix.add(bid, rows if dtype is None else rows.to(dtype))
+    return ix
 
 
 def _check_records(folder: Path, sizes: dict[int, int], where: dict[int, Where]) -> None:
