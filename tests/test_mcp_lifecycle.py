@@ -93,6 +93,29 @@ def test_hanging_servers_are_ended(tmp_path, monkeypatch):
     assert all(_gone(p) for p in pids), [p for p in pids if not _gone(p)]
 
 
+def test_servers_spawned_after_their_start_timed_out_are_ended(tmp_path):
+    """A start timeout shorter than the spawn (a loaded machine): the SDK spawns the process after `start` gave up
+    on it, and its cancelled task never ends it; `close` finds it by its command line (before: all 3 outlived it)."""
+    import os
+
+    from sinkchat.apps.agent.tools.mcp_client import McpServers
+
+    cmds = [_server(tmp_path, m) for m in ("init", "list", "call")]
+    servers = McpServers([c for c, _ in cmds], warn=lambda _: None, call_timeout=1, start_timeout=0.01)
+    try:
+        servers.start()
+    finally:
+        servers.close()
+    pids = []
+    for _, pidfile in cmds:  # a process the cancel stopped before it ran wrote no pid: nothing to end
+        time.sleep(0.2)
+        pids += [int(x) for x in pidfile.read_text().split()] if pidfile.exists() else []
+    alive = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+             and p.pid != os.getpid()]
+    assert not [p for p in alive if not _gone(p.pid)], alive
+    assert all(_gone(p) for p in pids)
+
+
 def test_failing_server_stderr_goes_to_a_file(tmp_path):
     from sinkchat.apps.agent.tools.mcp_client import McpServers
 

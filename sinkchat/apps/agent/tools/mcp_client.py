@@ -69,6 +69,7 @@ class McpServers:
         self._tasks: dict[str, Any] = {}  # command -> the task holding its session
         self._errfiles: dict[str, Any] = {}  # command -> its open stderr file
         self.procs: list[Any] = []  # psutil.Process of every server started, ended for sure in `close`
+        self._before: set[int] = set()  # our child processes before `start`
 
     def start(self) -> list[Tool]:
         """Connect every server at once (two hung servers cost one `start_timeout`, not two); the tools of those
@@ -76,7 +77,7 @@ class McpServers:
         stops every server started so far before raising."""
         self.thread.start()
         tools: list[Tool] = []
-        before = {p.pid for p in _children()}
+        before = self._before = {p.pid for p in _children()}
         try:
             futs = [(cmd, asyncio.run_coroutine_threadsafe(self._open(cmd), self.loop)) for cmd in self.commands]
             deadline = time.monotonic() + self.start_timeout
@@ -88,6 +89,24 @@ class McpServers:
             raise
         self._adopt(before)
         return tools
+
+    def _late(self) -> None:
+        """Adopt the servers whose process appeared after `start` gave up on them (a start timed out before the
+        SDK had spawned it, on a loaded machine: its cancelled task never ended it). Only processes running one of
+        our server commands: a tool's own children are not ours to end."""
+        import psutil
+
+        argvs = [shlex.split(cmd) for cmd in self.commands]
+        known = {p.pid for p in self.procs}
+        for p in _children():
+            if p.pid in self._before or p.pid in known:
+                continue
+            try:
+                line = p.cmdline()
+            except psutil.Error:
+                continue
+            if any(line[1:] == a[1:] and os.path.basename(line[0]) == os.path.basename(a[0]) for a in argvs if a):
+                self.procs.append(p)
 
     def _adopt(self, before: set[int]) -> None:
         """Note the child processes started since `before` (the servers and whatever they run) for `close`."""
@@ -216,6 +235,7 @@ class McpServers:
                 log.debug("MCP shutdown", exc_info=True)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(5)
+            self._late()
         end_processes(self.procs)
         self.procs = []
         for f in self._errfiles.values():
