@@ -221,6 +221,7 @@ class HalfScripted:
         yield from emit_reply(self, text)
 
 
+@pytest.mark.slow  # 200 agent steps, ~15 s idle; the cache bound over an agent run: test_soak's bundled agent soak
 def test_two_hundred_steps_stay_within_capacity(bundled, tmp_path):
     from sinkchat.config import CacheConfig, SamplingConfig
     from sinkchat.core.engine import Engine

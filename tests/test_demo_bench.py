@@ -264,6 +264,7 @@ def test_default_text_exists():
 
 
 # ----------------------------------------------------------------------------------------------- real model
+@pytest.mark.slow  # the bundled demo and its ablation, ~17 s idle; the demo's files and tables: test_demo_writes_files_and_markdown_matches_json
 def test_bundled_demo_smoke_and_ablation(bundled, tmp_path):
     """Short demo on the real model: files are written, and evicting the first 4 tokens of a dense cache hurts
     the following tokens more than evicting 4 from the middle (SmolLM2 parks most attention on token 0)."""

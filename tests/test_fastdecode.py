@@ -149,6 +149,7 @@ def test_interrupted_fast_step_rolls_the_cache_back(monkeypatch):
 
 
 @pytest.mark.skipif(not compiler_available(), reason="inductor needs a C++ compiler")
+@pytest.mark.slow  # torch.compile of the step, ~18 s idle; the eager step's exactness stays in the default suite
 def test_compiled_step_matches_the_eager_step():
     """inductor's build (~10 s for this model) against the eager function it was built from, at two cache sizes."""
     model = q4_model()
