@@ -213,6 +213,27 @@ def _sub(calls: Calls, lo: int, hi: int) -> Calls:
     return c
 
 
+def check_pairs(neon: Any, build: Any) -> None:
+    """The layout tests' one check (q6k, q80, q5): `build(calls)` adds matmul pairs (the layout's call, then the
+    layout holding the same values it replaces) and returns their indices; they run on 1 thread, then again on 3
+    with every job split. Every result is the x86 reference's bits, the 3-thread run the 1-thread run's, and each
+    pair's outputs bit for bit equal (and not all zero)."""
+    calls = Calls()
+    pairs = build(calls)
+    n = len(calls.calls)
+    calls.add("sc_set_threads", 3)
+    calls.add("sc_set_grain", 0)
+    build(calls)
+    got = neon(calls)
+    assert got[n][0] == 3
+    _same(got[:n], calls.local("ref")[:n], _sub(calls, 0, n))
+    _same(got[n + 2 :], got[:n], _sub(calls, n + 2, len(got)))
+    for a, b in pairs:
+        assert got[a][0] == got[b][0] == 0
+        assert torch.equal(got[a][1][-1].view(torch.int32), got[b][1][-1].view(torch.int32))
+        assert got[a][1][-1].abs().max() > 0
+
+
 def test_attention_is_the_avx512_variants_bits(neon):
     calls, cases = Calls(), []
     for dtype in (torch.float32, torch.bfloat16):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sinkchat.kernels import native
-from test_neon import Calls, _same, _sub, neon  # noqa: F401  (the fixture)
+from test_neon import Calls, check_pairs, neon  # noqa: F401  (the fixture)
 from test_q80 import _as_q8g, q80_case
 
 pytestmark = pytest.mark.slow
@@ -31,17 +31,4 @@ def _q80_calls(calls: Calls) -> list[tuple[int, int]]:
 
 
 def test_q80_is_the_references_bits_and_q8gs(neon):
-    calls = Calls()
-    pairs = _q80_calls(calls)
-    n = len(calls.calls)
-    calls.add("sc_set_threads", 3)
-    calls.add("sc_set_grain", 0)
-    _q80_calls(calls)  # again on 3 threads, every job split
-    got = neon(calls)
-    assert got[n][0] == 3
-    _same(got[:n], calls.local("ref")[:n], _sub(calls, 0, n))
-    _same(got[n + 2 :], got[:n], _sub(calls, n + 2, len(got)))
-    for a, b in pairs:
-        assert got[a][0] == got[b][0] == 0
-        assert torch.equal(got[a][1][-1].view(torch.int32), got[b][1][-1].view(torch.int32))
-        assert got[a][1][-1].abs().max() > 0
+    check_pairs(neon, _q80_calls)
