@@ -156,3 +156,18 @@ def check_work_buffer(library: Any, layout: str, x: torch.Tensor, n: int, w: tor
         assert fn(*args, work, size) == 0
         outs.append(y)
     assert all(torch.equal(bits(o), bits(outs[0])) for o in outs)
+
+
+def same_bits_on_one_and_two_threads(new: Any, old: Any, x: torch.Tensor) -> None:
+    """A layout's linear `new` and the one it replaces `old` (the same values), on this machine's best variant:
+    batch x [M, K] and its first row on 2 threads (every group split) give the 1-thread bits, and new = old."""
+    with on(best_or_ref()):
+        prev, grain = native.set_threads(2), native.library().sc_set_grain(0)
+        try:
+            y2 = [new(x), new(x[:1]), old(x), old(x[:1])]
+        finally:
+            native.library().sc_set_grain(grain)
+            native.set_threads(1)
+        y1 = [new(x), new(x[:1]), old(x), old(x[:1])]
+    assert prev >= 1 and all(torch.equal(bits(a), bits(b)) for a, b in zip(y1, y2))
+    assert torch.equal(bits(y1[0]), bits(y1[2])) and torch.equal(bits(y1[1]), bits(y1[3]))

@@ -23,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from kernel_helpers import NATIVE, SIMD, best_or_ref, bits, check_work_buffer, on, simd  # noqa: F401  (fixtures)
+from kernel_helpers import (  # noqa: F401  (fixtures)
+    NATIVE, SIMD, best_or_ref, bits, check_work_buffer, on, same_bits_on_one_and_two_threads, simd)
 from sinkchat.kernels import native
 from sinkchat.model import gguf_blocks, gguf_load
 from sinkchat.model.gguf_file import TensorInfo
@@ -145,17 +146,7 @@ def test_real_blocks_give_q8gs_bits_on_two_threads():
     """From the file's blocks, on this machine's best variant: 1 and 2 threads (every group split), q80 = q8g."""
     raw = _file_blocks(T.Q8_0, rows=64, k=1024, seed=5)
     new, old = Int8Q0Linear.from_values(*_parts(raw)), Int8GLinear.from_values(*_as_q8g_values(raw))
-    x = _x(7, 1024)
-    with on(best_or_ref()):
-        prev, grain = native.set_threads(2), native.library().sc_set_grain(0)
-        try:
-            y2 = [new(x), new(x[:1]), old(x), old(x[:1])]
-        finally:
-            native.library().sc_set_grain(grain)
-            native.set_threads(1)
-        y1 = [new(x), new(x[:1]), old(x), old(x[:1])]
-    assert prev >= 1 and all(torch.equal(bits(a), bits(b)) for a, b in zip(y1, y2))
-    assert torch.equal(bits(y1[0]), bits(y1[2])) and torch.equal(bits(y1[1]), bits(y1[3]))
+    same_bits_on_one_and_two_threads(new, old, _x(7, 1024))
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
