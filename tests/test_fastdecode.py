@@ -149,7 +149,6 @@ def test_interrupted_fast_step_rolls_the_cache_back(monkeypatch):
 
 
 @pytest.mark.skipif(not compiler_available(), reason="inductor needs a C++ compiler")
-@pytest.mark.slow  # torch.compile of the step, ~18 s idle; the eager step's exactness stays in the default suite
 def test_compiled_step_matches_the_eager_step():
     """inductor's build (~10 s for this model) against the eager function it was built from, at two cache sizes."""
     model = q4_model()
@@ -180,15 +179,17 @@ def test_background_build_swaps_in_between_tokens_without_changing_results():
     list(eager.feed_ids(ids[:12]))
     list(auto.feed_ids(ids[:12]))
     seen, deadline = set(), time.monotonic() + 300
-    for t in ids[12:]:
+    for fed, t in enumerate(ids[12:], 13):
         for eng in (eager, auto):
             list(eng.feed_ids([t]))
         seen.add(auto.step.status)
         torch.testing.assert_close(auto.last_logits, eager.last_logits, rtol=0, atol=2e-3)
         if auto.step.status == "compiled" and len(seen) > 1:
             break
-        while auto.step.status == "compiling" and time.monotonic() < deadline and len(eager.ledger.ids) > 300:
-            time.sleep(0.5)  # out of tokens before the build finished: wait for it
+        while auto.step.status == "compiling" and time.monotonic() < deadline and fed > 300:
+            time.sleep(0.5)  # out of tokens before the build finished: wait for it (the ledger holds only the
+            #                  cache's 40: counting the tokens fed, as the ledger's length never passed 300 and a
+            #                  cold inductor cache failed this test whenever the compiled test had not run first)
     assert auto.step.status == "compiled", auto.step.failed
     assert auto.decoder_status == "compiled, kv float32"
 
