@@ -273,13 +273,7 @@ def q4k_fields(sw: torch.Tensor, rows: torch.Tensor | None) -> tuple[torch.Tenso
     v = [(w[:, :, i // 5] >> (6 * (i % 5))) & 63 for i in range(15)]  # [., S, r] each
     v.append(sum(((w[:, :, i] >> 30) & 3) << (2 * i) for i in range(3)))
     sc, mn = torch.stack(v[:8], 2).float(), torch.stack(v[8:], 2).float()  # [., S, j, r]
-    if rows is None:
-        f16, sc, mn = f16.permute(0, 3, 1, 2), sc.permute(0, 3, 1, 2), mn.permute(0, 3, 1, 2)  # [g, r, S, .]
-        f16, sc, mn = (x.reshape(g * RG, s, -1) for x in (f16, sc, mn))
-    else:
-        i, r = torch.arange(len(rows)), rows % RG
-        f16, sc, mn = f16[i, :, :, r], sc[i, :, :, r], mn[i, :, :, r]  # [n, S, .]
-    return f16[..., :1] * sc, f16[..., 1:] * mn
+    return _row_products(f16, sc, mn, rows)
 
 
 def pack_q8k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor
@@ -307,6 +301,14 @@ def _k_fields(sw: torch.Tensor, rows: torch.Tensor | None, j: int, sc_dtype: tor
     f16 = t[..., : 4 * RG].contiguous().view(torch.float16).reshape(g, s, 2, RG).float()  # [., S, d|dmin, r]
     ints = t[..., 4 * RG :].contiguous().reshape(g, s, 2, j, RG)  # [., S, sc|mn, j, r]
     sc, mn = ints[:, :, 0].view(sc_dtype).float(), ints[:, :, 1].float()  # [., S, j, r]
+    return _row_products(f16, sc, mn, rows)
+
+
+def _row_products(f16: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, rows: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K-quant scales of row groups, d|dmin f16 [., S, 2, r] and sc / mn [., S, j, r] fp32, per row (all, or `rows`
+    [n]): ds = d·sc and dm = dmin·mn, fp32 [n, S, j]."""
+    g, s = f16.shape[:2]
     if rows is None:
         f16, sc, mn = f16.permute(0, 3, 1, 2), sc.permute(0, 3, 1, 2), mn.permute(0, 3, 1, 2)  # [g, r, S, .]
         f16, sc, mn = (x.reshape(g * RG, s, -1) for x in (f16, sc, mn))
