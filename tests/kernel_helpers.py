@@ -6,7 +6,7 @@ copied into test_kernels, test_q8g, test_qk and the test_native* files, and drif
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -171,3 +171,54 @@ def same_bits_on_one_and_two_threads(new: Any, old: Any, x: torch.Tensor) -> Non
         y1 = [new(x), new(x[:1]), old(x), old(x[:1])]
     assert prev >= 1 and all(torch.equal(bits(a), bits(b)) for a, b in zip(y1, y2))
     assert torch.equal(bits(y1[0]), bits(y1[2])) and torch.equal(bits(y1[1]), bits(y1[3]))
+
+
+# ---- the layout tests' shared cases ------------------------------------------------------------------------------
+# (N, K, M): one row, a few, past the prefill's 128-row passes; N = 48, 208: not multiples of 64
+SHAPES = [(16, 256, 1), (48, 512, 1), (208, 768, 1), (48, 512, 5), (80, 256, 300)]
+
+
+def outlier_x(m: int, k: int) -> torch.Tensor:
+    """Activations [M, K], seeded by the shape, with an outlier block (column 5 at 30)."""
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
+    x[:, 5] = 30.0
+    return x
+
+
+def simd_gives_refs_bits(simd: str, mm: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], n: int, k: int,
+                         m: int, bias: bool) -> None:
+    """A layout's matmul `mm(x, bias)` on variant `simd` gives ref's bits (and ref's output is finite, not all 0)."""
+    x, b = outlier_x(m, k), (torch.randn(n) if bias else None)
+    with on(simd):
+        y_simd = mm(x, b)
+    with on("ref"):
+        y_ref = mm(x, b)
+    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
+    assert torch.equal(bits(y_simd), bits(y_ref))
+
+
+def same_model_bits(makes: list[Callable[..., torch.nn.Module]], kind: str = "llama", least: float = 0.0,
+                    **kw: Any) -> None:
+    """A tiny `kind` model packed once per linear-maker in `makes` (`make(i, name, linear)`), run through the native
+    prefill (40 tokens) and decode step (10 more) on this machine's best variant: every run's logits bit for bit the
+    first's, finite, and somewhere above `least` in size."""
+    from test_native_archs import build, engines, pack
+    from test_qk import K_SHAPE
+
+    prev = native.use(best_or_ref())
+    try:
+        runs = []
+        for make in makes:
+            _, fast = engines(pack(build(kind, **K_SHAPE, **kw), make), "float32")
+            assert fast.step.prefill is not None
+            ids = [(37 * i + 3) % 500 + 1 for i in range(50)]
+            list(fast.feed_ids(ids[:40]))
+            logits = [fast.last_logits.clone()]
+            for tok in ids[40:]:
+                list(fast.feed_ids([tok]))
+                logits.append(fast.last_logits.clone())
+            runs.append(torch.stack(logits))
+    finally:
+        native.use(prev)
+    assert torch.isfinite(runs[0]).all() and runs[0].abs().max() > least
+    assert all(torch.equal(bits(r), bits(runs[0])) for r in runs[1:])

@@ -21,7 +21,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from kernel_helpers import NATIVE, SIMD, bits, best_or_ref, check_work_buffer, on, simd  # noqa: F401  (fixtures)
+from kernel_helpers import (  # noqa: F401  (fixtures)
+    NATIVE, SHAPES, SIMD, best_or_ref, bits, check_work_buffer, on, outlier_x, same_model_bits, simd,
+    simd_gives_refs_bits)
 from sinkchat.kernels import native
 from sinkchat.model import gguf_blocks, gguf_load, int5
 from sinkchat.model.gguf_file import TensorInfo
@@ -118,28 +120,12 @@ def test_packing_refuses_what_the_layout_cannot_hold():
 
 
 # ---- the kernels -------------------------------------------------------------------------------------------------
-# (N, K, M): one row, a few, past the prefill's 128-row passes; N = 48, 208: not multiples of 64
-SHAPES = [(16, 256, 1), (48, 512, 1), (208, 768, 1), (48, 512, 5), (80, 256, 300)]
-
-
-def _x(m: int, k: int) -> torch.Tensor:
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
-    x[:, 5] = 30.0  # an outlier block
-    return x
-
-
 @pytest.mark.parametrize("layout", list(TYPES))
 @pytest.mark.parametrize("n,k,m", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_simd_is_the_references_bits(simd, layout, n, k, m, bias):
     packed = _pack(layout, q5_case(layout, n, k, seed=n + m))
-    x, b = _x(m, k), (torch.randn(n) if bias else None)
-    with on(simd):
-        y_simd = _mm(layout, x, packed, b)
-    with on("ref"):
-        y_ref = _mm(layout, x, packed, b)
-    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(bits(y_simd), bits(y_ref))
+    simd_gives_refs_bits(simd, lambda x, b: _mm(layout, x, packed, b), n, k, m, bias)
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -148,7 +134,7 @@ def test_simd_is_the_references_bits(simd, layout, n, k, m, bias):
 def test_q5_gives_the_8_bit_layouts_bits(variant, layout, n, k, m):
     """The same tensor as q8g / q8k (their bytes stored) and as q5 (rebuilt in registers): the same outputs."""
     values = q5_case(layout, n, k, seed=3 * n + m)
-    x, b = _x(m, k), torch.randn(n)
+    x, b = outlier_x(m, k), torch.randn(n)
     with on(variant):
         new = _mm(layout, x, _pack(layout, values), b)
         old = _mm(layout, x, _old(layout, values), b, old=True)
@@ -195,8 +181,6 @@ def test_the_loader_holds_them_at_their_bits_on_the_native_kernels(layout):
 def test_a_q5_model_gives_the_bits_it_gave_on_8_bits(layout):
     """The native decode step and prefill (lin_type SC_LIN_Q50 / _Q51 / _Q5K): logits bit for bit those of the same
     model held as q8g / q8k."""
-    from test_native_archs import build, engines, pack
-    from test_qk import K_SHAPE
 
     def values(w: torch.Tensor) -> tuple[torch.Tensor, ...]:  # min/max to 5 bits per 32 (Q5_K: 6-bit sc, mn)
         n, k = w.shape
@@ -212,21 +196,5 @@ def test_a_q5_model_gives_the_bits_it_gave_on_8_bits(layout):
         m = v[2].repeat_interleave(2, 1) if layout == "q51" else torch.zeros_like(d)
         return Int8GLinear.from_values(v[0], d, m, bias=lin.bias)
 
-    prev = native.use(best_or_ref())
-    try:
-        runs = []
-        for make in (lambda i, n, lin: CLASS[layout].from_values(*values(lin.weight), bias=lin.bias),
-                     lambda i, n, lin: old(lin)):
-            model = pack(build("llama", **K_SHAPE), make)
-            _, fast = engines(model, "float32")
-            assert fast.step.prefill is not None
-            ids = [(37 * i + 3) % 500 + 1 for i in range(50)]
-            list(fast.feed_ids(ids[:40]))
-            logits = [fast.last_logits.clone()]
-            for tok in ids[40:]:
-                list(fast.feed_ids([tok]))
-                logits.append(fast.last_logits.clone())
-            runs.append(torch.stack(logits))
-    finally:
-        native.use(prev)
-    assert torch.equal(bits(runs[0]), bits(runs[1])) and torch.isfinite(runs[0]).all()
+    same_model_bits([lambda i, n, lin: CLASS[layout].from_values(*values(lin.weight), bias=lin.bias),
+                     lambda i, n, lin: old(lin)])

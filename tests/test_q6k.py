@@ -13,6 +13,7 @@ kernels (the q8 family's loops with the q6k_bytes weight-unpack step) and `Int6K
 from __future__ import annotations
 
 import io
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from kernel_helpers import (  # noqa: F401  (fixtures)
-    NATIVE, SIMD, best_or_ref, bits, check_work_buffer, on, same_bits_on_one_and_two_threads, simd)
+    NATIVE, SHAPES, SIMD, best_or_ref, bits, check_work_buffer, on, outlier_x, same_bits_on_one_and_two_threads,
+    same_model_bits, simd, simd_gives_refs_bits)
 from sinkchat.kernels import native
 from sinkchat.model import gguf_blocks, gguf_load
 from sinkchat.model.gguf_file import TensorInfo
@@ -86,27 +88,11 @@ def test_packing_refuses_what_the_layout_cannot_hold():
 
 
 # ---- the kernels -------------------------------------------------------------------------------------------------
-# (N, K, M): one row, a few, past the prefill's 128-row passes; N = 48, 208: not multiples of 64
-SHAPES = [(16, 256, 1), (48, 512, 1), (208, 768, 1), (48, 512, 5), (80, 256, 300)]
-
-
-def _x(m: int, k: int) -> torch.Tensor:
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
-    x[:, 5] = 30.0  # an outlier block
-    return x
-
-
 @pytest.mark.parametrize("n,k,m", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_simd_is_the_references_bits(simd, n, k, m, bias):
     w, sw = native.pack_q6k(*q6k_case(n, k, seed=n + m))
-    x, b = _x(m, k), (torch.randn(n) if bias else None)
-    with on(simd):
-        y_simd = native.q6k_matmul(x, w, sw, b)
-    with on("ref"):
-        y_ref = native.q6k_matmul(x, w, sw, b)
-    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(bits(y_simd), bits(y_ref))
+    simd_gives_refs_bits(simd, lambda x, b: native.q6k_matmul(x, w, sw, b), n, k, m, bias)
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -114,7 +100,7 @@ def test_simd_is_the_references_bits(simd, n, k, m, bias):
 def test_q6k_gives_q8ks_bits(variant, n, k, m):
     """The same tensor as q8k (its bytes q + 128 stored) and as q6k (rebuilt in registers): the same outputs."""
     values = q6k_case(n, k, seed=3 * n + m)
-    x, b = _x(m, k), torch.randn(n)
+    x, b = outlier_x(m, k), torch.randn(n)
     with on(variant):
         new = native.q6k_matmul(x, *native.pack_q6k(*values), b)
         old = native.q8k_matmul(x, *native.pack_q8k(*values), b)
@@ -125,7 +111,7 @@ def test_real_blocks_give_q8ks_bits_on_two_threads():
     """From the file's blocks, on this machine's best variant: 1 and 2 threads (every group split), q6k = q8k."""
     raw = _file_blocks(T.Q6_K, rows=64, k=1024, seed=5)
     new, old = Int6KLinear.from_values(*_parts(raw)), Int8KLinear.from_values(*_parts(raw))
-    same_bits_on_one_and_two_threads(new, old, _x(7, 1024))
+    same_bits_on_one_and_two_threads(new, old, outlier_x(7, 1024))
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -184,25 +170,13 @@ def test_the_loader_holds_q6_k_as_q6k_on_the_native_kernels():
 def test_a_q6_k_model_on_q6k_gives_the_bits_it_gave_on_q8k(kind, kw):
     """The native decode step and prefill (lin_type SC_LIN_Q6K; Phi-3's fused projections as row-group views of q6k
     buffers): logits and caches bit for bit those of the same model held as q8k."""
-    from test_native_archs import build, engines, pack
-    from test_qk import K_SHAPE
+    made: list[str] = []
 
-    prev = native.use(best_or_ref())
-    try:
-        runs = []
-        for cls in (Int6KLinear, Int8KLinear):
-            model = pack(build(kind, **K_SHAPE, **kw),
-                         lambda i, n, lin, cls=cls: cls.from_values(*q8k_values(lin.weight, False), bias=lin.bias))
-            assert {m.layout for m in model.modules() if hasattr(m, "layout")} == {cls.layout}
-            _, fast = engines(model, "float32")
-            assert fast.step.prefill is not None
-            ids = [(37 * i + 3) % 500 + 1 for i in range(50)]
-            list(fast.feed_ids(ids[:40]))
-            logits = [fast.last_logits.clone()]
-            for tok in ids[40:]:
-                list(fast.feed_ids([tok]))
-                logits.append(fast.last_logits.clone())
-            runs.append(torch.stack(logits))
-    finally:
-        native.use(prev)
-    assert torch.equal(bits(runs[0]), bits(runs[1])) and runs[0].abs().max() > 0.1
+    def maker(cls: type) -> Callable[..., torch.nn.Module]:
+        def make(i: int, n: str, lin: torch.nn.Linear) -> torch.nn.Module:
+            made.append(cls.layout)
+            return cls.from_values(*q8k_values(lin.weight, False), bias=lin.bias)
+        return make
+
+    same_model_bits([maker(Int6KLinear), maker(Int8KLinear)], kind, least=0.1, **kw)
+    assert set(made) == {Int6KLinear.layout, Int8KLinear.layout}

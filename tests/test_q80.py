@@ -24,7 +24,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from kernel_helpers import (  # noqa: F401  (fixtures)
-    NATIVE, SIMD, best_or_ref, bits, check_work_buffer, on, same_bits_on_one_and_two_threads, simd)
+    NATIVE, SIMD, best_or_ref, bits, check_work_buffer, on, outlier_x, same_bits_on_one_and_two_threads,
+    same_model_bits, simd, simd_gives_refs_bits)
 from sinkchat.kernels import native
 from sinkchat.model import gguf_blocks, gguf_load
 from sinkchat.model.gguf_file import TensorInfo
@@ -111,23 +112,11 @@ def test_packing_refuses_what_the_layout_cannot_hold():
 SHAPES = [(16, 32, 1), (48, 512, 1), (208, 768, 1), (48, 512, 5), (80, 256, 300)]
 
 
-def _x(m: int, k: int) -> torch.Tensor:
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k))
-    x[:, 5] = 30.0  # an outlier block
-    return x
-
-
 @pytest.mark.parametrize("n,k,m", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_simd_is_the_references_bits(simd, n, k, m, bias):
     w, sw = native.pack_q80(*q80_case(n, k, seed=n + m))
-    x, b = _x(m, k), (torch.randn(n) if bias else None)
-    with on(simd):
-        y_simd = native.q80_matmul(x, w, sw, b)
-    with on("ref"):
-        y_ref = native.q80_matmul(x, w, sw, b)
-    assert torch.isfinite(y_ref).all() and y_ref.abs().max() > 0
-    assert torch.equal(bits(y_simd), bits(y_ref))
+    simd_gives_refs_bits(simd, lambda x, b: native.q80_matmul(x, w, sw, b), n, k, m, bias)
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -135,7 +124,7 @@ def test_simd_is_the_references_bits(simd, n, k, m, bias):
 def test_q80_gives_q8gs_bits(variant, n, k, m):
     """The same tensor as q8g (d per 16, m = 0, as the loader held Q8_0 before) and as q80: the same outputs."""
     values = q80_case(n, k, seed=3 * n + m)
-    x, b = _x(m, k), torch.randn(n)
+    x, b = outlier_x(m, k), torch.randn(n)
     with on(variant):
         new = native.q80_matmul(x, *native.pack_q80(*values), b)
         old = native.q8g_matmul(x, *_as_q8g(*values), b)
@@ -146,7 +135,7 @@ def test_real_blocks_give_q8gs_bits_on_two_threads():
     """From the file's blocks, on this machine's best variant: 1 and 2 threads (every group split), q80 = q8g."""
     raw = _file_blocks(T.Q8_0, rows=64, k=1024, seed=5)
     new, old = Int8Q0Linear.from_values(*_parts(raw)), Int8GLinear.from_values(*_as_q8g_values(raw))
-    same_bits_on_one_and_two_threads(new, old, _x(7, 1024))
+    same_bits_on_one_and_two_threads(new, old, outlier_x(7, 1024))
 
 
 @pytest.mark.parametrize("variant", [*SIMD, "ref"])
@@ -220,8 +209,6 @@ def test_a_q8_0_token_table_is_q80_in_row_chunks(monkeypatch):
 def test_a_q8_0_model_on_q80_gives_the_bits_it_gave_on_q8g(kind, kw):
     """The native decode step and prefill (lin_type SC_LIN_Q80; Phi-3's fused projections as row-group views of q80
     buffers; Qwen2's biases): logits bit for bit those of the same model held as q8g."""
-    from test_native_archs import build, engines, pack
-    from test_qk import K_SHAPE
 
     def values(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ggml's Q8_0: d = amax / 127 (fp16)
         wg = w.detach().float().reshape(w.shape[0], -1, 32)
@@ -234,21 +221,5 @@ def test_a_q8_0_model_on_q80_gives_the_bits_it_gave_on_q8g(kind, kw):
         dd = d.repeat_interleave(2, dim=1)
         return Int8GLinear.from_values(q, dd, torch.zeros_like(dd), bias=lin.bias)
 
-    prev = native.use(best_or_ref())
-    try:
-        runs = []
-        for make in (lambda i, n, lin: Int8Q0Linear.from_values(*values(lin.weight), bias=lin.bias),
-                     lambda i, n, lin: q8g(lin)):
-            model = pack(build(kind, **K_SHAPE, **kw), make)
-            _, fast = engines(model, "float32")
-            assert fast.step.prefill is not None
-            ids = [(37 * i + 3) % 500 + 1 for i in range(50)]
-            list(fast.feed_ids(ids[:40]))
-            logits = [fast.last_logits.clone()]
-            for tok in ids[40:]:
-                list(fast.feed_ids([tok]))
-                logits.append(fast.last_logits.clone())
-            runs.append(torch.stack(logits))
-    finally:
-        native.use(prev)
-    assert torch.equal(bits(runs[0]), bits(runs[1])) and runs[0].abs().max() > 0.1
+    same_model_bits([lambda i, n, lin: Int8Q0Linear.from_values(*values(lin.weight), bias=lin.bias),
+                     lambda i, n, lin: q8g(lin)], kind, least=0.1, **kw)
