@@ -340,12 +340,29 @@ def _packed_matmul(name: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor
                    wtail: tuple[int, ...], stail: tuple[int, ...]) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] through the `name` layout's kernel (`<name>_matmul`, work from `sc_<name>_work`):
     weights [N/16, K/32, *wtail] uint8, scales [N/16, K/32, *stail] fp16, both contiguous, checked first."""
+    n = w.shape[0] * RG
+    return _matmul(name, x, w, sw, bias, wtail, QB, lambda k: (n // RG, k // QB, *stail), torch.float16)
+
+
+def _k_matmul(fn: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+              block: tuple[int, ...], scales: int) -> torch.Tensor:
+    """q4k / q8k / q6k / q5k: x [M, K] fp32 -> [M, N] fp32 through weight blocks `w` [N/16, K/32, *block] and K-quant
+    scales `sw` uint8 [N/16, K/256, scales] (layouts.pack_q4k / pack_q8k), plus bias [N] if given."""
+    n = w.shape[0] * RG
+    return _matmul(fn[:3], x, w, sw, bias, block, QK, lambda k: (n // RG, k // QK, scales), torch.uint8)
+
+
+def _matmul(name: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
+            wtail: tuple[int, ...], kmul: int, sshape: Any, sdtype: torch.dtype) -> torch.Tensor:
+    """The one binding of a layout's matmul `<name>_matmul`: shapes checked (K a multiple of `kmul`, scales of
+    `sshape(K)` in `sdtype`), the thread's work buffer, the call, its return code."""
     x = x.float().contiguous()
     m, k = x.shape
     n = w.shape[0] * RG
-    if w.shape[1:] != (k // QB, *wtail) or k % QB or w.dtype != torch.uint8 or not w.is_contiguous():
-        raise ValueError(f"{name} weights {tuple(w.shape)} do not fit x {tuple(x.shape)}")
-    if sw.shape != (n // RG, k // QB, *stail) or sw.dtype != torch.float16 or not sw.is_contiguous():
+    if w.shape[1:] != (k // QB, *wtail) or k % kmul or w.dtype != torch.uint8 or not w.is_contiguous():
+        more = f" (K % {kmul} == 0)" if kmul != QB else ""
+        raise ValueError(f"{name} weights {tuple(w.shape)} do not fit x {tuple(x.shape)}{more}")
+    if sw.shape != sshape(k) or sw.dtype != sdtype or not sw.is_contiguous():
         raise ValueError(f"{name} scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
     if bias is not None:
         bias = bias.float().contiguous()
@@ -356,29 +373,6 @@ def _packed_matmul(name: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor
     y = torch.empty(m, n)
     _check_rc(getattr(lib, f"{name}_matmul")(x.data_ptr(), m, k, n, w.data_ptr(), sw.data_ptr(), _ptr(bias),
                                              y.data_ptr(), ptr, size), f"{name}_matmul")
-    return y
-
-
-def _k_matmul(fn: str, x: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None,
-              block: tuple[int, ...], scales: int) -> torch.Tensor:
-    """q4k / q8k: x [M, K] fp32 -> [M, N] fp32 through weight blocks `w` [N/16, K/32, *block] and K-quant scales
-    `sw` uint8 [N/16, K/256, scales] (layouts.pack_q4k / pack_q8k), plus bias [N] if given."""
-    x = x.float().contiguous()
-    m, k = x.shape
-    n = w.shape[0] * RG
-    if w.shape[1:] != (k // QB, *block) or k % QK or w.dtype != torch.uint8 or not w.is_contiguous():
-        raise ValueError(f"{fn[:3]} weights {tuple(w.shape)} do not fit x {tuple(x.shape)} (K % {QK} == 0)")
-    if sw.shape != (n // RG, k // QK, scales) or sw.dtype != torch.uint8 or not sw.is_contiguous():
-        raise ValueError(f"{fn[:3]} scales {tuple(sw.shape)} {sw.dtype} do not fit the weights")
-    if bias is not None:
-        bias = bias.float().contiguous()
-        if bias.numel() != n:
-            raise ValueError(f"bias of {bias.numel()} for {n} outputs")
-    lib = _lib()
-    ptr, size = work_buffer(_work_size(lib, f"sc_{fn[:3]}_work", m, k))
-    y = torch.empty(m, n)
-    _check_rc(getattr(lib, fn)(x.data_ptr(), m, k, n, w.data_ptr(), sw.data_ptr(), _ptr(bias), y.data_ptr(), ptr,
-                               size), fn)
     return y
 
 
