@@ -5,13 +5,19 @@
 
 Per round: `sinkchat --help`; a first start (an empty SINKCHAT_CACHE_DIR: the GGUF's tokenizer and config converted,
 its weights packed) and a later start (the same dir again), each both as the real command
-(`echo hi | sinkchat --max-tokens 1 --no-log`, wall seconds to its exit after the first reply token) and as a probe
+(`echo hi | sinkchat --max-tokens 1 --no-log`: wall seconds to the first reply token, the first byte on its stdout,
+and to its exit, the interpreter's end included) and as a probe
 that runs the same load under `python -X importtime` and marks each phase: the loader's own (`loader.Phases`:
 check, convert, config, tokenizer, weights), then the Engine, then the first token of a reply to "hi". Every
 import that finished inside a phase is counted as that phase's imports, so a phase's "own" time is what it did
 besides importing. The native kernels, built once per machine and sinkchat version (not per model), are linked into
 the empty dir unless --cold-kernels. Prints the median of the rounds; times are noisy on a busy machine: compare
 figures from one run.
+
+Python bytecode: the commands run as an installed sinkchat does, its modules' bytecode written on the first start
+and read on later ones (PYTHONDONTWRITEBYTECODE is dropped from their environment; it was set on the 2-core box,
+where compiling sinkchat's ~80 modules at every start took 0.42 s under cProfile). --env-bytecode keeps the environment's
+setting. The sinkchat measured is the one this interpreter imports (PYTHONPATH=TREE to measure a checkout): printed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 PROBE = r"""
 import logging, sys, time
@@ -51,14 +58,19 @@ for ev in engine.chat("hi", max_tokens=1):
     if type(ev).__name__ == "TokenEvent":
         break
 mark("first token")
+end = getattr(sinkchat.cli, "exit_now", None)  # as the CLI ends a piped chat (a checkout without it: as before)
+if end is not None:
+    end(0)
 """
-PHASES = ("python", "cli", "check", "convert", "config", "tokenizer", "weights", "engine", "first token")
+PHASES = ("python", "cli", "check", "convert", "config", "tokenizer", "weights", "engine", "first token", "exit")
 GROUPS = {"imports": (), "tokenizer": ("convert", "config", "tokenizer"), "weights": ("check", "weights"),
-          "first token": ("engine", "first token")}
+          "first token": ("engine", "first token"), "exit": ("exit",)}
 
 
 def parse(stderr: str, t_start: float) -> dict[str, tuple[float, float]]:
-    """{phase: (wall s, s of it in imports that finished inside it)} from the probe's marks and importtime lines."""
+    """{phase: (wall s, s of it in imports that finished inside it)} from the probe's marks and importtime lines, and
+    "@last": (the last mark's time, 0), from which `probe` times the exit (the child's perf_counter is the same
+    monotonic clock as this process's)."""
     out: dict[str, list[float]] = {}
     prev, imports = t_start, 0.0
     for line in stderr.splitlines():
@@ -70,6 +82,7 @@ def parse(stderr: str, t_start: float) -> dict[str, tuple[float, float]]:
             name, _, t = line.removeprefix("@@PHASE ").rpartition(" ")
             out[name] = [float(t) - prev, imports]
             prev, imports = float(t), 0.0
+    out["@last"] = [prev, 0.0]
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
@@ -79,22 +92,45 @@ def probe(model: str, env: dict[str, str]) -> dict[str, tuple[float, float]]:
                        text=True, timeout=600)
     if r.returncode:
         raise SystemExit(f"the probe failed ({r.returncode}): {r.stderr[-1500:]}")
+    end = time.perf_counter()
     phases = parse(r.stderr, t)
-    phases["total"] = (time.perf_counter() - t, sum(v[1] for v in phases.values()))
+    phases["exit"] = (end - phases.pop("@last")[0], 0.0)
+    phases["total"] = (end - t, sum(v[1] for v in phases.values()))
     return phases
 
 
-def command(args: list[str], env: dict[str, str], stdin: str | None = None) -> float:
-    """Wall seconds of `sinkchat ARGS` (python -m sinkchat, the same entry point), to its exit."""
+def command(args: list[str], env: dict[str, str], stdin: str | None = None) -> tuple[float, float]:
+    """Wall seconds of `sinkchat ARGS` (python -m sinkchat, the same entry point) to the first byte on its stdout
+    (a reply's first token; NaN with none) and to its exit."""
     t = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "sinkchat", *args], env=env, input=stdin, capture_output=True,
-                       text=True, timeout=600)
-    if r.returncode:
-        raise SystemExit(f"sinkchat {' '.join(args)} failed ({r.returncode}): {r.stderr[-1500:]}")
-    return time.perf_counter() - t
+    first = float("nan")
+    with tempfile.TemporaryFile() as err:
+        p = subprocess.Popen([sys.executable, "-m", "sinkchat", *args], env=env, stdout=subprocess.PIPE,
+                             stderr=err, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+        if stdin is not None and p.stdin is not None:
+            p.stdin.write(stdin.encode())
+            p.stdin.close()
+        assert p.stdout is not None
+        while chunk := p.stdout.read1(65536):
+            if first != first:  # (NaN: nothing yet)
+                first = time.perf_counter() - t
+        code = p.wait(timeout=600)
+        end = time.perf_counter() - t
+        if code:
+            err.seek(0)
+            raise SystemExit(f"sinkchat {' '.join(args)} failed ({code}): {err.read()[-1500:].decode()}")
+    return first, end
 
 
-def fresh_env(root: Path, cold_kernels: bool) -> dict[str, str]:
+def base_env(env_bytecode: bool) -> dict[str, str]:
+    """The commands' environment: this one, less PYTHONDONTWRITEBYTECODE unless `env_bytecode`."""
+    env = os.environ.copy()
+    if not env_bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def fresh_env(root: Path, cold_kernels: bool, env_bytecode: bool) -> dict[str, str]:
     """An environment whose SINKCHAT_CACHE_DIR is a new empty folder (the user's native kernels linked in)."""
     from sinkchat.config import cache_dir
 
@@ -102,16 +138,19 @@ def fresh_env(root: Path, cold_kernels: bool) -> dict[str, str]:
     kernels = cache_dir() / "native"
     if not cold_kernels and kernels.is_dir():
         (d / "native").symlink_to(kernels)
-    return {**os.environ, "SINKCHAT_CACHE_DIR": str(d), "SINKCHAT_HOME": str(d / "home")}
+    return {**base_env(env_bytecode), "SINKCHAT_CACHE_DIR": str(d), "SINKCHAT_HOME": str(d / "home")}
 
 
-def one_round(model: str, root: Path, cold: bool) -> dict[str, dict[str, tuple[float, float]] | float]:
+Round = dict[str, Any]
+
+
+def one_round(model: str, root: Path, cold: bool, env_bytecode: bool) -> Round:
     reply = ["--max-tokens", "1", "--no-log", *(["--model", model] if model else [])]
-    out: dict[str, dict[str, tuple[float, float]] | float] = {"help": command(["--help"], os.environ.copy())}
-    env = fresh_env(root, cold)
-    out["first command"] = command(reply, env, "hi\n")
-    out["later command"] = command(reply, env, "hi\n")
-    env = fresh_env(root, cold)
+    out: Round = {"help": command(["--help"], base_env(env_bytecode))[1]}
+    env = fresh_env(root, cold, env_bytecode)
+    out["first token"], out["first command"] = command(reply, env, "hi\n")
+    out["later token"], out["later command"] = command(reply, env, "hi\n")
+    env = fresh_env(root, cold, env_bytecode)
     out["first"] = probe(model, env)
     out["later"] = probe(model, env)
     return out
@@ -122,10 +161,14 @@ def median_phases(runs: list[dict[str, tuple[float, float]]]) -> dict[str, tuple
     return {k: (statistics.median(r[k][0] for r in runs), statistics.median(r[k][1] for r in runs)) for k in keys}
 
 
-def report(rounds: list[dict]) -> None:
+def report(rounds: list[Round]) -> None:
+    import sinkchat
+
+    print(f"sinkchat {sinkchat.__file__}")
     print(f"sinkchat --help: {statistics.median(r['help'] for r in rounds):.2f} s")
     for kind in ("first", "later"):
         print(f"{kind} start, `echo hi | sinkchat --max-tokens 1`: "
+              f"{statistics.median(r[kind + ' token'] for r in rounds):.2f} s to the first reply token, "
               f"{statistics.median(r[kind + ' command'] for r in rounds):.2f} s to its exit")
     first, later = median_phases([r["first"] for r in rounds]), median_phases([r["later"] for r in rounds])
     print("\nprobe (python -X importtime; median of rounds; s)\n")
@@ -150,11 +193,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cold-kernels", action="store_true", help="build the native kernels in the first start too")
     ap.add_argument("--json", help="also write every round's figures to this file")
+    ap.add_argument("--env-bytecode", action="store_true",
+                    help="keep PYTHONDONTWRITEBYTECODE as set (default: bytecode written and read, as installed)")
     a = ap.parse_args()
-    rounds = []
+    rounds: list[Round] = []
     with tempfile.TemporaryDirectory(prefix="sinkchat-startup-") as root:
         for i in range(a.rounds):
-            rounds.append(one_round(a.model, Path(root), a.cold_kernels))
+            rounds.append(one_round(a.model, Path(root), a.cold_kernels, a.env_bytecode))
             print(f"round {i + 1}/{a.rounds}: later start {rounds[-1]['later command']:.2f} s", file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(rounds, indent=1))

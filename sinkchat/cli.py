@@ -21,6 +21,7 @@ import click  # noqa: E402
 
 from sinkchat import __version__  # noqa: E402
 from sinkchat.bootstrap import common_options  # noqa: E402
+from sinkchat.apps import exits  # noqa: E402
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("sinkchat.apps.chat.repl", "chat_command"),
@@ -114,10 +115,17 @@ def main(ctx: click.Context, **opts: Any) -> None:
 
 
 def run() -> None:
+    """The `sinkchat` command. A command that allowed it (a piped chat) ends in `exit_now`; SINKCHAT_FAST_EXIT=0
+    turns that off (the interpreter's own exit, for comparison)."""
+    exits.reset()
     try:
         main(standalone_mode=True)
     except KeyboardInterrupt:
         sys.exit(130)
+    except SystemExit as e:
+        if exits.fast_exit_allowed() and e.code in (0, None) and os.environ.get("SINKCHAT_FAST_EXIT", "1") != "0":
+            exits.exit_now(0)
+        raise
 
 
 if __name__ == "__main__":

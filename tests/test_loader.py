@@ -36,7 +36,7 @@ def test_the_packed_gguf_model_computes_with_the_files_own_weights(bundled):
     the fp32 dequantization (`--quant none`) bit for bit, q/k rows included (llama.cpp's row permutation undone
     alike on both paths)."""
     from sinkchat.model import int4
-    from sinkchat.model.int8g import Int8GLinear
+    from sinkchat.model.int8q0 import Int8Q0Linear
 
     q4 = load(ModelConfig(quant="q4", threads=1))
     a, b = q4.model.model.layers, bundled.model.model.layers
@@ -47,7 +47,8 @@ def test_the_packed_gguf_model_computes_with_the_files_own_weights(bundled):
             w = lin.rows(torch.arange(lin.out_features))  # the packed integers and fp16 scales, d·q + m in fp32
             torch.testing.assert_close(w, b[i].get_submodule(name).weight, rtol=0, atol=0)
     table = q4.model.get_output_embeddings()
-    assert isinstance(table, Int8GLinear) and q4.model.get_input_embeddings().table is table  # tied: one copy
+    assert isinstance(table, Int8Q0Linear)  # the file's Q8_0 at its own 34 bytes a block (packed cache v4)
+    assert q4.model.get_input_embeddings().table is table  # tied: one copy
     ids = torch.tensor([0, 5, 49151, 1000])
     want = bundled.model.get_input_embeddings()(ids)
     torch.testing.assert_close(q4.model.get_input_embeddings()(ids), want, rtol=0, atol=0)

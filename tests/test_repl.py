@@ -13,7 +13,8 @@ import torch
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.core.events import PrefillEvent, TokenEvent
-from sinkchat.apps.chat.commands import COMMANDS, SlashCompleter
+from sinkchat.apps.chat.commands import COMMANDS
+from sinkchat.apps.chat.completion import SlashCompleter
 from sinkchat.apps.render import Renderer, toolbar_text
 from sinkchat.apps.chat.repl import ChatLoop, lines_reader, make_prompt_session, prompt_reader, stream_reader
 

@@ -16,16 +16,19 @@ from sinkchat import cli
 
 HEAVY = ("torch", "transformers", "numpy", "rich", "prompt_toolkit", "gguf", "tokenizers", "jinja2")
 
+# the modules are listed by an atexit handler: a piped chat ends in `exits.exit_now`, which runs those, then `_exit`
 PROBE = """
-import json, sys
+import atexit, json, sys
 sys.argv = ["sinkchat", *json.loads(sys.argv[1])]
+def modules():
+    mods = sorted({m.split(".")[0] for m in sys.modules} | set(sys.modules))
+    sys.stderr.write("\\nMODULES " + json.dumps(mods) + "\\n")
+atexit.register(modules)
 from sinkchat.cli import run
 try:
     run()
 except SystemExit:
     pass
-mods = sorted({m.split(".")[0] for m in sys.modules} | set(sys.modules))
-sys.stderr.write("\\nMODULES " + json.dumps(mods) + "\\n")
 """
 
 
@@ -247,3 +250,71 @@ def test_a_later_start_imports_no_transformers_model(tmp_path):
     assert not heavy & out[1][1], sorted(heavy & out[1][1])
     # nor transformers at all (1.1 s): the KV cache's transformers base is deferred (`kv_cache.TransformersBase`)
     assert "transformers" not in out[1][1], sorted(m for m in out[1][1] if m.startswith("transformers"))[:5]
+    # nor gguf-py (`ggml_types` sizes the header's tensors) nor prompt-toolkit (a terminal's prompt only): 0.1-0.4 s
+    assert not {"gguf", "yaml", "prompt_toolkit"} & out[1][1], sorted({"gguf", "yaml", "prompt_toolkit"} & out[1][1])
+
+
+def test_ggml_types_are_gguf_pys():
+    """`ggml_types` (the header scan's sizes, without importing gguf-py) holds gguf-py's every type: its name, block
+    and bytes; an id gguf-py does not know is refused as before."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from sinkchat.model import ggml_types
+
+    assert ggml_types.SIZES == {t.value: (t.name, *size) for t, size in GGML_QUANT_SIZES.items()}
+    assert ggml_types.known(200) is None and ggml_types.name(14) == "Q6_K"
+    assert (ggml_types.F32, ggml_types.F16, ggml_types.BF16) == (0, 1, 30)
+
+
+# ------------------------------------------------------------------------------------------ the exit
+CHAT = """
+import atexit, json, sys
+sys.argv = ["sinkchat", *json.loads(sys.argv[1])]
+atexit.register(lambda: sys.stderr.write("\\nATEXIT\\n"))
+if len(sys.argv) > 1 and sys.argv[-1] == "--thread":
+    sys.argv.pop()
+    import threading
+    threading.Thread(target=threading.main_thread().join).start()  # alive until the interpreter's shutdown
+from sinkchat.cli import run
+try:
+    run()
+except SystemExit as e:
+    sys.stderr.write(f"\\nRETURNED {e.code}\\n")
+    raise
+"""
+
+
+def _piped_chat(args: list[str], home: Path, fast: bool, text: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SINKCHAT_HOME": str(home), "SINKCHAT_FAST_EXIT": "1" if fast else "0"}
+    return subprocess.run([sys.executable, "-c", CHAT, json.dumps(args)], input=text, capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def test_a_piped_chat_ends_without_teardown_and_loses_nothing(tmp_path):
+    """A piped chat ends in `exits.exit_now` (no interpreter teardown: 0.2-2.7 s of freeing torch) with everything a
+    normal exit leaves: the same replies on stdout, atexit handlers run (the recall memory's folder removed), the
+    session log closed as 'ended' with its turns, the automatic snapshot written; status 0."""
+    from sinkchat.store import transcript
+
+    args = ["--max-tokens", "24", "--temperature", "0", "--snapshot-every", "1", "--memory", "on", "--cache", "256"]
+    got = {}
+    for fast in (True, False):
+        home = tmp_path / ("fast" if fast else "normal")
+        r = _piped_chat(args, home, fast, "What is 2+2?\nName a colour.\n")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "ATEXIT" in r.stderr and ("RETURNED" in r.stderr) is not fast, r.stderr[-500:]
+        (info,) = transcript.list_sessions(path=home / "sinkchat.db")
+        assert info.status == "ended" and len(transcript.turns(info.id, path=home / "sinkchat.db")) == 4
+        assert (home / "snapshots" / "auto" / f"session-{info.id}.safetensors").is_file()
+        assert not list((home / "memory").iterdir())  # the store's folder went with the process (atexit)
+        got[fast] = r.stdout
+    assert got[True] == got[False] and got[True].count("\n") >= 2
+
+
+def test_exit_now_waits_for_a_thread_and_not_for_an_error(tmp_path):
+    """With a non-daemon thread alive the interpreter's own exit (which waits for it) ends the chat; a start that
+    fails (status 1) exits as usual too."""
+    r = _piped_chat(["--max-tokens", "2", "--no-log", "--thread"], tmp_path, True, "hi\n")
+    assert r.returncode == 0 and "RETURNED 0" in r.stderr, r.stderr[-1500:]
+    r = _piped_chat(["--model", str(tmp_path / "missing.gguf"), "--no-log"], tmp_path, True, "hi\n")
+    assert r.returncode == 1 and "RETURNED 1" in r.stderr and "ATEXIT" in r.stderr, r.stderr[-1500:]

@@ -17,6 +17,7 @@ The same scan gives the cache its key (`content_key`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import os
@@ -25,15 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gguf import GGMLQuantizationType as T
-from gguf.constants import GGML_QUANT_SIZES
-
 from sinkchat.errors import UserError
-from sinkchat.model import gguf_blocks
+from sinkchat.model import ggml_types
 
 # general.architecture values whose tensors and config sinkchat maps (llama.cpp writes Mistral as "llama")
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
-READABLE = frozenset({T.F32, T.F16, T.BF16, *gguf_blocks.UNPACK})
 ADVICE = "use a Q4_K_M, Q5_K_M, Q6_K, Q8_0 or Q4_0 file (llama-quantize --allow-requantize converts)"
 
 
@@ -51,7 +48,7 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return T(self.qtype).name
+        return ggml_types.name(self.qtype)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,9 +239,10 @@ def _parse(path: Path, buf: Any) -> Header:
 
 
 def _tensor(path: Path, start: int, name: str, qtype: int, dims: list[int], offset: int) -> TensorInfo:
-    if qtype not in T._value2member_map_ or T(qtype) not in GGML_QUANT_SIZES:
+    known = ggml_types.known(qtype)
+    if known is None:
         raise GGUFError(f"{path.name}: tensor {name} has type {qtype}, which sinkchat does not read; {ADVICE}")
-    block, type_size = GGML_QUANT_SIZES[T(qtype)]
+    _, block, type_size = known
     n = 1
     for d in dims:
         n *= d
@@ -320,9 +318,17 @@ def _tokenizer_key(head: Header) -> str:
     return h.hexdigest()[:20]
 
 
+@functools.lru_cache(maxsize=None)
+def readable() -> frozenset[int]:
+    """The GGML types sinkchat reads (from `gguf_blocks`, which imports gguf-py: `inspect` runs at a first start)."""
+    from sinkchat.model import gguf_blocks
+
+    return frozenset({ggml_types.F32, ggml_types.F16, ggml_types.BF16, *gguf_blocks.UNPACK})
+
+
 def _check_tensor(path: Path, t: TensorInfo) -> None:
-    if t.qtype not in READABLE:
+    if t.qtype not in readable():
         raise GGUFError(f"{path.name}: tensor {t.name} is {t.type_name}, which sinkchat does not read; {ADVICE}")
-    block, _ = GGML_QUANT_SIZES[T(t.qtype)]
+    block = (ggml_types.known(t.qtype) or ("", 1, 0))[1]  # (every readable type has a size)
     if t.shape and t.shape[-1] % block:
         raise GGUFError(f"{path.name}: tensor {t.name} rows of {t.shape[-1]} do not fill {t.type_name} blocks")

@@ -32,6 +32,7 @@ from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.int5 import Int5KLinear, Int5Q0Linear, Int5Q1Linear
 from sinkchat.model.int8q0 import Int8Q0Linear
 from sinkchat.model.intk import Int4KLinear, Int6KLinear, Int8KLinear
+from sinkchat.model.packed_embedding import PackedEmbedding  # (gguf_load.PackedEmbedding, as before)
 
 log = logging.getLogger(__name__)
 
@@ -147,22 +148,6 @@ def _heads(hf: str, config: Any, arch: str) -> int | None:
     if arch not in _PERMUTED or not hf.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
         return None
     return config.num_attention_heads if "q_proj" in hf else config.num_key_value_heads
-
-
-class PackedEmbedding(nn.Module):
-    """Token lookups from a packed table (`rows`): the table is stored once, in the file's own values. `scale`:
-    the model's own embedding factor (`int4.embed_scale`: Gemma's sqrt(hidden)), applied to the rows only, never
-    to the tied head."""
-
-    def __init__(self, table: nn.Module, padding_idx: int | None = None, dtype: torch.dtype = torch.float32,
-                 scale: float = 1.0) -> None:
-        super().__init__()
-        self.table, self.padding_idx, self.dtype, self.scale = table, padding_idx, dtype, scale
-        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., C]
-        out = self.table.rows(ids).to(self.dtype)
-        return out if self.scale == 1.0 else out * self.scale
 
 
 def _table(f: Any, t: TensorInfo, kernels: str) -> nn.Module:

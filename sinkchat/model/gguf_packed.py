@@ -27,11 +27,11 @@ import torch
 from torch import nn
 
 from sinkchat.model import int4, intk
-from sinkchat.model.gguf_load import PackedEmbedding, skeleton
 from sinkchat.model.int4q0 import Int4Q0Linear
 from sinkchat.model.int8g import Int8GLinear
 from sinkchat.model.int5 import Int5KLinear, Int5Q0Linear, Int5Q1Linear
 from sinkchat.model.int8q0 import Int8Q0Linear
+from sinkchat.model.packed_embedding import PackedEmbedding
 from sinkchat.model.q4load import read_tensors
 
 log = logging.getLogger(__name__)
@@ -137,19 +137,25 @@ def load(config: Any, out: Path, kernels: str, into: nn.Module | None = None) ->
         return None
     if man.get("version") != VERSION or man.get("kernels") != kernels or not (out / weights_name(kernels)).is_file():
         return None
-    model = skeleton(config) if into is None else into
+    if into is None:
+        from sinkchat.model.gguf_load import skeleton  # (imports gguf-py: a light start has its tree, `into`)
+
+        model = skeleton(config)
+    else:
+        model = into
     shells = {name: _shell(spec) for name, spec in man["modules"].items()}
-    values = dict(read_tensors(out / weights_name(kernels)))
-    for name, mod in shells.items():
-        for key in [k for k in values if k.rpartition(".")[0] == name]:
-            attr = key.rpartition(".")[2]
-            t = values.pop(key)
-            if attr in man["modules"][name]["params"]:
-                setattr(mod, attr, nn.Parameter(t, requires_grad=False))
-            else:
-                mod.register_buffer(attr, t)
+    rest: dict[str, torch.Tensor] = {}  # norms, and anything else left in the skeleton
+    for key, t in read_tensors(out / weights_name(kernels)):  # one pass (a scan of every key per module: 0.05 s)
+        name, _, attr = key.rpartition(".")
+        mod = shells.get(name)
+        if mod is None:
+            rest[key] = t
+        elif attr in man["modules"][name]["params"]:
+            setattr(mod, attr, nn.Parameter(t, requires_grad=False))
+        else:
+            mod.register_buffer(attr, t)
     _wire(model, shells, man["wiring"])
-    for key, t in values.items():  # norms, and anything else left in the skeleton
+    for key, t in rest.items():
         mod_name, _, attr = key.rpartition(".")
         setattr(model.get_submodule(mod_name), attr, nn.Parameter(t, requires_grad=False))
     left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]

@@ -57,9 +57,11 @@ def describe(tokenizer: Any, folder: Path) -> dict[str, Any] | None:
     if not (template is None or isinstance(template, str) or
             (isinstance(template, dict) and all(isinstance(v, str) for v in template.values()))):
         return None
-    ours, theirs = _backend(folder), copy.copy(tokenizer.backend_tokenizer)
-    theirs.no_padding()
-    theirs.no_truncation()
+    ours, theirs = _backend(folder), tokenizer.backend_tokenizer
+    if theirs.padding is not None or theirs.truncation is not None:  # (a copy is 0.37 s: only when it must be)
+        theirs = copy.copy(theirs)
+        theirs.no_padding()
+        theirs.no_truncation()
     if ours.to_str() != theirs.to_str():
         log.info("the tokenizer of %s is not its tokenizer.json alone: no light tokenizer", folder)
         return None

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterable
-
-from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
-from prompt_toolkit.document import Document
+from typing import Any, Callable
 
 from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.host import ChatHost
@@ -249,29 +246,3 @@ def dispatch(loop: ChatHost, line: str) -> None:
         return
     if outcome:
         loop.slog.event("command", f"{name} {arg.strip()}".strip(), outcome)
-
-
-class SlashCompleter(Completer):
-    """Completes command names, then their fixed choices (/policy, /set) or paths (/save, /load)."""
-
-    def __init__(self) -> None:
-        self.paths = PathCompleter(expanduser=True)
-
-    def get_completions(self, document: Document, event: CompleteEvent) -> Iterable[Completion]:
-        text = document.text_before_cursor
-        if not text.startswith("/"):
-            return
-        if " " not in text:
-            for name, cmd in COMMANDS.items():
-                if name.startswith(text):
-                    yield Completion(name, -len(text), display_meta=cmd.help)
-            return
-        name, _, arg = text.partition(" ")
-        cmd = COMMANDS.get(name)
-        if cmd is None or " " in arg:
-            return
-        if cmd.paths:
-            yield from self.paths.get_completions(Document(arg, len(arg)), event)
-        for choice in cmd.choices:
-            if choice.startswith(arg):
-                yield Completion(choice, -len(arg))

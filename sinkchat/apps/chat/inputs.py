@@ -11,8 +11,6 @@ import logging
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from sinkchat.apps.chat.commands import SlashCompleter
-
 log = logging.getLogger(__name__)
 
 Reader = Callable[[bool], str]  # read(continuation) -> one line; EOFError ends, KeyboardInterrupt cancels the line
@@ -48,6 +46,8 @@ def make_prompt_session(loop: Any, history_file: Path | None = None) -> Any:
     from prompt_toolkit.history import FileHistory, History, InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.styles import Style
+
+    from sinkchat.apps.chat.completion import SlashCompleter
 
     kb = KeyBindings()
 

@@ -9,13 +9,10 @@ same loop with prompt-toolkit's pipe input or with plain line lists.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
@@ -31,6 +28,7 @@ from sinkchat.apps.chat.inputs import (  # noqa: F401 - lines_reader, stream_rea
 )
 from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.loading import logs_after_spinner
+from sinkchat.apps.chat.signals import sigterm_exits as _sigterm_exits
 from sinkchat.apps.render import Renderer, live_stats, toolbar_fragments
 from sinkchat.memory import report
 
@@ -355,30 +353,10 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
             finally:
                 closing()  # from here SIGTERM is ignored: the log's close is not cut short
                 slog.close()
+    if not interactive:  # piped: all written and closed; skip the interpreter's teardown of torch (`exits.exit_now`)
+        from sinkchat.apps.exits import allow_fast_exit
 
-
-@contextmanager
-def _sigterm_exits() -> Iterator[Callable[[], None]]:
-    """SIGTERM (`kill`, a service manager, `timeout`) ends chat as /bye does, with exit status 143: SystemExit at
-    the next safe point (the Engine holds it through a cache-and-ledger update, as it holds Ctrl-C), so the session
-    log is closed and `sinkchat logs` lists the session as ended, not crashed. Only the first one, and none once the
-    caller says it is closing (the callable yielded): a SIGTERM while the log closes (a service manager repeating
-    itself, or one after /bye) is ignored, not a SystemExit inside the close."""
-    ending: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
-
-    def on_term(signum: int, frame: Any) -> None:
-        if not ending:
-            ending.append(signum)
-            raise SystemExit(128 + signum)
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield lambda: ending.append(0)
-    finally:
-        signal.signal(signal.SIGTERM, old)
+        allow_fast_exit()
 
 
 def _start(loop: ChatLoop, load_name: str | None, resume_id: int | None, interactive: bool, stdin: Any) -> None:
