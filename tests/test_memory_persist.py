@@ -137,6 +137,7 @@ def test_an_index_saved_under_another_rule_or_an_older_format_is_rebuilt_and_an_
         load_snapshot(other, snap)
         mem, ix = other.memory, other.memory.index
         assert mem.index_ids == eng.memory.index_ids and mem.rule == rule
+        assert mem.lexicon.blocks == eng.memory.lexicon.blocks and mem.lexical is None  # format 1: no prior saved
         want = torch.stack([mem.index_rows(mem.store.read(b)) for b in mem.index_ids])  # [NB, M, H_kv, r, W]
         m, h, r, w = ix.shape
         got = ix.buf[:, ix.lo * r : ix.hi * r].reshape(m, h, -1, r, w).permute(2, 0, 1, 3, 4)
@@ -147,5 +148,5 @@ def test_an_index_saved_under_another_rule_or_an_older_format_is_rebuilt_and_an_
     _as_format(99, monkeypatch)
     snap = save_snapshot(eng, tmp_path / "t.safetensors")
     other = engine(model, memory(model, tmp_path / "c"))
-    with pytest.raises(SnapshotError, match=r"format 99; this sinkchat reads 1, 2$"):
+    with pytest.raises(SnapshotError, match=r"format 99; this sinkchat reads 1, 2, 3$"):
         load_snapshot(other, snap)

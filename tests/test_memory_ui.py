@@ -77,8 +77,8 @@ def watch_choices(eng: Engine) -> list[set[int]]:
     per_turn: list[set[int]] = [set()]
     real = mem.prepare
 
-    def prepare(cache: Any, position: int, single: bool = False) -> Any:
-        out = real(cache, position, single)
+    def prepare(cache: Any, position: int, single: bool = False, **kw: Any) -> Any:
+        out = real(cache, position, single, **kw)
         for c in mem.chosen:
             per_turn[-1].update(c)
         return out
@@ -205,8 +205,9 @@ def test_recall_prints_the_evicted_text_of_the_blocks_the_last_reply_read(tmp_pa
     layers: dict[int, int] = {}
     real = eng.memory.prepare
 
-    def prepare(cache: Any, position: int, single: bool = False) -> Any:  # the most layers at one call, per block
-        out = real(cache, position, single)
+    # the most layers at one call, per block
+    def prepare(cache: Any, position: int, single: bool = False, **kw: Any) -> Any:
+        out = real(cache, position, single, **kw)
         for bid in set(b for c in eng.memory.chosen for b in c):
             layers[bid] = max(layers.get(bid, 0), sum(bid in c for c in eng.memory.chosen))
         return out

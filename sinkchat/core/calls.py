@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def run(eng: Engine, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
     """Logits [q or 1, V] of `ids` at in-cache slots [L, L + q); the cache has room (the caller made it)."""
-    base, used = recall(eng, len(ids) == 1)
+    base, used = recall(eng, ids)
     step = eng.step if not base or getattr(eng.step, "memory_region", False) else None
     if step is not None and len(ids) == 1:
         keys, values = eng.cache.buffers(step.n_kv, step.head_dim, eng.device, eng.kv_store)
@@ -48,13 +48,14 @@ def run(eng: Engine, ids: list[int], L: int, all_logits: bool) -> torch.Tensor:
     return out.logits[0]
 
 
-def recall(eng: Engine, single: bool) -> tuple[int, int]:
-    """Fill the recall memory's region for the next call: (slots reserved in front of the stream, slots of them
-    attended); recalled keys sit right after the pinned prefix. Blocks that failed to read back are reported after
-    the call (`Engine._forgotten`)."""
+def recall(eng: Engine, ids: list[int]) -> tuple[int, int]:
+    """Fill the recall memory's region for the call that feeds `ids`: (slots reserved in front of the stream, slots
+    of them attended); recalled keys sit right after the pinned prefix. A chunk's ids choose the block of the
+    memory's lexical prior (`RecallMemory.prepare`). Blocks that failed to read back are reported after the call
+    (`Engine._forgotten`)."""
     if eng.memory is None:
         return 0, 0
-    used, lost = eng.memory.prepare(eng.cache, eng.pinned_slots(), single)
+    used, lost = eng.memory.prepare(eng.cache, eng.pinned_slots(), len(ids) == 1, ids=ids)
     eng._forgotten += lost
     return eng.memory.region, used
 

@@ -26,10 +26,14 @@ import torch
 
 from sinkchat.memory.blocks import HEADER, Shape
 from sinkchat.memory.index import Index
+from sinkchat.memory.lexical import Lexicon, rebuild
 from sinkchat.memory.store import BlockStore, Where
 
-VERSION = 2  # 2: the index's rule and rows a block saved with it (1: the "far" rule, 4 rows, implied)
-READS = (1, 2)  # versions a load takes; an index saved under another rule than this session's is rebuilt
+VERSION = 3  # 3: the lexical prior's block of the last chunk; 2: the index's rule and rows a block saved with it (1:
+#               the "far" rule, 4 rows, implied)
+READS = (1, 2, 3)  # versions a load takes; an index saved under another rule than this session's is rebuilt; the
+#                    lexicon (lexical.py) is always rebuilt from the stored token ids, formats 1-2 load with no block
+#                    singled out (as their sessions chose: they had no lexical prior)
 
 
 class MemoryStateError(ValueError):
@@ -53,6 +57,7 @@ def save(memory: Any, folder: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
         "version": VERSION, "block": memory.B, "topk": memory.topk, "layers": memory.layers,
         "next_id": memory.next_id, "forgotten": memory.forgotten, "since": memory.since,
         "after_chunk": memory.after_chunk, "q_pos": memory.q_pos, "chosen": memory.chosen, "held": memory.held,
+        "lexical": memory.lexical,
         "born": {str(b): t for b, t in memory.born.items()},
         "blocks": [[bid, w.segment, w.offset, w.size, w.first, w.last, w.n] for bid, w in store.where.items()],
         "segments": {str(s): n for s, n in store.sizes.items()}, "current": store.current,
@@ -109,6 +114,7 @@ class Restored:
     index: Index
     queue: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]]
     queries: torch.Tensor | None
+    lexicon: Lexicon
 
 
 def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor], snapshot: Path) -> Restored:
@@ -137,10 +143,20 @@ def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor],
     store.sizes, store.where, store.current = sizes, where, int(head["current"])
     try:
         index = _index(head, tensors) if _same_rule(memory, head) else _rebuild(memory, store, _dtype(tensors))
+        lexicon = _lexicon(store, index.ids)
     except MemoryStateError:
         store.close(remove=True)
         raise
-    return Restored(head, store, index, _queue(head, tensors), tensors.get("queries"))
+    return Restored(head, store, index, _queue(head, tensors), tensors.get("queries"), lexicon)
+
+
+def _lexicon(store: BlockStore, ids: list[int]) -> Lexicon:
+    """The lexical prior's terms of the restored blocks, from their stored token ids (each block's header and token
+    arrays, checked by their CRC: ~1 KB a block read, not its keys)."""
+    try:
+        return rebuild(Lexicon(), ((bid, store.token_ids(bid).tolist()) for bid in ids))
+    except OSError as e:
+        raise MemoryStateError(f"its recall memory's token ids cannot be read: {e}") from None
 
 
 def _same_rule(memory: Any, head: dict[str, Any]) -> bool:
@@ -220,6 +236,9 @@ def commit(memory: Any, r: Restored, cache: Any) -> None:
     memory.next_id, memory.forgotten, memory.q_pos = int(h["next_id"]), int(h["forgotten"]), int(h["q_pos"])
     memory.since, memory.after_chunk, memory.held = int(h["since"]), bool(h["after_chunk"]), int(h.get("held", 0))
     memory.chosen = [[int(b) for b in c] for c in h["chosen"]]
+    memory.lexicon = r.lexicon
+    lexical = h.get("lexical")  # formats 1-2: none (their sessions had no lexical prior)
+    memory.lexical = int(lexical) if lexical is not None and int(lexical) in r.lexicon.blocks else None
     if int(h["topk"]) != memory.topk:  # another top-k: choose again at the next call
         memory.since = memory.every
     memory.born = {int(b): float(t) for b, t in h["born"].items()}

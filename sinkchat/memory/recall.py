@@ -9,6 +9,9 @@ The rule (tests hold the native step and prefill to transformers' forward, and t
   head the best representative's dot, times the layer's softmax scale, through a softmax over the blocks (the
   block's share of that head's attention among the blocks), summed over the heads (`RULE` "mass"); the top-k blocks, in
   stream order, go into the layer's region after the queued tokens (always attended: they are not yet a block).
+  A block whose rare tokens the last chunk shares, clearly more than any other's (lexical.py: the question names
+  what it asks for), takes one of the k in every layer: soak facts beyond the window chosen in a median of 3 of 30
+  layers without it (docs/memory.md, "A lexical prior").
   Chunks choose again every call; single tokens (decoding) every `every` calls, and always right after a chunk;
 - every recalled key sits at one position, the first slot after the pinned prefix (InfLLM's "all memory at one
   distance"; measured against keeping each block's order before the window, and against a closer distance, in
@@ -32,6 +35,7 @@ from sinkchat.config import MemoryConfig
 from sinkchat.memory.blocks import Block, bound_queries, bounds, representatives, rotate
 from sinkchat.memory.events import ForgottenEvent
 from sinkchat.memory.index import Index
+from sinkchat.memory.lexical import Lexicon
 from sinkchat.memory.slices import SliceCache
 from sinkchat.memory.store import BlockStore, StoreError, Where
 from sinkchat.model.spec import ModelSpec
@@ -75,6 +79,8 @@ class RecallMemory:
         self.region = self.topk * self.B + self.B - 1  # the blocks plus a queue of fewer than B tokens
         self.store = BlockStore(root, cfg.budget_mb << 20, cfg.bits)
         self.index = Index()
+        self.lexicon = Lexicon()  # the indexed blocks' token ids, for the lexical prior (lexical.py)
+        self.lexical: int | None = None  # the block the last chunk's tokens single out: in every layer's top-k
         self.slices = SliceCache(cfg.ram_mb << 20, self.inv_freqs, least=len(self.layers) * self.topk)
         self.next_id = 0
         self.queue: list[tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]] = []  # k v ids abs slots
@@ -201,6 +207,7 @@ class RecallMemory:
         events = [self._unindex(w, bid) for bid, w in dropped]
         self.born[block.id] = time.time()
         self.index.add(block.id, self.index_rows(block))
+        self.lexicon.add(block.id, block.ids.tolist())
         return events
 
     def index_rows(self, block: Block) -> torch.Tensor:
@@ -221,6 +228,9 @@ class RecallMemory:
 
     def _unindex(self, w: Where, bid: int, reason: str = "budget") -> ForgottenEvent:
         self.index.remove(bid)
+        self.lexicon.remove(bid)
+        if self.lexical == bid:
+            self.lexical = None
         self.born.pop(bid, None)
         self.recalled.pop(bid, None)
         self.slices.drop(bid)
@@ -247,12 +257,22 @@ class RecallMemory:
         self.queries, self.q_pos = q.detach().clone(), position
 
     def choose(self, position: int) -> list[list[int]]:
-        """Per memory layer, the ids of its top-k blocks in stream order (all of them while there are <= k)."""
+        """Per memory layer, the ids of its top-k blocks in stream order (all of them while there are <= k): by the
+        attention rule, except that the block the last chunk's tokens single out (`lexical`, lexical.py) takes one
+        of the k in every layer (the rule's best k-1 of the others beside it, or its k if they hold it already)."""
         ids = self.index.ids
-        if len(ids) <= self.topk or self.queries is None:  # no queries yet (a memory opened or cleared over a
-            return [list(ids[-self.topk :]) for _ in self.layers]  # cache that holds tokens): the newest k blocks
+        pick = self.lexical if self.lexical in self.lexicon.blocks else None
+        if len(ids) <= self.topk:
+            return [list(ids) for _ in self.layers]
+        if self.queries is None:  # no queries yet (a memory opened or cleared over a cache that holds tokens): the
+            newest = list(ids[-self.topk :])  # newest k blocks
+            if pick is not None and pick not in newest:
+                newest = sorted([pick] + newest[1:], key=ids.index)
+            return [list(newest) for _ in self.layers]
         scale = self.scaling if self.rule == "mass" else None
         scores = self.index.scores(self._index_queries(position), scale)  # [NB, M]
+        if pick is not None:
+            scores[ids.index(pick)] = float("inf")
         top = scores.topk(self.topk, dim=0).indices.sort(dim=0).values  # [k, M]: rows in stream order
         return [[ids[r] for r in top[:, i].tolist()] for i in range(len(self.layers))]
 
@@ -277,10 +297,16 @@ class RecallMemory:
             return self._rotated_queries(position).transpose(2, 3)  # [M, H_kv, D, G]
         return self._group_queries(position)
 
-    def prepare(self, cache: Any, position: int, single: bool = False) -> tuple[int, list[ForgottenEvent]]:
+    def prepare(self, cache: Any, position: int, single: bool = False, ids: list[int] | None = None
+                ) -> tuple[int, list[ForgottenEvent]]:
         """Fill every memory layer's region for the next call, recalled keys at `position`; returns the slots
         attended (`used`, the same in every layer) and what a block that failed to read back forgot. `single`: a
-        one-token call, which keeps the last choice for `every` calls."""
+        one-token call, which keeps the last choice for `every` calls. `ids`: the call's token ids; a chunk's pick the
+        block of the lexical prior (`lexical`), which single tokens (decoding) keep."""
+        if not single:
+            self.lexical = self.lexicon.pick(ids) if ids else None
+            if self.lexical is not None:
+                log.debug("recall memory: block %d singled out by the chunk's tokens", self.lexical)
         layers = [cache.layers[i] for i in self.layers]
         events: list[ForgottenEvent] = []
         if not layers[0].is_initialized or not (self.index.ids or self.queue):
@@ -362,6 +388,8 @@ class RecallMemory:
         self.store.close(remove=True)
         self.store = BlockStore(self.store.root, self.store.budget, self.store.bits)
         self.index.clear()
+        self.lexicon.clear()
+        self.lexical = None
         self.slices.clear()
         self.queue, self.queries = [], None
         self.born, self.recalled, self.held = {}, {}, 0
