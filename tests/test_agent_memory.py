@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from fakes import tiny_model
 from sinkchat.apps.agent.checkpoint import TaskCheckpoint
 from sinkchat.core.events import EvictionEvent
@@ -45,3 +47,41 @@ def test_without_the_memory_a_finished_task_is_rolled_back_as_before(tmp_path: P
     list(eng.feed_ids(IDS[12:35]))
     assert cp.restore(eng) and not cp.events
     assert eng.cache.length == 12 and eng.ledger.evicted == 0 and eng.ledger.seen == 12
+
+
+@pytest.mark.parametrize("with_memory", [True, False])
+def test_a_task_that_overflows_the_window_does_not_move_the_checkpoint(tmp_path: Path, with_memory: bool) -> None:
+    """The agent takes its checkpoint before anything is fed. Before: a task longer than the window (any eviction
+    since the checkpoint) made the next `restore` take a new checkpoint where the cache then stood, after that
+    task; the next task was fed on top of it, overflowed in turn, and no task started fresh again (a 2h15
+    `--memory on` soak: the window full of earlier tasks' calls, which the model copied until its steps ran out).
+    Evictions that leave the checkpoint's slots alone leave the checkpoint."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m") if with_memory else None)
+    cp = TaskCheckpoint()
+    assert not cp.restore(eng) and cp.length == 0  # the first task records it: nothing fed yet
+    list(eng.feed_ids(IDS[:60]))  # task 1: 60 tokens through the 40-slot cache
+    assert eng.ledger.evicted > 0
+    for first in (60, 100):  # task 2 and task 3 both start from the checkpoint
+        assert cp.restore(eng) and eng.cache.length == 0 and cp.taken == 1
+        list(eng.feed_ids(IDS[first % 150 : first % 150 + 40]))
+    assert cp.restore(eng) and eng.cache.length == 0
+    list(eng.feed_ids(IDS[:4]))
+    pinned = TaskCheckpoint()  # a checkpoint within the sinks, which the sink policy never evicts, holds too
+    assert not pinned.restore(eng) and pinned.length == 4
+    evicted = eng.ledger.evicted
+    list(eng.feed_ids(IDS[4:60]))
+    assert eng.ledger.evicted > evicted and pinned.restore(eng) and eng.cache.length == 4 and pinned.taken == 1
+
+
+def test_a_checkpoint_whose_slots_were_evicted_is_taken_again(tmp_path: Path) -> None:
+    """Only when the slots before the checkpoint are gone (the examples evicted by a long task) does the task go on
+    from where the cache stands, with a new checkpoint there."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, None)
+    list(eng.feed_ids(IDS[:12]))
+    cp = TaskCheckpoint()
+    cp.restore(eng)
+    list(eng.feed_ids(IDS[12:60]))  # evicts slots from 4 on: the checkpoint's own
+    assert not cp.restore(eng) and cp.taken == 2 and cp.length == eng.cache.length
+    assert cp.restore(eng) and cp.taken == 2  # nothing evicted since: the new checkpoint holds

@@ -277,3 +277,41 @@ def _quarter_shares(samples: list[dict], n: int) -> tuple[float, float]:
 
     (ok1, f1), (ok3, f3), (ok4, f4) = at(n / 4), at(3 * n / 4), at(n)
     return ok1 / max(1, ok1 + f1), (ok4 - ok3) / max(1, ok4 - ok3 + f4 - f3)
+
+
+def test_a_task_that_ends_without_a_final_answer_says_why(tmp_path):
+    """A failed task's job record says why there is no answer. Before: "mul: answer '', expected 4386" for a task
+    whose steps all went to tool calls, the same words as a model that answered with nothing; a 2h15 soak was read as
+    the memory emptying the answers, when the agent had run out of steps."""
+    from types import SimpleNamespace
+
+    from sinkchat.apps.soak.scenario_agent import AgentScenario, AgentTask
+    from sinkchat.apps.soak.steps import Outcome
+
+    run_agent_soak(tmp_path, [CLOCK] * 4, tasks=8)  # every step a valid call: no task ever answers
+    jobs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    asked = [j["detail"] for j in jobs if j["kind"] == "job" and j["detail"].split(":")[0] not in ("write", "note")]
+    assert asked and all("no final answer (max steps: 4)" in d and "answer ''" not in d for d in asked), asked
+    scen = AgentScenario(SoakEngine([]), tmp_path / "ws2")
+    mul = AgentTask("mul", "What is 51 times 86?", number=4386)
+    assert scen.judge(mul, None, {}).detail == ("no final answer (the agent loop ended without a TaskDoneEvent), "
+                                                "expected 4386")
+    cut = SimpleNamespace(reason="interrupted", steps=1, answer="")
+    assert scen.judge(mul, cut, {}).detail == "no final answer (interrupted after 1 step), expected 4386"
+    said = SimpleNamespace(reason="final", steps=2, answer="It is 4386.")
+    assert scen.judge(mul, said, {}) == Outcome(True, "answer 'It is 4386.', expected 4386")
+
+
+def test_the_workspace_keeps_only_the_soaks_own_files(tmp_path):
+    """Before each task, what the model wrote outside the soak's files is removed: a 2h15 soak's workspace held 48
+    files after 30 minutes ("plan.txt.txt.txt.txt}}"), every one in each listing and in the grammar's paths."""
+    from sinkchat.apps.soak.scenario_agent import AgentScenario, AgentTask
+
+    ws = tmp_path / "ws"
+    scen = AgentScenario(SoakEngine([]), ws)
+    for name in ("file1.txt", "NOTES.md", "plan.txt.txt}}", "5760"):
+        (ws / name).write_text("x")
+    (ws / "sub").mkdir()
+    (ws / "sub" / "a.txt").write_text("y")
+    before = scen.prepare(AgentTask("list", "List the files in the workspace."))
+    assert sorted(p.name for p in ws.iterdir()) == before["files"] == ["NOTES.md", "file1.txt"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,8 @@ import click
 from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ToolCall, finite, recover
 from sinkchat.core.events import TokenEvent
 from sinkchat.store.sessionlog import NullLog
+
+log = logging.getLogger(__name__)
 
 WORDS = ("apple", "harbor", "violet", "copper", "meadow", "falcon", "pepper", "glacier")
 
@@ -33,14 +36,26 @@ def _mentions_number(answer: str, n: int) -> bool:
     return str(n) in re.findall(r"-?\d+", answer.replace(",", ""))
 
 
+def no_final_reason(done: Any) -> str:
+    """Why a task ended without a final answer, from its TaskDoneEvent (None: the loop yielded none)."""
+    if done is None:
+        return "the agent loop ended without a TaskDoneEvent"
+    if done.reason == "max_steps":
+        return f"max steps: {done.steps}"
+    return f"{done.reason.replace('_', ' ')} after {done.steps} step{'s' if done.steps != 1 else ''}"
+
+
 class AgentScenario:
     """The agent loop with the built-in tools on generated tasks, each checked after it ran: a file the task asked
     for must exist with the asked-for word in it, a note must have been appended, a calculation's answer must hold
     the right number, a file read back must be quoted, the clock must be read, a listing must name a file that is
-    there. File names come from a small fixed set, so the workspace stays bounded however long the soak runs (a file
-    a task is to write is removed first, so an old copy cannot pass for new work). The model's malformed calls and
-    failed tools are faults the agent feeds back (counted, expected from a small model); only an exception out of
-    the loop is an error. Every step that did not end the task yields a `ToolCall` (the valid-call share)."""
+    there. File names come from a small fixed set, and whatever else the model wrote is removed before each task, so
+    the workspace stays bounded however long the soak runs (a file a task is to write is removed first too, so an
+    old copy cannot pass for new work). Kept, the model's strays grew without end: 48 files after 30 minutes of a
+    2h15 soak ("plan.txt.txt.txt.txt}}"), each listing of them some 200 tokens, and every name one more path the
+    grammar offers. The model's malformed calls and failed tools are faults the agent feeds back (counted, expected
+    from a small model); only an exception out of the loop is an error. Every step that did not end the task yields
+    a `ToolCall` (the valid-call share)."""
 
     name = "agent"
     unit = "tasks done right"
@@ -88,7 +103,9 @@ class AgentScenario:
             return None
 
     def prepare(self, task: AgentTask) -> dict[str, Any]:
-        """Before the task: remove the file a write task must create; remember what a check compares against."""
+        """Before the task: remove what the model wrote outside the soak's own files, and the file a write task must
+        create; remember what a check compares against."""
+        self._tidy()
         if task.kind == "write":
             try:
                 (self.workspace / task.file).unlink()
@@ -99,12 +116,32 @@ class AgentScenario:
         return {"notes": self._read(NOTES_FILE) or "", "file": self._read(task.file),
                 "files": sorted(p.name for p in self.workspace.iterdir() if p.is_file())}
 
+    def _tidy(self) -> None:
+        """Remove every workspace entry that is not one of the soak's files (file1.txt .. file4.txt, the notes)."""
+        import shutil
+
+        from sinkchat.apps.agent.tools.notes import NOTES_FILE
+
+        keep = {NOTES_FILE, *(f"file{i}.txt" for i in range(1, 5))}
+        for p in self.workspace.iterdir():
+            if p.name in keep and p.is_file() and not p.is_symlink():
+                continue
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+            except OSError as e:
+                log.warning("cannot remove %s from the agent workspace: %s", p, e)
+
     def judge(self, task: AgentTask, done: Any, before: dict[str, Any]) -> Outcome:
-        """Was `task` done right? `done`: its TaskDoneEvent (None when the loop ended without one)."""
+        """Was `task` done right? `done`: its TaskDoneEvent (None when the loop ended without one). A task that
+        wants an answer and got none says why ("no final answer (max steps: 4)"), not `answer ''`."""
         from sinkchat.apps.agent.tools.notes import NOTES_FILE
 
         answer = (done.answer if done is not None else "") or ""
         final = done is not None and done.reason == "final"
+        said = f"answer {answer[:60]!r}" if final else f"no final answer ({no_final_reason(done)})"
         if task.kind == "write":
             body = self._read(task.file)
             if body is None:
@@ -117,20 +154,19 @@ class AgentScenario:
             return Outcome(task.word in added.lower(), f"note {'saved' if task.word in added.lower() else 'missing'}")
         if task.kind in ("mul", "calc"):
             ok = final and task.number is not None and _mentions_number(answer, task.number)
-            return Outcome(ok, f"answer {answer[:60]!r}, expected {task.number}")
+            return Outcome(ok, f"{said}, expected {task.number}")
         if task.kind == "read":
             body = before["file"]
             want = " ".join(body.split())[:40].lower() if body and body.strip() else ""
             ok = final and (want in " ".join(answer.split()).lower() if want else bool(answer.strip()))
-            return Outcome(ok, f"answer {answer[:60]!r}" + (f", file holds {want!r}" if want else ", no such file"))
+            return Outcome(ok, said + (f", file holds {want!r}" if want else ", no such file"))
         if task.kind == "list":
             names = before["files"]
             ok = final and (any(n in answer for n in names) if names else bool(answer.strip()))
-            return Outcome(ok, f"answer {answer[:60]!r}")
+            return Outcome(ok, said)
         if task.kind == "clock":
-            ok = final and any(ch.isdigit() for ch in answer)
-            return Outcome(ok, f"answer {answer[:60]!r}")
-        return Outcome(final and bool(answer.strip()), f"answer {answer[:60]!r}")  # search: any final answer
+            return Outcome(final and any(ch.isdigit() for ch in answer), said)
+        return Outcome(final and bool(answer.strip()), said)  # search: any final answer
 
     def step(self, engine: Any) -> Iterator[Any]:
         from sinkchat.apps.agent.log import AgentLog
