@@ -21,7 +21,6 @@ Blocks the budget removes, or that fail to write or to read back, are reported (
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
 import time
@@ -34,6 +33,7 @@ import torch
 from sinkchat.config import MemoryConfig
 from sinkchat.memory.blocks import Block, bound_queries, bounds, representatives, rotate
 from sinkchat.memory.events import ForgottenEvent
+from sinkchat.memory.heap import trim_heap
 from sinkchat.memory.index import Index
 from sinkchat.memory.lexical import Lexicon
 from sinkchat.memory.slices import SliceCache
@@ -53,7 +53,7 @@ RULE = "mass"  # how a block is indexed and scored (measured in docs/memory.md "
 #                4.5 layers against 4: the question's own queries pick it in 6.5-7.5 with every key, `passkey.py
 #                --oracle`). "bound" also answered 8/10 numbers but chose the prose needle in 1.5 layers.
 RULES = ("far", "attn", "bound", "mass")
-TRIM_EVERY = 1  # blocks between two returns of freed heap pages to the system (`_trim_heap`: 3-6 ms a call at 8k
+TRIM_EVERY = 1  # blocks between two returns of freed heap pages to the system (`heap.trim_heap`: 3-6 ms a call at 8k
 #                 tokens, 1 thread; 1.2% of memory-on time in a py-spy at 55k tokens. Every 8 blocks: 14,080 tokens
 #                 streamed ended at 683 MB RSS against 568 every block, for ~1% of speed: kept at 1)
 EVERY = 8  # decode steps between two choices of blocks (a choice scores every block in every layer)
@@ -166,7 +166,7 @@ class RecallMemory:
         while self.queued >= self.B:
             events += self._commit(self._take(self.B, position))
             if self.next_id % TRIM_EVERY == 0:
-                _trim_heap()
+                trim_heap()
         return events
 
     def _take(self, n: int, position: int) -> Block:
@@ -404,22 +404,3 @@ class RecallMemory:
     def close(self) -> None:
         """The session is over: its memory goes (files included)."""
         self.store.close(remove=True)
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the system (glibc's malloc_trim; elsewhere nothing). Why: a block's life
-    (stacked, rotated, encoded, written, its slices read back) frees ~1.5 MB of mixed-size allocations that glibc
-    kept: streaming 14,000 tokens (bundled model, cache 1,024) grew RSS by 267 MB with the memory on (0 with it
-    off); trimming after every block, by 93 MB, of which the slice cache (42 MB, bounded by --memory-ram) and the
-    index (10 MB, bounded by the disk budget) are most."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
-
-
-_LIBC: Any = None
