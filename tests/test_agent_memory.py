@@ -5,12 +5,13 @@ dropped, so every token stays in the window, the memory, or a `forgotten` event.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fakes import tiny_model
+from fakes import CharTokenizer, tiny_model
 from sinkchat.apps.agent.checkpoint import TaskCheckpoint
-from sinkchat.core.events import EvictionEvent
+from sinkchat.core.events import EvictionEvent, PrefillEvent
 from test_memory import IDS, engine, memory
 
 
@@ -85,3 +86,59 @@ def test_a_checkpoint_whose_slots_were_evicted_is_taken_again(tmp_path: Path) ->
     list(eng.feed_ids(IDS[12:60]))  # evicts slots from 4 on: the checkpoint's own
     assert not cp.restore(eng) and cp.taken == 2 and cp.length == eng.cache.length
     assert cp.restore(eng) and cp.taken == 2  # nothing evicted since: the new checkpoint holds
+
+
+def agent_engine(tmp_path: Path, with_memory: bool, capacity: int = 256) -> tuple[Any, Any]:
+    """A real Engine (1-layer random model, the ChatML-like fake template) and a JSON-protocol agent on it."""
+    from sinkchat.apps.agent.agent import Agent, build_default_tools
+    from sinkchat.apps.agent.tools.workspace import Workspace
+    from sinkchat.config import CacheConfig, SamplingConfig
+    from sinkchat.core.engine import Engine
+
+    model = tiny_model("llama", layers=1, score_std=3.0, max_pos=4096)
+    mem = memory(model, tmp_path / "m") if with_memory else None
+    eng = Engine(model, CharTokenizer(), CacheConfig("sink", 4, capacity, 0),
+                 SamplingConfig(temperature=0, max_tokens=8), memory=mem)
+    ws = Workspace(tmp_path / "ws", create=True)
+    agent = Agent(eng, build_default_tools(ws), ws, system_prompt="You are terse.", constrain=False,
+                  few_shot=False, protocol="json")
+    return eng, agent
+
+
+@pytest.mark.parametrize("with_memory", [True, False])
+def test_tasks_start_after_the_system_prompt_which_is_fed_once(tmp_path: Path, with_memory: bool) -> None:
+    """The agent feeds its system prompt alone and takes the task checkpoint after it (`Engine.feed_system`).
+    Before, the checkpoint was at slot 0: every task fed the prompt again, and with the memory on each set-aside
+    moved the sinks and the prompt into the memory (a copy a task) and the stream's start out of the window, so
+    the sink gauge had nothing to measure."""
+    eng, agent = agent_engine(tmp_path, with_memory)
+    system = eng.encode(eng.conv.system_block())
+    for task in ("one", "two", "three"):
+        events = list(agent.run("task " + task, 2))
+        first = next(e for e in events if isinstance(e, PrefillEvent))
+        assert agent.checkpoint.length == eng.ledger.pinned == len(system) > 4
+        assert first.cache_len - first.tokens == (0 if task == "one" else len(system))  # never fed again
+        assert eng.ledger.ids[: len(system)] == system and eng.ledger.holds_stream_start()
+    assert agent.checkpoint.taken == 1
+    if with_memory:
+        mem = eng.memory
+        held = {int(a) for b in mem.index_ids for a in mem.store.read(b).abs_index} | {a for e in mem.queue
+                                                                                     for a in e[3]}
+        assert held and min(held) >= len(system)  # only the tasks' own tokens were set aside
+        assert eng.ledger.evicted == mem.tokens + mem.forgotten
+
+
+def test_an_interrupted_system_prompt_is_taken_back_and_a_fed_conversation_is_left_alone(tmp_path: Path) -> None:
+    eng, _ = agent_engine(tmp_path, False)
+    feed = eng.feed_system()
+    next(feed)
+    assert eng.cache.length > 0
+    feed.close()  # Ctrl-C between chunks
+    assert eng.cache.length == 0 and eng.conv.fed == "" and eng.ledger.pinned == 0 and eng.message_taken_back
+    list(eng.feed_system())
+    n = eng.cache.length
+    assert n and eng.conv.fed == eng.conv.system_block() and eng.ledger.pinned == n
+    list(eng.feed_system())  # something was fed: nothing more
+    assert eng.cache.length == n
+    list(eng.add_message("user", "hi"))
+    assert eng.conv.fed == eng.conv._render(eng.conv.messages, True)  # the next delta extended the system block

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 
-from sinkchat.core import calls
+from sinkchat.core import calls, messages
 from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
@@ -98,7 +98,7 @@ class Engine:
         self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
         self._forgotten: list[ForgottenEvent] = []  # what the memory forgot, yielded after the eviction that caused it
         self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
-        self._pinned_prefix()  # a system prompt too large to pin: one line now, not at the first message
+        messages.pinned_prefix(self)  # a system prompt too large to pin: one line now, not at the first message
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -212,22 +212,6 @@ class Engine:
         the pinned system prompt where it is longer (`cache_policy.pinned_slots`)."""
         return pinned_slots(cfg or self.cache_cfg, self.ledger.pinned)
 
-    def _pinned_prefix(self) -> str:
-        """The system block to pin before the next message (`--pin system`), or "" when nothing is to be pinned:
-        only a fresh stream under the sink policy pins, since the prefix must sit right after the sinks. Raises
-        ConfigError when the prompt would leave the conversation too little of the cache, before anything is fed."""
-        c = self.cache_cfg
-        if c.pin != "system" or c.policy != "sink" or self.cache.length or not self.conv.system:
-            return ""
-        block = self.conv.system_block()
-        n = len(self.encode(block)) if block else 0
-        least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
-        if n and c.capacity - n < least:
-            raise ConfigError(f"the system prompt takes {n} tokens; pinned, it would leave {c.capacity - n} of the "
-                              f"{c.capacity}-token cache for the conversation (at least {least} needed): use a larger "
-                              "--cache, a shorter system prompt or --pin none")
-        return block
-
     def encode(self, text: str) -> list[int]:
         """Token ids of raw text; lone surrogates (from undecodable input bytes) become U+FFFD, never an error."""
         return list(self.tokenizer.encode(utf8_safe(text), add_special_tokens=False))
@@ -261,33 +245,18 @@ class Engine:
         yield from self.feed_ids(self.encode(text))  # type: ignore[misc]
 
     def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
-        """Template only the new message (plus assistant header) and feed it.
+        """Template only the new message (plus assistant header) and feed it (`core/messages.py`).
 
         Interrupted (Ctrl-C, or the generator closed) before the whole message is in: if nothing was evicted
         meanwhile, the message is taken back entirely (cache, ledger and conversation as before it), so a cut
         prompt never leaves half a message in the model's context. Once feeding it has evicted, the evicted
         tokens cannot come back, so what was fed stays and the conversation keeps the message."""
-        length, evicted = self.cache.length, self.ledger.evicted
-        messages, fed, logits = list(self.conv.messages), self.conv.fed, self.last_logits
-        self.message_taken_back = False
-        prefix = self._pinned_prefix()
-        delta = self.conv.delta_for(role, content, add_generation_prompt)
-        try:
-            if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
-                yield from self.feed(prefix)
-                self.ledger.pinned = self.cache.length
-                delta = delta[len(prefix) :]
-            yield from self.feed(delta)
-            self.reply_turn = add_generation_prompt
-        except BaseException:
-            # a hybrid model's local rings may have let go of tokens they would need back: like an eviction
-            if self.ledger.evicted == evicted and self.cache.can_truncate(length):
-                with deferred_sigint():
-                    self.cache.truncate(length)
-                    self.ledger.truncate(length)
-                    self.conv.messages, self.conv.fed, self.last_logits = messages, fed, logits
-                    self.message_taken_back = True
-            raise
+        yield from messages.add_message(self, role, content, add_generation_prompt)
+
+    def feed_system(self) -> Iterator[Event]:
+        """Feed the system prompt alone into a fresh conversation, pinned where `--pin system` pins it, so a caller
+        (the agent's task checkpoint) can mark the cache after it; a no-op otherwise (`messages.feed_system`)."""
+        yield from messages.feed_system(self)
 
     def generate(
         self, max_tokens: int | None = None, stop: tuple[str, ...] = (), sampling: SamplingConfig | None = None,

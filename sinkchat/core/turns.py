@@ -64,6 +64,17 @@ class Conversation:
             log.debug("chat template cannot render the system message alone", exc_info=True)
             return ""
 
+    def system_prefix(self) -> str:
+        """`system_block()` where every conversation's rendering starts with it (so it can be fed ahead of the first
+        message and the next delta extends it), else ""."""
+        block = self.system_block()
+        try:
+            probe = self._render([{"role": "user", "content": "x"}], True)
+        except Exception:  # noqa: BLE001 - a template that cannot render this: feed the system prompt with a message
+            log.debug("chat template cannot render a probe message", exc_info=True)
+            return ""
+        return block if block and probe.startswith(block) else ""
+
     def add_reply(self, text: str) -> None:
         """Record the assistant reply as generated; `text` must be exactly what the model produced (stop tokens
         included as text), because it is now in the cache. A template closes the turn after its stop token; the

@@ -59,8 +59,8 @@ class Agent:
     never). Takes over the engine's system prompt if nothing was fed yet, and then (JSON protocol, few_shot) feeds one
     demonstrated exchange before the first task. `constrain`: mask every token that would leave the tool-call grammar
     (see constrain.py; off where the engine or tokenizer cannot take it). `fresh_tasks`: each task starts from the cache
-    as it was before the first task (system prompt + example), so a task never sees, and copies, the previous one's
-    reply; skipped once the cache has evicted since then. `require_call`: with the constraint, a task's first reply must
+    as it was after the system prompt (fed alone before the first task), so a task never sees, and copies, the
+    previous one's reply; the checkpoint is taken again where the cache stands once its own slots were evicted. `require_call`: with the constraint, a task's first reply must
     be a tool call, not an answer."""
 
     def __init__(self, engine: Any, tools: Toolbox, workspace: Workspace | str | Path | None = None,
@@ -113,6 +113,8 @@ class Agent:
         yield from self._compact()
         per_task = self.fresh_tasks and hasattr(self.engine, "cache")  # examples ordered for each task (rewound)
         if self.fresh_tasks:
+            if self.own_system and hasattr(self.engine, "feed_system"):  # the checkpoint after the system prompt
+                yield from self.engine.feed_system()
             self.checkpoint.restore(self.engine)
             yield from self.checkpoint.events  # the earlier task set aside into the recall memory
         if not self.primed:

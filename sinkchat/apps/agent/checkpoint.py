@@ -2,8 +2,11 @@
 
 Why: the bundled model copies the nearest assistant turn; run after another task, it answered the new task with the
 previous task's final answer. Truncating the cache back to the checkpoint is exact (the kept slots are untouched,
-nothing is recomputed) and costs nothing. The agent takes its checkpoint before its first task feeds anything (the
-system prompt and examples are fed again for each task), or wherever the engine's conversation stood.
+nothing is recomputed) and costs nothing. The agent feeds its system prompt alone (`Engine.feed_system`) and takes
+its checkpoint right after it, before its first task feeds anything (the examples are fed again for each task), or
+wherever the engine's conversation stood. It was taken before the system prompt until 2026-12: every task fed the
+prompt again (~1,450 tokens), and with the recall memory on, setting the task aside also moved the sinks and the
+prompt into the memory (one more copy, ~33 MB, a task) and out of the window (the sink gauge then read 0.00).
 
 The checkpoint holds as long as the slots before it hold what they held when it was taken: an eviction of later
 slots (a task longer than the window, a recall probe between tasks) does not touch them, and a checkpoint at the

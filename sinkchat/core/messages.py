@@ -1,0 +1,101 @@
+"""Feeding templated messages into the Engine's cache: the system block pinned on its own, and a message that an
+interrupt takes back whole.
+
+Split from engine.py (which holds the model calls and eviction) because the rules here are about the conversation:
+what gets pinned, what a cut message leaves behind. Functions take the engine; `Engine.add_message` and
+`Engine.feed_system` call them.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+from sinkchat.config import ConfigError
+from sinkchat.core.events import Event
+from sinkchat.core.interrupts import deferred_sigint
+
+if TYPE_CHECKING:
+    from sinkchat.core.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def pinned_prefix(eng: Engine) -> str:
+    """The system block to pin before the next message (`--pin system`), or "" when nothing is to be pinned: only a
+    fresh stream under the sink policy pins, since the prefix must sit right after the sinks. Raises ConfigError
+    when the prompt would leave the conversation too little of the cache, before anything is fed."""
+    c = eng.cache_cfg
+    if c.pin != "system" or c.policy != "sink" or eng.cache.length or not eng.conv.system:
+        return ""
+    block = eng.conv.system_block()
+    n = len(eng.encode(block)) if block else 0
+    least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
+    if n and c.capacity - n < least:
+        raise ConfigError(f"the system prompt takes {n} tokens; pinned, it would leave {c.capacity - n} of the "
+                          f"{c.capacity}-token cache for the conversation (at least {least} needed): use a larger "
+                          "--cache, a shorter system prompt or --pin none")
+    return block
+
+
+@contextmanager
+def taken_back(eng: Engine) -> Iterator[None]:
+    """Interrupted (Ctrl-C, or the feeding generator closed) inside the block: if nothing was evicted meanwhile, the
+    cache, ledger and conversation go back to how they were before it (`eng.message_taken_back` says so), so a cut
+    prompt never leaves half a message in the model's context. Once feeding has evicted, the evicted tokens cannot
+    come back, so what was fed stays."""
+    length, evicted = eng.cache.length, eng.ledger.evicted
+    messages, fed, logits = list(eng.conv.messages), eng.conv.fed, eng.last_logits
+    eng.message_taken_back = False
+    try:
+        yield
+    except BaseException:
+        # a hybrid model's local rings may have let go of tokens they would need back: like an eviction
+        if eng.ledger.evicted == evicted and eng.cache.can_truncate(length):
+            with deferred_sigint():
+                eng.cache.truncate(length)
+                eng.ledger.truncate(length)  # and the pinned count with it
+                eng.conv.messages, eng.conv.fed, eng.last_logits = messages, fed, logits
+                eng.message_taken_back = True
+        raise
+
+
+def add_message(eng: Engine, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
+    """Template only the new message (plus the assistant header) and feed it; the system block first and on its
+    own where it is to be pinned (`pinned_prefix`)."""
+    eng.message_taken_back = False
+    prefix = pinned_prefix(eng)  # a ConfigError here: nothing fed, nothing to take back
+    with taken_back(eng):
+        delta = eng.conv.delta_for(role, content, add_generation_prompt)
+        if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
+            yield from eng.feed(prefix)
+            eng.ledger.pinned = eng.cache.length
+            delta = delta[len(prefix) :]
+        yield from eng.feed(delta)
+        eng.reply_turn = add_generation_prompt
+
+
+def feed_system(eng: Engine) -> Iterator[Event]:
+    """Feed the system block alone into a fresh conversation (pinned as `add_message` would pin it), so that a
+    caller can mark the cache right after it. The agent takes its task checkpoint there: each task then starts
+    after the system prompt instead of feeding it again (~1,450 tokens a task with the bundled model's tool
+    prompt), the sinks and the prompt stay in the cache for the whole run (the sink gauge read 0.00 in a memory
+    soak once set-aside had taken them out), and with the recall memory on only the task's own tokens are set
+    aside into it, not one more copy of the prompt a task (~33 MB). Does nothing when anything was fed, when there
+    is no system prompt, or when the template does not render the system block as the start of every
+    conversation."""
+    conv = eng.conv
+    if eng.cache.length or conv.fed or conv.messages:
+        return
+    block = conv.system_prefix()
+    if not block:
+        return
+    with taken_back(eng):
+        pin = pinned_prefix(eng) == block
+        yield from eng.feed(block)
+        if pin:
+            eng.ledger.pinned = eng.cache.length
+        conv.fed = block
+        eng.reply_turn = False
+    log.debug("system block fed alone: %d tokens%s", eng.cache.length, ", pinned" if pin else "")
