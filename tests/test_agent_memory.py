@@ -88,7 +88,7 @@ def test_a_checkpoint_whose_slots_were_evicted_is_taken_again(tmp_path: Path) ->
     assert cp.restore(eng) and cp.taken == 2  # nothing evicted since: the new checkpoint holds
 
 
-def agent_engine(tmp_path: Path, with_memory: bool, capacity: int = 256) -> tuple[Any, Any]:
+def agent_engine(tmp_path: Path, with_memory: bool, capacity: int = 256, few_shot: bool = False) -> tuple[Any, Any]:
     """A real Engine (1-layer random model, the ChatML-like fake template) and a JSON-protocol agent on it."""
     from sinkchat.apps.agent.agent import Agent, build_default_tools
     from sinkchat.apps.agent.tools.workspace import Workspace
@@ -101,7 +101,7 @@ def agent_engine(tmp_path: Path, with_memory: bool, capacity: int = 256) -> tupl
                  SamplingConfig(temperature=0, max_tokens=8), memory=mem)
     ws = Workspace(tmp_path / "ws", create=True)
     agent = Agent(eng, build_default_tools(ws), ws, system_prompt="You are terse.", constrain=False,
-                  few_shot=False, protocol="json")
+                  few_shot=few_shot, protocol="json")
     return eng, agent
 
 
@@ -142,3 +142,41 @@ def test_an_interrupted_system_prompt_is_taken_back_and_a_fed_conversation_is_le
     assert eng.cache.length == n
     list(eng.add_message("user", "hi"))
     assert eng.conv.fed == eng.conv._render(eng.conv.messages, True)  # the next delta extended the system block
+
+
+def held_indices(mem: Any) -> set[int]:
+    """Stream indices of every token the memory holds: its blocks and its queue."""
+    return ({int(a) for b in mem.index_ids for a in mem.store.read(b).abs_index}
+            | {a for e in mem.queue for a in e[3]})
+
+
+def test_the_examples_fed_for_each_task_are_let_go_not_kept(tmp_path: Path) -> None:
+    """The agent's example turns are fed again for every task; the memory lets them go when they leave the window
+    (reported forgotten, "not kept") and keeps the tasks' own tokens. Kept, every task added one more copy, and the
+    bundled model copied the calls and answers in them (agent_tasks 43-48 with the memory on: 0/6 right, 3/6 off).
+    The 512-token cache cannot hold the character-level examples, so they overflow it while they are fed, too."""
+    from sinkchat.core.events import ForgottenEvent
+
+    eng, agent = agent_engine(tmp_path, True, capacity=512, few_shot=True)
+    let_go: set[int] = set()
+    for task in ("one", "two"):
+        for e in agent.run("task " + task, 1):
+            if isinstance(e, ForgottenEvent):
+                assert e.reason == "not kept"
+                let_go |= set(range(e.first, e.last))
+    mem = eng.memory
+    held = held_indices(mem)
+    assert let_go and held and not held & let_go
+    assert eng.ledger.evicted == mem.tokens + mem.forgotten and mem.forgotten == len(let_go)
+    text = "".join(eng.tokenizer.decode(mem.store.read(b).ids.tolist()) for b in mem.index_ids)
+    assert "Task: task one" in text and "Tool result" not in text.split("Task: task one")[0]  # examples gone
+    first, last = eng.unkept[-1]  # task two's examples
+    assert first < last < eng.ledger.seen  # closed when they were in, not left open over the task after them
+
+
+def test_an_open_range_is_closed_when_feeding_the_examples_is_cut(tmp_path: Path) -> None:
+    eng, agent = agent_engine(tmp_path, True, capacity=512, few_shot=True)
+    run = agent.run("task one", 1)
+    next(e for e in run if isinstance(e, PrefillEvent) and eng.cache.length > agent.checkpoint.length)
+    run.close()  # Ctrl-C while the examples are fed
+    assert all(b <= eng.ledger.seen for _, b in eng.unkept)  # no range left open over what comes next

@@ -131,3 +131,18 @@ def test_eviction_runs_split_at_gaps_in_the_stream():
     assert eviction_runs(idx, Eviction(0, 6)) == [Eviction(0, 4), Eviction(0, 2)]
     assert eviction_runs(idx, Eviction(4, 4)) == [Eviction(4, 3), Eviction(4, 1)]
     assert eviction_runs(idx, Eviction(1, 2)) == [Eviction(1, 2)]
+
+
+def test_kept_parts_split_an_eviction_where_the_unkept_ranges_start_and_end() -> None:
+    """The recall memory's part of an eviction: slots whose stream index lies in an unkept range (an agent's example
+    turns) come out as parts of their own, so they can be let go while the rest is stored."""
+    from sinkchat.core.cache_policy import kept_parts
+
+    abs_index = [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17]
+    ev = Eviction(4, 8)  # stream 10..17
+    assert kept_parts(abs_index, ev, []) == [(Eviction(4, 8), True)]
+    assert kept_parts(abs_index, ev, [(12, 15)]) == [(Eviction(4, 2), True), (Eviction(6, 3), False),
+                                                     (Eviction(9, 3), True)]
+    assert kept_parts(abs_index, ev, [(0, 11), (16, 99)]) == [(Eviction(4, 1), False), (Eviction(5, 5), True),
+                                                              (Eviction(10, 2), False)]
+    assert kept_parts(abs_index, ev, [(10, 18)]) == [(Eviction(4, 8), False)]

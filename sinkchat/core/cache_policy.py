@@ -82,6 +82,21 @@ def eviction_runs(abs_index: list[int], ev: Eviction) -> list[Eviction]:
     return runs + [Eviction(ev.start, n)]
 
 
+def kept_parts(abs_index: list[int], ev: Eviction, unkept: list[tuple[int, int]]) -> list[tuple[Eviction, bool]]:
+    """`ev`'s slots split into runs that the recall memory keeps (True) or lets go (False: their stream index lies in
+    one of the `unkept` [first, last) ranges, an agent's example turns). Slots do not move between the parts: every
+    part is taken from the cache before the eviction itself."""
+    parts: list[tuple[Eviction, bool]] = []
+    for slot in range(ev.start, ev.start + ev.count):
+        a = abs_index[slot]
+        keep = not any(first <= a < last for first, last in unkept)
+        if parts and parts[-1][1] == keep:
+            parts[-1] = (Eviction(parts[-1][0].start, parts[-1][0].count + 1), keep)
+        else:
+            parts.append((Eviction(slot, 1), keep))
+    return parts
+
+
 @dataclass
 class Ledger:
     """Token ids and absolute stream indices of the tokens in the cache, slot by slot.

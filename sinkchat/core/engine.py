@@ -9,6 +9,7 @@ completed step, so the cache and the ledger always agree.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 import torch
 
 from sinkchat.core import calls, messages
-from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
+from sinkchat.core.cache_policy import (Eviction, Ledger, chunk_sizes, eviction_runs, kept_parts, pinned_slots,
+                                       plan_eviction)
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
                                   TokenEvent)
@@ -96,6 +98,7 @@ class Engine:
         self.plain = PlainCompletion.detect(tokenizer, self.stop_ids)  # no chat template: says so once (stderr)
         self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
         self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
+        self.unkept: list[tuple[int, int]] = []  # stream ranges the recall memory lets go (`keep_out`)
         self._forgotten: list[ForgottenEvent] = []  # what the memory forgot, yielded after the eviction that caused it
         self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
         messages.pinned_prefix(self)  # a system prompt too large to pin: one line now, not at the first message
@@ -182,9 +185,7 @@ class Engine:
         t0 = time.perf_counter()
         with deferred_sigint():
             if self.memory is not None:  # the tokens go to the memory (copied) before their slots are reused
-                end = ev.start + ev.count
-                self._forgotten += self.memory.absorb(self.cache, ev.start, ev.count, self.ledger.ids[ev.start : end],
-                                                      self.ledger.abs_index[ev.start : end], self.pinned_slots())
+                self._remember(ev)
             self.cache.evict(ev)
             dropped, first, last = self.ledger.evict(ev)
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
@@ -192,6 +193,34 @@ class Engine:
         c = self.cache_cfg
         return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0,
                              self.memory is not None)
+
+    def _remember(self, ev: Eviction) -> None:
+        """The slots of `ev` into the recall memory, but for the stream ranges marked not to be kept (`keep_out`):
+        the memory lets those go at once, counted and reported as forgotten ("not kept")."""
+        assert self.memory is not None
+        ab = self.ledger.abs_index
+        for part, keep in kept_parts(ab, ev, self.unkept):
+            end = part.start + part.count
+            if keep:
+                self._forgotten += self.memory.absorb(self.cache, part.start, part.count, self.ledger.ids[part.start : end],
+                                                      ab[part.start : end], self.pinned_slots())
+            else:
+                self.memory.forgotten += part.count
+                self._forgotten.append(ForgottenEvent(part.count, ab[part.start], ab[end - 1] + 1, "not kept"))
+
+    def keep_out(self, first: int, last: int | None = None) -> None:
+        """Stream indices [first, last) are scaffolding the recall memory should not keep: an agent's example turns,
+        fed again for every task. Kept, each task added one more copy, the lexical prior matched the next task's
+        examples to an old copy of themselves, and the bundled model copied the calls and answers in it
+        (`benchmarks/agent_tasks.py --only 43-48 --cache 1024 --memory on`: 0/6 right against 3/6 with the memory
+        off). They leave the window as usual; the memory reports them forgotten instead of storing them.
+        `last` None: open-ended, while they are fed (a long one overflows the window); call again with `last` (in a
+        `finally`) to close the range."""
+        if self.memory is None:
+            return
+        lo = self.ledger.abs_index[self.pinned_slots()] if len(self.ledger) > self.pinned_slots() else first
+        kept = [(a, b) for a, b in self.unkept if a != first and lo < b and a < first]  # past ranges still in reach
+        self.unkept = kept + ([(first, last if last is not None else sys.maxsize)] if last is None or last > first else [])
 
     def _step(
         self, ids: list[int], all_logits: bool = False, record: list[int] | None = None
@@ -336,6 +365,7 @@ class Engine:
             self.ledger.clear()
             self.conv.reset()
             self.last_logits = None
+            self.unkept = []
             if self.memory is not None:
                 self.memory.clear(self.cache)
 
