@@ -82,7 +82,8 @@ def eviction_runs(abs_index: list[int], ev: Eviction) -> list[Eviction]:
     return runs + [Eviction(ev.start, n)]
 
 
-def kept_parts(abs_index: list[int], ev: Eviction, unkept: list[tuple[int, int]]) -> list[tuple[Eviction, bool]]:
+def kept_parts(abs_index: list[int], ev: Eviction, unkept: list[tuple[int, int]]
+               ) -> list[tuple[Eviction, bool]]:
     """`ev`'s slots split into runs that the recall memory keeps (True) or lets go (False: their stream index lies in
     one of the `unkept` [first, last) ranges, an agent's example turns). Slots do not move between the parts: every
     part is taken from the cache before the eviction itself."""

@@ -9,7 +9,6 @@ completed step, so the cache and the ledger always agree.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
@@ -17,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 import torch
 
 from sinkchat.core import calls, messages
-from sinkchat.core.cache_policy import (Eviction, Ledger, chunk_sizes, eviction_runs, kept_parts, pinned_slots,
-                                       plan_eviction)
+from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
 from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
                                   TokenEvent)
@@ -29,6 +27,7 @@ from sinkchat.core.kv_cache import SinkKVCache, resolve_kv_dtype
 from sinkchat.core.sampling import LogitsProcessor, Sampler
 from sinkchat.core.step import DecodeStep
 from sinkchat.textutil import utf8_safe
+from sinkchat.core.remembering import Remembering
 from sinkchat.core.plain import PlainCompletion, ReplyText, end_turn
 from sinkchat.core.tokens import IncrementalDecoder, bos_token, stop_ids  # noqa: F401 - re-exported
 from sinkchat.core.turns import Conversation
@@ -44,7 +43,7 @@ PREFILL_CHUNK = 256
 PREVIEW_CHARS = 60
 
 
-class Engine:
+class Engine(Remembering):
     """The one model + one sink cache + its ledger. Injected: the model's `ModelSpec` (built from the model when not
     given), the single-token `step` (None: transformers' forward decodes every token) and the `sampler`; the
     bootstrap (`sinkchat.bootstrap.open_engine`) builds all three from the settings."""
@@ -170,17 +169,6 @@ class Engine:
             self._forgotten = []
         return events
 
-    def set_aside(self, length: int) -> list[EvictionEvent | ForgottenEvent]:
-        """Take slots >= `length` out of the window into the recall memory (an agent's finished task, before the
-        next one starts from the same cache state): counted and shown as an eviction, so the tokens stay
-        recallable and accounted for. Without a memory, nothing to keep them in: use `cache.truncate`."""
-        if self.memory is None:
-            raise RuntimeError("set_aside keeps tokens in the recall memory: the engine has none")
-        n = self.cache.length - length
-        events = self._evict(Eviction(length, n)) if n > 0 else []
-        self.memory.hold_queue()
-        return events
-
     def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
         with deferred_sigint():
@@ -193,34 +181,6 @@ class Engine:
         c = self.cache_cfg
         return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0,
                              self.memory is not None)
-
-    def _remember(self, ev: Eviction) -> None:
-        """The slots of `ev` into the recall memory, but for the stream ranges marked not to be kept (`keep_out`):
-        the memory lets those go at once, counted and reported as forgotten ("not kept")."""
-        assert self.memory is not None
-        ab = self.ledger.abs_index
-        for part, keep in kept_parts(ab, ev, self.unkept):
-            end = part.start + part.count
-            if keep:
-                self._forgotten += self.memory.absorb(self.cache, part.start, part.count, self.ledger.ids[part.start : end],
-                                                      ab[part.start : end], self.pinned_slots())
-            else:
-                self.memory.forgotten += part.count
-                self._forgotten.append(ForgottenEvent(part.count, ab[part.start], ab[end - 1] + 1, "not kept"))
-
-    def keep_out(self, first: int, last: int | None = None) -> None:
-        """Stream indices [first, last) are scaffolding the recall memory should not keep: an agent's example turns,
-        fed again for every task. Kept, each task added one more copy, the lexical prior matched the next task's
-        examples to an old copy of themselves, and the bundled model copied the calls and answers in it
-        (`benchmarks/agent_tasks.py --only 43-48 --cache 1024 --memory on`: 0/6 right against 3/6 with the memory
-        off). They leave the window as usual; the memory reports them forgotten instead of storing them.
-        `last` None: open-ended, while they are fed (a long one overflows the window); call again with `last` (in a
-        `finally`) to close the range."""
-        if self.memory is None:
-            return
-        lo = self.ledger.abs_index[self.pinned_slots()] if len(self.ledger) > self.pinned_slots() else first
-        kept = [(a, b) for a, b in self.unkept if a != first and lo < b and a < first]  # past ranges still in reach
-        self.unkept = kept + ([(first, last if last is not None else sys.maxsize)] if last is None or last > first else [])
 
     def _step(
         self, ids: list[int], all_logits: bool = False, record: list[int] | None = None
