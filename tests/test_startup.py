@@ -24,6 +24,9 @@ def modules():
     mods = sorted({m.split(".")[0] for m in sys.modules} | set(sys.modules))
     sys.stderr.write("\\nMODULES " + json.dumps(mods) + "\\n")
 atexit.register(modules)
+import gc
+atexit.register(lambda: sys.stderr.write("\\nGCSTATS " + json.dumps([gc.isenabled(), gc.get_freeze_count(),
+                                                                    [s["collections"] for s in gc.get_stats()]]) + "\\n"))
 from sinkchat.cli import run
 try:
     run()
@@ -235,19 +238,27 @@ def test_a_later_start_imports_no_transformers_model(tmp_path):
     1.1 s more: the tokenizer goes through `tokenizers` directly, `light_tokenizer`), with the first start's reply."""
     env = {**os.environ, "SINKCHAT_CACHE_DIR": str(tmp_path / "cache")}
     args = json.dumps(["--max-tokens", "6", "--temperature", "0", "--no-log"])
-    out = []
+    out, gcs = [], []
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", PROBE, args], input="What is 2+2?\n", capture_output=True,
                            text=True, env=env, timeout=300)
         assert r.returncode == 0, r.stderr[-2000:]
         line = [x for x in r.stderr.splitlines() if x.startswith("MODULES ")][-1]
         out.append((r.stdout, set(json.loads(line.removeprefix("MODULES ")))))
+        gcs.append(json.loads([x for x in r.stderr.splitlines() if x.startswith("GCSTATS ")][-1][8:]))
+    # the garbage collector off until the load ended, then what the start made frozen (`model/collector.py`): 41
+    # collections on a later start where 440 took 0.7-0.8 s; on again for the reply
+    for enabled, frozen, collections in gcs:
+        assert enabled and frozen > 50_000 and sum(collections) < 150 and collections[2] <= 1, (frozen, collections)
     heavy = {"transformers.modeling_utils", "transformers.models.llama.modeling_llama",
              "transformers.models.llama.configuration_llama", "torch._dynamo", "transformers.models.auto",
              "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers"}
     assert out[0][0] == out[1][0] and out[0][0].strip()
     assert heavy <= out[0][1]  # the first start builds transformers' model (the check can fail)
     assert not heavy & out[1][1], sorted(heavy & out[1][1])
+    # nor rich (its plain lines are written as rich would write them: `render.plain`), nor sqlite3 (--no-log's
+    # NullLog, `store/nulllog.py`): 0.12 s and 0.05 s of a start at load 2-3
+    assert not {"rich", "sqlite3", "sinkchat.store.sessionlog"} & out[1][1]
     # nor transformers at all (1.1 s): the KV cache's transformers base is deferred (`kv_cache.TransformersBase`)
     assert "transformers" not in out[1][1], sorted(m for m in out[1][1] if m.startswith("transformers"))[:5]
     # nor gguf-py (`ggml_types` sizes the header's tensors) nor prompt-toolkit (a terminal's prompt only): 0.1-0.4 s

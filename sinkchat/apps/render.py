@@ -7,6 +7,11 @@ lines asks for `fmt="jsonl"` (one JSON object per answer, nothing else on stdout
 answer. Evictions during a reply are shown after it (the loop defers them), never between its lines. The toolbar text
 is a pure function of `Stats` and, with the recall memory on, its `MemoryStats` (pgcli style), so tests can check it
 without a terminal.
+
+rich is imported only where something is drawn with it: on a terminal, a /stats table, or a line rich would print
+otherwise than as itself. Off a terminal a message line is plain text, and a line with no tab, control character or
+trailing space (`plain`) is written as rich writes it, itself and a newline, without importing rich (0.12 s of a
+piped chat's start at load 2-3 on the 2-core box; `tests/test_startup_light.py` compares the two on many lines).
 """
 
 from __future__ import annotations
@@ -14,19 +19,26 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import replace
-from typing import Any, Callable, Sequence, TextIO
-
-from rich.console import Console, Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from sinkchat.core.events import DoneEvent, EvictionEvent, ForgottenEvent
 from sinkchat.core.metrics import (FIELDS, Metrics, Stats, eviction_line, fit_fields, gauge_bar, human_bytes,
                                    read_stats, status_line, status_variants)
 from sinkchat.memory.report import MemoryStats, Recalled
 
+if TYPE_CHECKING:
+    from rich.console import Console, Group
+    from rich.live import Live
+    from rich.table import Table
+
 Fragments = list[tuple[str, str]]
+
+
+def plain(text: str) -> bool:
+    """Whether a rich Console off a terminal (no colour, soft wrap, no markup, highlighting or emoji: `Renderer`'s)
+    prints `Text(text)` as `text` and a newline: no tab (expanded), no control character (some stripped), no
+    trailing whitespace (rich may crop it at the width) on any line."""
+    return all(line.isprintable() and line == line.rstrip() for line in text.split("\n"))
 
 
 def live_stats(engine: Any, metrics: Metrics, model_nbytes: int | None = None) -> Stats:
@@ -180,6 +192,8 @@ def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last:
 
 def stats_table(s: Stats, memory: Sequence[tuple[str, str]] = ()) -> Table:
     """The /stats table; `memory`: the recall memory's rows (`memory_rows`), after the tokens evicted."""
+    from rich.table import Table
+
     t = Table(title="sinkchat stats", show_header=False, box=None, pad_edge=False)
     t.add_column("what", style="bold")
     t.add_column("value")
@@ -229,10 +243,7 @@ class Renderer:
         self.fmt, self.separator = fmt, separator
         self.tty = tty
         self.out_file, self.err_file = out, err
-        self.out = Console(file=out, force_terminal=tty, no_color=not tty, highlight=False, markup=False,
-                           soft_wrap=True, emoji=False)
-        self.err = Console(file=err, force_terminal=tty, no_color=not tty, highlight=False, markup=False,
-                           soft_wrap=True, emoji=False, stderr=True)
+        self._consoles: dict[str, Console] = {}  # "out" / "err": made on first use (`console`)
         self.use_live = tty if live is None else live
         self.stats = stats
         self.memory: Callable[[], MemoryStats | None] = lambda: None  # the recall memory's figures (chat sets it)
@@ -240,16 +251,53 @@ class Renderer:
         self._partial = ""
         self.at_line_start = True
 
+    # -- the two rich Consoles, made on first use
+    def console(self, which: str) -> Console:
+        """The rich Console writing to `out` ("out") or `err` ("err")."""
+        con = self._consoles.get(which)
+        if con is None:
+            from rich.console import Console
+
+            tty = self.tty
+            con = self._consoles[which] = Console(
+                file=self.out_file if which == "out" else self.err_file, force_terminal=tty, no_color=not tty,
+                highlight=False, markup=False, soft_wrap=True, emoji=False, stderr=which == "err")
+        return con
+
+    out = property(lambda self: self.console("out"), doc="the Console on `out`")
+    err = property(lambda self: self.console("err"), doc="the Console on `err`")
+
+    def say(self, which: str, text: str, style: str = "") -> None:
+        """`console(which).print(Text(text, style=style))`; off a terminal a `plain` line is written as rich writes
+        it (then flushed, as rich does), without importing rich, until that Console exists."""
+        if not self.tty and which not in self._consoles and plain(text):
+            f = self.out_file if which == "out" else self.err_file
+            try:
+                f.write(text + "\n")
+                f.flush()
+                return
+            except BrokenPipeError:
+                self.console(which).on_broken_pipe()  # rich's own answer: quiet, stdout to /dev/null, exit 1
+            except UnicodeEncodeError:
+                pass  # (nothing was written) rich raises it, with its hint
+        from rich.text import Text
+
+        self.console(which).print(Text(text, style=style))
+
     # -- messages (command feedback goes to stderr off a terminal so stdout stays reply-only)
     @property
     def msg(self) -> Console:
-        return self.out if self.tty else self.err
+        return self.console(self._msg)
+
+    @property
+    def _msg(self) -> str:
+        return "out" if self.tty else "err"
 
     def info(self, text: str, style: str = "cyan") -> None:
-        self.msg.print(Text(text, style=style))
+        self.say(self._msg, text, style)
 
     def error(self, text: str) -> None:
-        self.msg.print(Text(text, style="bold red"))
+        self.say(self._msg, text, "bold red")
 
     def table(self, table: Any) -> None:
         self.msg.print(table)
@@ -257,13 +305,15 @@ class Renderer:
     def status(self, s: Stats) -> None:
         """After a reply off a terminal: the one-line status on stderr."""
         if not self.tty:
-            self.err.print(Text(status_text(s, self.memory())))
+            self.say("err", status_text(s, self.memory()))
 
     # -- streaming a reply
     def begin_reply(self) -> None:
         self._partial = ""
         self.at_line_start = True
         if self.use_live and self.stats is not None:
+            from rich.live import Live
+
             self._live = Live(get_renderable=self._live_view, console=self.out, transient=True,
                               refresh_per_second=6, redirect_stdout=False, redirect_stderr=False)
             self._live.start()
@@ -274,6 +324,8 @@ class Renderer:
         if self._live is None:
             self._write(text)
             return
+        from rich.text import Text
+
         # Only this thread writes _partial; the live refresh thread just reads the (immutable) string.
         partial = self._partial + text
         done, nl, partial = partial.rpartition("\n")
@@ -291,13 +343,13 @@ class Renderer:
     def eviction(self, ev: EvictionEvent | ForgottenEvent) -> None:
         line = eviction_line(ev)
         if not self.tty:
-            self.err.print(Text(line))
+            self.say("err", line)
         elif self._live is not None:
-            self.out.print(Text(line, style="dim yellow"))
+            self.say("out", line, "dim yellow")
         else:
             if not self.at_line_start:
                 self._write("\n")
-            self.out.print(Text(line, style="dim yellow"))
+            self.say("out", line, "dim yellow")
             self.at_line_start = True
 
     def end_reply(self, done: DoneEvent | None, interrupted: bool = False, unsent: str | None = None) -> None:
@@ -306,18 +358,20 @@ class Renderer:
             live, self._live = self._live, None
             live.stop()
             if self._partial:
+                from rich.text import Text
+
                 self.out.print(Text(self._partial, style="green"), end="")
                 self.at_line_start = False
             self._partial = ""
         if not self.at_line_start:
             self._write("\n")
         if unsent:
-            self.msg.print(Text(f"^C {unsent}", style="yellow"))
+            self.say(self._msg, f"^C {unsent}", "yellow")
         elif interrupted:
-            self.msg.print(Text("^C reply stopped (the partial reply stays in the cache)", style="yellow"))
+            self.say(self._msg, "^C reply stopped (the partial reply stays in the cache)", "yellow")
         elif done is not None and done.reason == "length":
             how = "/set max_tokens N" if self.tty else "--max-tokens N"  # piped: there is no prompt to type at
-            self.msg.print(Text(f"[reply cut at max_tokens={done.tokens}; {how} to change]", style="dim"))
+            self.say(self._msg, f"[reply cut at max_tokens={done.tokens}; {how} to change]", "dim")
 
     def answer(self, record: dict[str, Any]) -> None:
         """The end of one answer: its JSON line (jsonl), or the separator line (text, if one was asked for)."""
@@ -331,6 +385,8 @@ class Renderer:
 
     def _write(self, text: str) -> None:
         if self.tty:
+            from rich.text import Text
+
             self.out.print(Text(text, style="green"), end="")
         else:
             self.out_file.write(text)
@@ -338,6 +394,9 @@ class Renderer:
         self.at_line_start = text.endswith("\n")
 
     def _live_view(self) -> Group:
+        from rich.console import Group
+        from rich.text import Text
+
         partial = self._partial
         try:  # runs on rich's refresh thread while the engine works: never let a reading error kill it
             status = status_text(self.stats(), self.memory(), max(20, self.out.width - 1)) if self.stats else ""

@@ -24,7 +24,7 @@ from sinkchat.config import ModelConfig
 from sinkchat.model.load_error import LoadError  # noqa: F401 - loader.LoadError, as before
 from sinkchat.model.spec import (ModelSpec, attention_implementation, attention_shape, check_config, max_positions,
                                  native_head_dim_ok)
-from sinkchat.model import gguf_convert, gguf_file
+from sinkchat.model import collector, gguf_convert, gguf_file
 from sinkchat.model.heap import lean_heap
 from sinkchat.model.phases import Phases
 
@@ -270,8 +270,11 @@ def load(cfg: ModelConfig, progress: Progress | None = None, check_context: Call
     """Load model + tokenizer as configured. Raises LoadError with a one-line message on user mistakes.
     `check_context(max positions)` runs once the config is read, before any weight is: a setting that cannot fit
     the model (a --cache larger than its context) fails at once, not after a load of many seconds."""
-    with lean_heap(), contextlib.ExitStack() as held:  # a GGUF's cache folder is held while it is read
-        return _load(cfg, progress, check_context, held)
+    try:
+        with lean_heap(), contextlib.ExitStack() as held:  # a GGUF's cache folder is held while it is read
+            return _load(cfg, progress, check_context, held)
+    finally:
+        collector.resume()  # the collector back on, what the start made frozen (if `cli.run` paused it)
 
 
 def _load(cfg: ModelConfig, progress: Progress | None = None, check_context: Callable[[int], Any] | None = None,

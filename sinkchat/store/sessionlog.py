@@ -21,48 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sinkchat.store import procs
+from sinkchat.store.nulllog import NullLog  # (also `sessionlog.NullLog`, as before)
 from sinkchat.store.logdb import LogError, clean_settings, connect, db_path, redactor, transaction
 
 log = logging.getLogger(__name__)
 
 FLUSH_EVERY = 256  # buffered evictions/metrics rows before a forced write
 MODES = ("chat", "agent", "summarize", "soak", "serve")  # the modes sessions are logged with (`logs --mode`)
-
-
-class NullLog:
-    """Same methods as SessionLog, stores nothing (--no-log, or the fallback when the database is unwritable)."""
-
-    id: int | None = None
-    path: Path | None = None
-    turn_count = 0
-    warning: str | None = None
-
-    def turn(self, role: str, text: str, tokens: int = 0, seconds: float = 0.0, *, reason: str | None = None,
-             cache_len: int | None = None) -> int:
-        self.turn_count += 1
-        return self.turn_count
-
-    def tool_call(self, name: str, args: Any, result: Any, ok: bool) -> None: ...
-
-    def event(self, kind: str, text: str, detail: str | None = None, tokens: int = 0) -> None: ...
-
-    def set_system(self, text: str | None) -> None: ...
-
-    def eviction(self, ev: Any) -> None: ...
-
-    def metrics(self, data: dict[str, Any]) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def pointer(self) -> dict[str, Any]:
-        """What a snapshot records to find its place in the transcript."""
-        return {"session_id": self.id, "turns_logged": self.turn_count}
-
-    @property
-    def enabled(self) -> bool:
-        return False
 
 
 class SessionLog(NullLog):

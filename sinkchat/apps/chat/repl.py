@@ -44,7 +44,7 @@ class ChatLoop:
     def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
                  interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
                  auto_snapshot: Any = None, settings: Any = None) -> None:
-        from sinkchat.store.sessionlog import NullLog
+        from sinkchat.store.nulllog import NullLog  # (sessionlog imports sqlite3 and psutil)
 
         self.engine = engine
         self.slog = slog if slog is not None else NullLog()  # the SQLite session log (NullLog with --no-log)

@@ -57,7 +57,12 @@ def snapshot_extra(loop: ChatHost) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ log and resume
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
              resume_id: int | None = None) -> Any:
-    """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored."""
+    """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored. With
+    --no-log, `runlog.open_log`'s NullLog without importing the writer (sqlite3, psutil: `store/nulllog.py`)."""
+    if no_log:
+        from sinkchat.store.nulllog import NullLog
+
+        return NullLog()
     from sinkchat.apps.runlog import open_log as _open
 
     return _open(engine, mode, no_log, system, warn, resume_id)
