@@ -86,6 +86,7 @@ def test_wheel_holds_every_module_the_prompts_and_the_c_sources(wheel):
     prompts = {f"sinkchat/prompts/{p.name}" for p in (ROOT / "prompts").glob("*.txt")}
     assert prompts and prompts <= names
     assert any(n.startswith("sinkchat/kernels/csrc/") and n.endswith(".c") for n in names)
+    assert "sinkchat/memory/csrc/memk.c" in names  # the memory's C dots and rotation, built on first use
     assert not any(n.startswith(("tests/", "prompts/")) for n in names)
 
 

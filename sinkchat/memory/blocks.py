@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sinkchat.memory import native
+
 MAGIC = b"SCMB"
 # magic, version, n, layers, H_kv, D, dtype, block id, payload bytes, crc32 of the layer table and the token arrays
 HEADER = struct.Struct("<4sHHHHHBxQQI")
@@ -202,9 +204,23 @@ def cos_sin(inv_freq: torch.Tensor, shifts: torch.Tensor, dtype: torch.dtype = t
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
-def rotate(k: torch.Tensor, inv_freq: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+def rotate(k: torch.Tensor, inv_freq: torch.Tensor, shifts: torch.Tensor, dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
     """Keys k [..., n, D] each rotated by its own shift [n] (rotate-half RoPE, partial rotary kept as is), in fp32
-    (fp64 keys: in fp64)."""
+    (fp64 keys: in fp64), then `.to(dtype)` when given. Bf16 / fp32 keys go through the memory's C library
+    (native.py: the same roundings, 0.5-0.6 ms of CPU instead of 2.1-2.5 ms for a block's 30 x 3 x 64 keys, 1
+    thread) where it runs; `rotate_torch` is the reference it is held to."""
+    if k.dtype != torch.float64:
+        cos, sin = cos_sin(inv_freq, shifts, torch.float32)  # [n, R]
+        out = native.rotate(k, cos, sin, dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32)
+        if out is not None:
+            return out if dtype is None else out.to(dtype)
+    out = rotate_torch(k, inv_freq, shifts)
+    return out if dtype is None else out.to(dtype)
+
+
+def rotate_torch(k: torch.Tensor, inv_freq: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
+    """`rotate` in torch ops: fp32 (fp64 keys: fp64), each half written in place as (a * c) -/+ (b * s)."""
     k = k if k.dtype == torch.float64 else k.float()
     cos, sin = cos_sin(inv_freq, shifts, k.dtype)  # [n, R]
     r, half = cos.shape[-1], cos.shape[-1] // 2

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from sinkchat.memory import native
+
 PER_BATCH_ROWS = 512  # live rows a batch (128 blocks of 4) from which bf16 scoring goes a batch at a time
 #                       (`_batched`); below, the one batched call is faster (50 blocks: 0.5 ms against 2.5 ms)
 
@@ -88,15 +90,22 @@ class Index:
         rows = self.buf[:, self.lo * r : self.hi * r]  # [M*H_kv, NB*r, W]
         dt = torch.float64 if q.dtype == torch.float64 else rows.dtype
         qs = q.reshape(m * h, d, g).to(dt)
-        if dt == torch.bfloat16 and rows.shape[1] >= PER_BATCH_ROWS and not rows.is_contiguous():
-            dots = _batched(rows, qs)
-        else:
-            dots = torch.matmul(rows.to(dt), qs)  # [M*H_kv, NB*r, G]
+        per_batch = dt == torch.bfloat16 and rows.shape[1] >= PER_BATCH_ROWS and not rows.is_contiguous()
         out = torch.float64 if dt == torch.float64 else torch.float32
-        if g == 1 and scale is None:  # rule "far": the one column
-            best = dots.view(m, h, -1, r).amax(-1)  # [M, H_kv, NB]
-            return best.to(out).sum(1).T  # [NB, M]
-        best = dots.reshape(m, h, -1, r, g).amax(3).to(out)  # [M, H_kv, NB, G]
+        # rule "mass" past PER_BATCH_ROWS: each block's best dot straight from C (`native.dots`: `_batched`'s bf16
+        # dots, their max over the block's r rows, in fp32); the max may differ from amax's only in a zero's sign,
+        # which the softmax below maps to the same bits (exp(+-0 - m) alike). 1,550 blocks: 35 ms of CPU against
+        # 112-124 ms through `_batched` (native.py)
+        best = native.dots(rows, qs.transpose(1, 2).contiguous(), r) if per_batch and g > 1 and scale is not None \
+            else None
+        if best is not None:
+            best = best.view(m, h, -1, g)  # [M, H_kv, NB, G]
+        else:
+            dots = _batched(rows, qs) if per_batch else torch.matmul(rows.to(dt), qs)  # [M*H_kv, NB*r, G]
+            if g == 1 and scale is None:  # rule "far": the one column
+                best = dots.view(m, h, -1, r).amax(-1)  # [M, H_kv, NB]
+                return best.to(out).sum(1).T  # [NB, M]
+            best = dots.reshape(m, h, -1, r, g).amax(3).to(out)  # [M, H_kv, NB, G]
         if scale is not None:
             best = torch.softmax(best * scale.to(out)[:, None, None, None], dim=2)
         return best.sum((1, 3)).T  # [NB, M]
@@ -109,12 +118,17 @@ def _batched(rows: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """torch.matmul(rows, qs) of bf16 rows [B, N, W] (a slice of the growing buffer) and qs [B, W, G], one matmul a
     batch. Why: the live rows are contiguous within each batch but not across batches (the buffer has room to
     grow), and torch's batched matmul copied the whole slice first: scoring 1,550 blocks (100k tokens) took ~380
-    ms on a busy core against ~60 ms a batch at a time (190 blocks: 28 against 3.4 ms). Bit-identical to the
-    batched call for bf16 (the same oneDNN kernel per batch: 60 random shapes, 1 and 2 threads;
-    tests/test_memory_cost.py); fp32 and fp64 keep the batched call, whose kernel there differs from the per-batch
-    one in its last bits."""
+    ms on a busy core against ~60 ms a batch at a time (190 blocks: 28 against 3.4 ms). One column: bit-identical
+    to the batched call for bf16 (60 random shapes, 1 and 2 threads; tests/test_memory_cost.py). Several columns,
+    [G, W] x [W, N]: torch sums each dot in another order than the batched [N, W] x [W, G] (64 partial sums and a
+    halving tree against 4 partials, native.py), so a few dots differ in their last bf16 bit (~5 in 100k random
+    ones, a third of tests/test_memory_native.py's probe); this is what rule "mass" has run past PER_BATCH_ROWS.
+    fp32 and fp64 keep the batched call, whose kernel there differs from the per-batch one in its last bits."""
     if qs.shape[-1] > 1:  # several query columns (rule "mass"): [G, W] x [W, N] a batch, faster than [N, W] x
         qt = qs.transpose(1, 2).contiguous()  # [W, G] here (1,550 blocks, 3 columns: ~97 ms against ~155, busy)
+        fast = native.dots(rows, qt)  # the same dots in C where they agree (native.py), ~3.5x less CPU
+        if fast is not None:
+            return fast  # [B, N, G]
         outt = rows.new_empty(rows.shape[0], qs.shape[-1], rows.shape[1])  # [B, G, N]
         for i in range(rows.shape[0]):
             torch.matmul(qt[i], rows[i].T, out=outt[i])

@@ -185,17 +185,17 @@ class RecallMemory:
             need -= m
         self.held = max(0, self.held - n)
         keys = torch.cat(ks, 2)
-        keys = self._rotate(keys, position - torch.tensor(slots, dtype=torch.int64)).to(keys.dtype)
+        keys = self._rotate(keys, position - torch.tensor(slots, dtype=torch.int64), keys.dtype)
         block = Block(self.next_id, np.array(abs_, np.int64), np.array(ids, np.int32),
                       np.full(n, position, np.int32), keys.contiguous(), torch.cat(vs, 2).contiguous())
         self.next_id += 1
         return block
 
-    def _rotate(self, k: torch.Tensor, shifts: torch.Tensor) -> torch.Tensor:
-        """Keys [M, H_kv, n, D] of every memory layer rotated by shifts [n] (fp32, or fp64 keys in fp64)."""
+    def _rotate(self, k: torch.Tensor, shifts: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Keys [M, H_kv, n, D] of every memory layer rotated by shifts [n] (fp32, or fp64 keys in fp64; `dtype`)."""
         if self.rope is not None:
-            return rotate(k, self.rope, shifts)
-        return torch.stack([rotate(k[i], f, shifts) for i, f in enumerate(self.inv_freqs)])
+            return rotate(k, self.rope, shifts, dtype)
+        return torch.stack([rotate(k[i], f, shifts, dtype) for i, f in enumerate(self.inv_freqs)])
 
     def _commit(self, block: Block) -> list[ForgottenEvent]:
         """Store and index a block; a failed write forgets it (reported), the budget may forget older ones."""
@@ -351,7 +351,7 @@ class RecallMemory:
         if q and self.queue_placed != qkey:
             keys = torch.cat([e[0] for e in self.queue], 2)[:, :, h:]  # [M, H_kv, q, D] at their slots
             slots = torch.tensor([s for e in self.queue for s in e[4]][h:], dtype=torch.int64)
-            keys = self._rotate(keys, position - slots).to(keys.dtype)
+            keys = self._rotate(keys, position - slots, keys.dtype)
             values = torch.cat([e[1] for e in self.queue], 2)[:, :, h:]
             for i, layer in enumerate(layers):
                 layer.keys[0, :, layer.base - used : layer.base - used + q] = keys[i]
