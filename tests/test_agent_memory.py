@@ -177,6 +177,24 @@ def test_the_examples_fed_for_each_task_are_let_go_not_kept(tmp_path: Path) -> N
 def test_an_open_range_is_closed_when_feeding_the_examples_is_cut(tmp_path: Path) -> None:
     eng, agent = agent_engine(tmp_path, True, capacity=512, few_shot=True)
     run = agent.run("task one", 1)
-    next(e for e in run if isinstance(e, PrefillEvent) and eng.cache.length > agent.checkpoint.length)
+    next(e for e in run if isinstance(e, EvictionEvent) and eng.unkept)  # the examples overflow the cache
+    assert eng.unkept[-1][1] > eng.ledger.seen  # open while they are fed
     run.close()  # Ctrl-C while the examples are fed
-    assert all(b <= eng.ledger.seen for _, b in eng.unkept)  # no range left open over what comes next
+    assert eng.unkept and all(b <= eng.ledger.seen for _, b in eng.unkept)  # no range left open over what follows
+
+
+def test_ranges_the_cache_no_longer_holds_are_dropped(tmp_path: Path) -> None:
+    """`keep_out` keeps past ranges only while the cache holds a token of them: set aside, a task's examples are
+    gone. Before, a range stayed while it ended past the stream index of slot 4, which a set-aside never moves
+    (the system prompt there), so one range a task piled up over a soak and every eviction scanned them all."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "m"))
+    list(eng.feed_ids(IDS[:12]))  # the system prompt
+    for first in (12, 24, 36):  # three tasks: examples, then set aside
+        eng.keep_out(first)
+        list(eng.feed_ids(IDS[first : first + 8]))
+        eng.keep_out(first, first + 8)
+        list(eng.feed_ids(IDS[first + 8 : first + 12]))
+        assert eng.unkept == [(first, first + 8)]  # the earlier tasks' ranges dropped
+        eng.set_aside(12)
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten and eng.memory.forgotten == 24

@@ -125,6 +125,10 @@ def test_the_tokenizer_is_read_from_its_quicker_form(folder, monkeypatch):
         assert light.encode(text) == real.encode(text)
     (folder / light_tokenizer.FAST).write_text("{}", encoding="utf-8")  # changed since: not read
     assert light_tokenizer.LightTokenizer.load(folder, info) is not None and read[-1] == light_tokenizer.FILE
+    unreadable = {**info, "fast": light_tokenizer._stat(folder, light_tokenizer.FAST)}  # unchanged, yet unreadable
+    got = light_tokenizer.LightTokenizer.load(folder, unreadable)  # (another tokenizers version): tokenizer.json
+    assert got is not None and read[-2:] == [light_tokenizer.FAST, light_tokenizer.FILE]
+    assert got.encode("Hello, world!") == real.encode("Hello, world!")
     (folder / light_tokenizer.FAST).unlink()
     assert light_tokenizer.LightTokenizer.load(folder, info) is not None and read[-1] == light_tokenizer.FILE
     assert light_tokenizer.LightTokenizer.load(folder, {**info, "fast": None}) is not None  # an older sidecar

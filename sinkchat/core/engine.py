@@ -172,15 +172,14 @@ class Engine(Remembering):
     def _evict_run(self, ev: Eviction) -> EvictionEvent:
         t0 = time.perf_counter()
         with deferred_sigint():
-            if self.memory is not None:  # the tokens go to the memory (copied) before their slots are reused
-                self._remember(ev)
+            kept = self.memory is not None and self._remember(ev)  # copied to the memory before the slots are reused
             self.cache.evict(ev)
             dropped, first, last = self.ledger.evict(ev)
         preview = self.tokenizer.decode(dropped[:PREVIEW_CHARS], skip_special_tokens=False)
         preview = " ".join(preview.split())[:PREVIEW_CHARS]
         c = self.cache_cfg
         return EvictionEvent(ev.count, first, last, preview, c.policy, self.cache.length, time.perf_counter() - t0,
-                             self.memory is not None)
+                             kept)
 
     def _step(
         self, ids: list[int], all_logits: bool = False, record: list[int] | None = None

@@ -93,9 +93,9 @@ def feed_system(eng: Engine) -> Iterator[Event]:
         return
     with taken_back(eng):
         pin = pinned_prefix(eng) == block
+        conv.fed = block  # before the feed, as `delta_for` records it: a cut feed that evicted keeps what it fed
         yield from eng.feed(block)
         if pin:
             eng.ledger.pinned = eng.cache.length
-        conv.fed = block
         eng.reply_turn = False
     log.debug("system block fed alone: %d tokens%s", eng.cache.length, ", pinned" if pin else "")

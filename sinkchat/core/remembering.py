@@ -8,6 +8,7 @@ memory and its `_evict`.
 from __future__ import annotations
 
 import sys
+from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from sinkchat.core.cache_policy import Eviction, Ledger, kept_parts
@@ -43,13 +44,14 @@ class Remembering:
         self.memory.hold_queue()
         return events
 
-    def _remember(self, ev: Eviction) -> None:
+    def _remember(self, ev: Eviction) -> bool:
         """The slots of `ev` into the recall memory, but for the stream ranges marked not to be kept (`keep_out`):
-        the memory lets those go at once, counted and reported as forgotten ("not kept")."""
+        the memory lets those go at once, counted and reported as forgotten ("not kept"). True if any was kept."""
         assert self.memory is not None
-        ab = self.ledger.abs_index
+        ab, any_kept = self.ledger.abs_index, False
         for part, keep in kept_parts(ab, ev, self.unkept):
             end = part.start + part.count
+            any_kept |= keep
             if keep:
                 ids = self.ledger.ids[part.start : end]
                 self._forgotten += self.memory.absorb(self.cache, part.start, part.count, ids, ab[part.start : end],
@@ -57,6 +59,7 @@ class Remembering:
             else:
                 self.memory.forgotten += part.count
                 self._forgotten.append(ForgottenEvent(part.count, ab[part.start], ab[end - 1] + 1, "not kept"))
+        return any_kept
 
     def keep_out(self, first: int, last: int | None = None) -> None:
         """Stream indices [first, last) are scaffolding the recall memory should not keep: an agent's example turns,
@@ -68,8 +71,14 @@ class Remembering:
         `finally`) to close the range."""
         if self.memory is None:
             return
-        lo = self.ledger.abs_index[self.pinned_slots()] if len(self.ledger) > self.pinned_slots() else first
-        kept = [(a, b) for a, b in self.unkept if a != first and lo < b and a < first]  # past ranges still in reach
+        ab = self.ledger.abs_index  # ascending: stream order
+        kept = [(a, b) for a, b in self.unkept if a < first and _holds(ab, a, b)]  # past ranges still in the cache
         if last is None or last > first:
             kept.append((first, sys.maxsize if last is None else last))
         self.unkept = kept
+
+
+def _holds(abs_index: list[int], first: int, last: int) -> bool:
+    """Whether the cache still holds a token of stream range [first, last) (`abs_index` ascending)."""
+    i = bisect_left(abs_index, first)
+    return i < len(abs_index) and abs_index[i] < last

@@ -131,6 +131,7 @@ def dots(rows: torch.Tensor, qt: torch.Tensor, r: int = 0, flavour: str | None =
     b, n, w = rows.shape
     g = qt.shape[1]
     ok = rows.dtype == qt.dtype == torch.bfloat16 and rows.stride()[1:] == (w, 1) and qt.is_contiguous()
+    ok = ok and rows.device.type == qt.device.type == "cpu"  # a CUDA pointer read on the host would crash
     if lib is None or not ok or qt.shape != (b, g, w) or (r and n % r) or g < 2 or not agrees(w, g, flavour):
         return None
     return _dots(lib, rows, qt, r, flavour)
@@ -151,6 +152,7 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out_dtype: tor
     (fp32, or bf16 rounded to nearest even as `.to(torch.bfloat16)` rounds); None where the C path does not run."""
     lib = _lib(flavour)
     ok = k.dtype in (torch.bfloat16, torch.float32) and out_dtype in (torch.bfloat16, torch.float32)
+    ok = ok and k.device.type == cos.device.type == sin.device.type == "cpu"
     if lib is None or not ok or k.dim() < 2 or cos.dtype != torch.float32 or k.numel() == 0:
         return None
     k = k.contiguous()

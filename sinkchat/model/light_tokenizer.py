@@ -54,7 +54,13 @@ def _backend(folder: Path, fast: Any = None) -> Any:
             path = folder / FAST
     except OSError:  # gone: tokenizer.json, as before
         pass
-    tk = tokenizers.Tokenizer.from_file(str(path))
+    try:
+        tk = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a sidecar this tokenizers cannot read (another version): the original
+        if path == folder / FILE:
+            raise
+        log.info("cannot read %s (%s): reading %s", path.name, e, FILE)
+        tk = tokenizers.Tokenizer.from_file(str(folder / FILE))
     tk.no_padding()  # transformers turns both off for an encode that neither pads nor truncates
     tk.no_truncation()
     return tk

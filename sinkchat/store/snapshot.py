@@ -333,6 +333,8 @@ def _commit(engine: Any, st: _Restored) -> None:
     engine.conv.system, engine.conv.messages[:], engine.conv.fed = st.system, st.messages, st.fed
     engine.last_logits, engine.last_reply_ids = st.logits, st.reply_ids
     engine.sampling, engine.generator = st.sampling, st.generator
+    if hasattr(engine, "unkept"):
+        engine.unkept = []  # ranges of the stream that was here (`Engine.keep_out`), not of the loaded one
     memory = getattr(engine, "memory", None)
     if memory is not None and st.memory is not None:
         persist.commit(memory, st.memory, engine.cache)
