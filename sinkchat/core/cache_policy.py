@@ -87,6 +87,9 @@ def kept_parts(abs_index: list[int], ev: Eviction, unkept: list[tuple[int, int]]
     """`ev`'s slots split into runs that the recall memory keeps (True) or lets go (False: their stream index lies in
     one of the `unkept` [first, last) ranges, an agent's example turns). Slots do not move between the parts: every
     part is taken from the cache before the eviction itself."""
+    lo, hi = abs_index[ev.start], abs_index[ev.start + ev.count - 1]
+    if not any(first <= hi and lo < last for first, last in unkept):  # the usual case: no range reaches the run
+        return [(ev, True)]
     parts: list[tuple[Eviction, bool]] = []
     for slot in range(ev.start, ev.start + ev.count):
         a = abs_index[slot]

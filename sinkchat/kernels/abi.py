@@ -25,7 +25,7 @@ import platform
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +227,24 @@ def accepts(cc: str, variant: str) -> bool:
 
 
 def build(cc: str, variant: str, out: Path) -> str | None:
-    """Compile `variant` into `out`, atomically (a concurrent session sees no file or the whole library). None, or
-    why not (the compiler's last lines)."""
+    """Compile `variant` into `out`, atomically (`compile_shared`). None, or why not (the compiler's last lines)."""
+    return compile_shared(cc, CFLAGS[variant], [CSRC / f for f in SOURCES[variant]], out, ["-lm"])
+
+
+def compile_shared(cc: str, flags: Sequence[str], sources: Sequence[Path], out: Path, libs: Sequence[str] = (),
+                   tail: int = 6) -> str | None:
+    """Compile `sources` into the shared library `out`, atomically (a concurrent session sees no file or the whole
+    library): the kernels' and the recall memory's own (memory/native.py). None, or why not (the compiler's last
+    `tail` lines)."""
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
         os.close(fd)
-        cmd = [cc, *CFLAGS[variant], "-o", tmp, *[str(CSRC / f) for f in SOURCES[variant]], "-lm"]
+        cmd = [cc, *flags, "-o", tmp, *[str(f) for f in sources], *libs]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
-            return "\n".join(res.stderr.strip().splitlines()[-6:]) or f"{cc} exited with {res.returncode}"
+            return "\n".join(res.stderr.strip().splitlines()[-tail:]) or f"{cc} exited with {res.returncode}"
         os.replace(tmp, out)
         tmp = None
         return None

@@ -25,9 +25,6 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -94,22 +91,9 @@ def library(flavour: str | None = None) -> Any | None:
 
 def _build(cc: str, flags: tuple[str, ...], out: Path) -> str | None:
     """Compile csrc/memk.c into `out`, atomically; None, or why not (the compiler's last line)."""
-    tmp = None
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-        os.close(fd)
-        res = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            return (res.stderr.strip().splitlines() or [f"{cc} exited with {res.returncode}"])[-1]
-        os.replace(tmp, out)
-        tmp = None
-        return None
-    except (OSError, subprocess.SubprocessError) as e:
-        return str(e)
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
+    from sinkchat.kernels.abi import compile_shared
+
+    return compile_shared(cc, flags, [SOURCE], out, tail=1)
 
 
 def _lib(flavour: str | None = None) -> Any | None:

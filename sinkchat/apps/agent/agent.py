@@ -60,8 +60,8 @@ class Agent:
     demonstrated exchange before the first task. `constrain`: mask every token that would leave the tool-call grammar
     (see constrain.py; off where the engine or tokenizer cannot take it). `fresh_tasks`: each task starts from the cache
     as it was after the system prompt (fed alone before the first task), so a task never sees, and copies, the
-    previous one's reply; the checkpoint is taken again where the cache stands once its own slots were evicted. `require_call`: with the constraint, a task's first reply must
-    be a tool call, not an answer."""
+    previous one's reply; the checkpoint is taken again where the cache stands once its own slots were evicted.
+    `require_call`: with the constraint, a task's first reply must be a tool call, not an answer."""
 
     def __init__(self, engine: Any, tools: Toolbox, workspace: Workspace | str | Path | None = None,
                  approve: Approve | None = None, max_result_chars: int | None = None, *, max_tokens: int | None = None,
@@ -192,12 +192,11 @@ class Agent:
             return  # without a system message an empty render may not be a prefix (templates add a default one)
         try:
             closing = conv.closing()
-            base = conv._render([], False)
-            probe = conv._render([{"role": "user", "content": "x"}], True)
         except Exception:  # noqa: BLE001 - a template that cannot render this: keep the history as it is
             log.debug("cannot compact the conversation", exc_info=True)
             return
-        if closing is None or not probe.startswith(base):
+        base = conv.system_prefix()  # what every rendering starts with, or ""
+        if closing is None or not base:
             return
         if closing:
             yield from self.engine.feed(closing)
