@@ -54,8 +54,12 @@ try:  # as `cli.run` starts a command: the garbage collector off until the load 
 except ImportError:
     pass
 import sinkchat.cli
-from sinkchat.api import start
 from sinkchat.bootstrap import build_settings, read_prompt
+try:  # the API's one way in (a checkout from before it: bootstrap's open_engine, the same load)
+    from sinkchat.api import start
+except ImportError:
+    from sinkchat.bootstrap import open_engine
+    start = lambda settings, system: type("S", (), {"engine": open_engine(settings, system)})
 mark("cli")
 class Marks(logging.Handler):
     def emit(self, record):
