@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sinkchat.core.cache_policy import Eviction, Ledger, kept_parts
@@ -76,6 +78,17 @@ class Remembering:
         if last is None or last > first:
             kept.append((first, sys.maxsize if last is None else last))
         self.unkept = kept
+
+    @contextmanager
+    def not_kept(self) -> Iterator[None]:
+        """The tokens fed inside the block are not kept by the recall memory (`keep_out`): the range opens before the
+        first and closes after the last, however the block ends (an interrupted feed too). No-op without a memory."""
+        first = self.ledger.seen
+        self.keep_out(first)
+        try:
+            yield
+        finally:
+            self.keep_out(first, self.ledger.seen)
 
 
 def _holds(abs_index: list[int], first: int, last: int) -> bool:

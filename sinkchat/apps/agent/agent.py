@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -119,16 +120,10 @@ class Agent:
             yield from self.checkpoint.events  # the earlier task set aside into the recall memory
         if not self.primed:
             self.primed = not per_task
-            scaffold = per_task and hasattr(self.engine, "keep_out")  # fed again each task: the memory keeps no copy
-            first = self.engine.ledger.seen if scaffold else 0
-            if scaffold:
-                self.engine.keep_out(first)
-            try:
+            scaffold = per_task and hasattr(self.engine, "not_kept")  # fed again each task: the memory keeps no copy
+            with self.engine.not_kept() if scaffold else nullcontext():
                 for role, text in examples_for(task) if per_task else FEW_SHOT:
                     yield from self.engine.add_message(role, text, add_generation_prompt=False)
-            finally:
-                if scaffold:
-                    self.engine.keep_out(first, self.engine.ledger.seen)
             self._examples_held = len(FEW_SHOT)  # not counted against keep_messages until compacted away
         check = TaskCheck(task, self.workspace)
         self._offer(check)
