@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +50,31 @@ import llamacpp_tools as lt  # noqa: E402
 BW_C = r"""
 #include <stddef.h>
 #include <immintrin.h>
+/* A streaming read: 64 floats (256 bytes) a step, summed so the loads cannot be dropped. The widest vectors this
+   CPU has (the probe is compiled with -march=native on the machine it runs on): AVX-512, else AVX2, else scalar. */
 double sc_stream(const float* a, size_t n, int reps) {
     double total = 0;
     for (int r = 0; r < reps; r++) {
-        __m512 s = _mm512_setzero_ps();
         #pragma omp parallel for reduction(+:total)
         for (size_t i = 0; i < n; i += 64) {
+#if defined(__AVX512F__)
             __m512 x = _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(a + i + 16)),
                                      _mm512_add_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(a + i + 48)));
             total += _mm512_reduce_add_ps(x);
+#elif defined(__AVX2__)
+            __m256 x = _mm256_setzero_ps();
+            for (int j = 0; j < 64; j += 32)
+                x = _mm256_add_ps(x, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(a + i + j), _mm256_loadu_ps(a + i + j + 8)),
+                                                   _mm256_add_ps(_mm256_loadu_ps(a + i + j + 16), _mm256_loadu_ps(a + i + j + 24))));
+            float v[8];
+            _mm256_storeu_ps(v, x);
+            total += v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
+#else
+            float acc = 0;
+            for (int j = 0; j < 64; j++) acc += a[i + j];
+            total += acc;
+#endif
         }
-        (void)s;
     }
     return total;
 }
@@ -86,12 +101,14 @@ def bandwidth(threads: int) -> float:
 
     lib_dir = lt.cache_root() / "bench"
     lib_dir.mkdir(parents=True, exist_ok=True)
-    so = lib_dir / "stream.so"
+    so = lib_dir / f"stream-{zlib.crc32(BW_C.encode()):08x}.so"  # a changed probe is rebuilt, not reused
     if not so.is_file():
         src = lib_dir / "stream.c"
         src.write_text(BW_C)
-        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(so)],
+        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(src), "-o", str(tmp)],
                        check=True)
+        tmp.replace(so)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     lib = ctypes.CDLL(str(so))
@@ -149,11 +166,28 @@ def spread(values: list[float]) -> str:
     return f"{lo:.0f}" if len(values) == 1 else f"{lo:.0f}-{hi:.0f}"
 
 
-def sinkchat_bench(model: Path, threads: int) -> dict[str, float]:
+def tree_env(tree: str | None) -> dict[str, str]:
+    """The environment a sinkchat child runs in: the sinkchat this interpreter imports, or (`tree`) another
+    checkout's through PYTHONPATH. Children start in an empty folder (`CWD`): `python -m` puts the working folder
+    first on sys.path, and a checkout there would shadow PYTHONPATH."""
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    if tree is None:
+        import sinkchat
+
+        tree = str(Path(sinkchat.__file__).resolve().parent.parent)
+    else:  # its own packed models and kernels: each checkout deletes the other's packed-cache version and repacks
+        env["SINKCHAT_CACHE_DIR"] = str(lt.cache_root() / "bench" / f"against-{zlib.crc32(tree.encode()):08x}")
+    env["PYTHONPATH"] = tree
+    return env
+
+
+CWD = tempfile.mkdtemp(prefix="llamacpp-bench-")
+
+
+def sinkchat_bench(model: Path, threads: int, tree: str | None = None) -> dict[str, float]:
     p = subprocess.run([sys.executable, "-m", "sinkchat", "bench", "--model", str(model), "--policies", "sink",
                         "--caches", "512,2048", "--decode", "128", "--gauge-tokens", "0", "--threads", str(threads),
-                        "--json"], capture_output=True, text=True, env=env, timeout=7200)
+                        "--json"], capture_output=True, text=True, env=tree_env(tree), cwd=CWD, timeout=7200)
     if p.returncode:
         raise RuntimeError(f"sinkchat bench failed: {p.stderr[-800:]}")
     data = json.loads(p.stdout.strip().splitlines()[-1])
@@ -167,8 +201,9 @@ def sinkchat_bench(model: Path, threads: int) -> dict[str, float]:
     return res
 
 
-def info(model: Path) -> dict[str, float]:
-    p = subprocess.run([sys.executable, "-c", INFO, str(model)], capture_output=True, text=True, check=True)
+def info(model: Path, tree: str | None = None) -> dict[str, float]:
+    p = subprocess.run([sys.executable, "-c", INFO, str(model)], capture_output=True, text=True, check=True,
+                       env=tree_env(tree), cwd=CWD)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -219,24 +254,29 @@ def bytes_rows(model_list: list[Path]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Path) -> list[dict[str, Any]]:
-    """`rounds` rounds, each measuring every (model, threads) pair once on both sides (llama.cpp first in even
-    rounds, sinkchat first in odd ones) and the bandwidth, so a slow spell of the host lands on both sides; then
-    each side's best round (`best`)."""
+def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Path, against: str | None = None
+            ) -> list[dict[str, Any]]:
+    """`rounds` rounds, each measuring every (model, threads) pair once on every side (llama.cpp first in even
+    rounds, last in odd ones; with `against`, that checkout's sinkchat beside this one) and the bandwidth, so a slow
+    spell of the host lands on every side; then each side's best round (`best`)."""
     cells: dict[tuple[Path, int], dict[str, list[Any]]] = {}
     for i in range(rounds):
         for model in model_list:
             for t in threads:
-                c = cells.setdefault((model, t), {"bw": [], "ll": [], "sc": []})
+                c = cells.setdefault((model, t), {"bw": [], "ll": [], "sc": [], "old": []})
                 c["bw"].append(run_bandwidth(t))
                 sides = [("ll", lambda: llama_bench(bin_dir, model, t)), ("sc", lambda: sinkchat_bench(model, t))]
-                for key, run in sides[:: 1 if i % 2 == 0 else -1]:  # odd rounds sinkchat first: no order effect
+                if against:
+                    sides.append(("old", lambda: sinkchat_bench(model, t, against)))
+                for key, run in sides[:: 1 if i % 2 == 0 else -1]:  # odd rounds reversed: no order effect
                     c[key].append(run())
                 print(json.dumps({"model": model.name, "threads": t, "bandwidth_gbs": c["bw"][-1],
-                                  "llama": c["ll"][-1], "sinkchat": c["sc"][-1]}), file=sys.stderr)
+                                  "llama": c["ll"][-1], "sinkchat": c["sc"][-1],
+                                  **({"against": c["old"][-1]} if against else {})}), file=sys.stderr)
     rows = []
     for model in model_list:
         sc_info, ll_bytes = info(model), llama_weight_bytes(model)
+        old_info = info(model, against) if against else None
         for t in threads:
             c = cells[(model, t)]
             bw, ll, sc = max(c["bw"]), best(c["ll"]), best(c["sc"])
@@ -245,6 +285,11 @@ def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Pa
             rows.append({"model": model.name, "threads": t, "rounds": rounds, "bandwidth_gbs": bw, "llama": ll,
                          "sinkchat": sc, "spread": sp,
                          **ratios(sc, ll, bw, sc_info, ll_bytes)})
+            if against and old_info is not None:
+                old = best(c["old"])
+                rows[-1]["against"] = {"tree": against, "sinkchat": old,
+                                       "decode_spread@512": spread([x["decode@512"] for x in c["old"]]),
+                                       **ratios(old, ll, bw, old_info, ll_bytes)}
     return rows
 
 
@@ -256,6 +301,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--bytes-only", action="store_true", help="only the MB read a token (no timed runs)")
     ap.add_argument("--file", action="append", type=Path, default=[], help="another GGUF to measure (repeatable)")
+    ap.add_argument("--against", metavar="TREE", help="also time this checkout's sinkchat in every round (before / after)")
     a = ap.parse_args()
     if a.bytes_only:
         rows = bytes_rows(models(a.big) + a.file)
@@ -264,12 +310,24 @@ def main() -> None:
             + [f"| {r['model']} | {r['sinkchat_mb_per_token@512']:.1f} / {r['llama_mb_per_token@512']:.1f} | "
                f"{r['sinkchat_mb_per_token@512'] / r['llama_mb_per_token@512']:.3f} |" for r in rows]))
         return
-    rows = measure(models(a.big) + a.file, models(a.big), [int(x) for x in a.threads.split(",")], max(1, a.rounds), lt.ensure_tools())
+    against = str(Path(a.against).resolve()) if a.against else None
+    rows = measure(models(a.big) + a.file, [int(x) for x in a.threads.split(",")], max(1, a.rounds), lt.ensure_tools(),
+                   against)
+    saved = lt.cache_root() / "bench" / "llamacpp_bench.json"  # every figure, kept past a failed print
+    saved.write_text(json.dumps(rows))
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"best of {rows[0]['rounds']} rounds each "
-          "(the spread of decode at fill 512 and of the bandwidth in brackets)")
+    print(f"best of {rows[0]['rounds']} rounds each (the spread of decode at fill 512 and of the bandwidth in brackets;"
+          f" every figure in {saved})")
+    table(rows)
+    if against:
+        print(f"\nthe same rounds, sinkchat of {against} (before) against the same llama.cpp runs:")
+        table([{**r, **r["against"], "spread": {**r["spread"], "sinkchat_decode@512": r["against"]["decode_spread@512"]}}
+               for r in rows])
+
+
+def table(rows: list[dict[str, Any]]) -> None:
     print("| model | t | GB/s | decode sc / llama, fill 512 | ratio | roofline sc / llama | decode @2048 ratio | "
           "MB read a token sc / llama | llama tg128 empty | prefill sc / llama pp512 | ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
