@@ -279,3 +279,33 @@ def test_a_number_in_exponent_form_grounds_no_part_of_it():
     from sinkchat.apps.agent.patterns import numbers_in
 
     assert numbers_in("sum 1.235e+04 over 12 rows, port 8443, ratio 2.5E-3") == ["12", "8443"]
+
+
+def test_done_is_no_answer_to_a_task_that_asks_for_something(ws):
+    """A user audit: "Count the lines of notes.txt" read 2 from the tool, answered `done`, and ended verified,
+    exit 0. An acknowledgment is sent back; the count ends the task, verified."""
+    eng = ScriptedEngine([call("count_lines", path="notes.txt"), final("done"), final("notes.txt has 2 lines")])
+    events, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "Count the lines of notes.txt", 5)
+    (rejected,) = [e for e in events if isinstance(e, FinalRejectedEvent)]
+    assert rejected.answer == "done" and "only says" in rejected.problems[0]
+    assert (done.answer, done.verified) == ("notes.txt has 2 lines", True)
+
+
+def test_a_count_task_ends_unverified_on_an_answer_without_a_number(ws):
+    eng = ScriptedEngine([call("count_lines", path="notes.txt")] + [final("the file has some lines")] * 4)
+    _, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "How many lines does notes.txt have?", 4)
+    assert not done.verified and "holds no number" in done.problem
+
+
+@pytest.mark.parametrize("task,answer", [
+    ("Write the text hello world to a file named hello.txt.", "done"),  # the file is the result
+    ("Which host is set in config.json?", "example.com"),
+    ("Does config.json set debug?", "no"),
+    ("Count the lines of notes.txt", "2"),
+])
+def test_an_answer_that_says_what_was_asked_is_not_sent_back(ws, task, answer):
+    from sinkchat.apps.agent.verify import TaskCheck
+
+    check = TaskCheck(task, Workspace(ws))
+    check.grounding.add(CONFIG + "2\n")
+    assert check.unanswered(answer) == []

@@ -13,6 +13,12 @@ write that number to total.txt" answered `860` having written nothing):
 - names: every name-like word of the answer (a word with inner `.`, `_`, `-`, `/`, `@` or `:` such as a file name,
   a host or a code; an all-caps word; a capitalized word not starting a sentence) occurs, ignoring case, in the
   task text or a data result.
+
+An answer, where the answer is the task's result (it names no file to write): a task that asks for something (a
+question, or count / find / list / show / tell ...) is not answered by an acknowledgment ("done", "ok", "task
+complete": grounded, since it holds no number or name, so it passed until a user audit ran "Count the lines of
+notes.txt", read `4` from the tool and ended `answer: done`, verified, exit 0); one that asks for a count or a total
+("how many", "count", "total", "sum", "average", "number of") is not answered without a number.
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ PIECE_CHARS = 200  # longest copied line offered (a long one would raise every r
 WORD = re.compile(r"[A-Za-z_][\w.\-/@:]*[\w]|[A-Za-z]")
 NAME_INNER = re.compile(r"\w[._\-/@:]\w")
 PLAIN = {"i", "ok", "yes", "no", "none", "true", "false", "done", "n/a"}  # capitalized, yet no names
+ASKS = re.compile(r"\?\s*$|^\s*(?:what|which|who|whom|whose|where|when|how|is|are|does|do|did|can)\b|"
+                  r"\b(?:count|find|list|show|tell|report|look\s+up|compute|calculate|read|print|get|give|check)\b", re.I)
+ASKS_NUMBER = re.compile(r"\b(?:how\s+(?:many|much)|count|total|sum|average|number\s+of)\b", re.I)
+ACK = re.compile(r"^[\s\W]*(?:(?:it\s+is|it's|the\s+task\s+is|task|all|i\s+am|i'm)\s+)?"
+                 r"(?:done|ok|okay|finished|complete|completed|success|successful|ready)"
+                 r"(?:\s+(?:now|already))?[\s\W]*$", re.I)
 
 
 @dataclass
@@ -170,7 +182,21 @@ class TaskCheck:
         bad = self.grounding.ungrounded(answer)
         said = [f"your answer says {', '.join(bad[:3])}, which no tool result of this task holds; answer with what "
                 "the tools returned"] if bad else []
-        return said + self.unmet()
+        return said + self.unanswered(answer) + self.unmet()
+
+    def unanswered(self, answer: str) -> list[str]:
+        """Where the answer is the task's result (no file to write): an acknowledgment given for a task that asks
+        for something, or no number for one that asks for a count or a total (module docstring)."""
+        task = self.grounding.task
+        if self.goals or self.blocked:
+            return []  # the file is the result: "done" after writing it is an answer
+        if ASKS.search(task) and ACK.fullmatch(answer.strip()):
+            return [f'your answer only says "{answer.strip()[:40]}"; the task asks for something: answer with what '
+                    "the tools returned"]
+        if ASKS_NUMBER.search(task) and not numbers_in(answer):
+            return ["the task asks for a count or a total and your answer holds no number; answer with the number "
+                    "the tools returned"]
+        return []
 
     def unmet(self) -> list[str]:
         """The asked-for files that are missing or do not hold what the task asks."""
