@@ -88,6 +88,36 @@ def _q4_1(raw: np.ndarray) -> Parts:
     return Parts("q4", q.reshape(rows, -1), d.reshape(rows, -1), m.reshape(rows, -1))
 
 
+def q4_tiles(raw: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0 (`block` 18) / Q4_1 (20) rows, uint8 [rows, bytes per row], straight into the native q4 kernels' layout
+    (kernels/layouts.py), byte for byte what `_q4_0` / `_q4_1` then `pack_q40` / `pack_q4_dm` give: (qw uint8
+    [rows/16, K/32, 4, 16, 4], sc_q4_blocks: byte (s, r, t) holds weight 8s+t low, 8s+4+t high) and the scales
+    as the file's fp16 bits, [rows/16, K/32, n, 16] (n: d, or d and m). rows % 16 == 0.
+
+    Why: that path unpacks each nibble to a byte and packs it again, in numpy and in torch (1.5 s of 2.2 s of the
+    bundled model's packing under cProfile at a first start); a file byte j holds weights j (low) and j + 16 (high),
+    a tile byte two weights four apart, so each tile byte is one mask-and-or of two file bytes (four at a time in a
+    uint32). The scales are the file's fp16 bits unchanged (the old path's fp16 -> fp32 -> fp16 is exact for every
+    non-NaN value; a NaN scale, which no working file has, may differ in its payload bits).
+    `tests/test_startup_pack.py` holds both paths equal."""
+    rows, nbytes = raw.shape
+    nb, g = nbytes // block, rows // 16
+    b = raw.reshape(g, 16, nb, block)
+    # four bytes t at a time, as one uint32 (masks keep every nibble in its own byte, whatever the byte order):
+    # file word 2s' + h holds bytes 8s' + 4h + t, i.e. weights (8s' + 4h + t) low and (16 + 8s' + 4h + t) high
+    qs = np.ascontiguousarray(b[..., block - 16:]).view(np.uint32)  # [g, r, b, 4]
+    first, second = qs[..., 0::2], qs[..., 1::2]  # h = 0, 1: [g, r, b, s']
+    low = np.uint32(0x0F0F0F0F)
+    words = np.empty((g, nb, 4, 16), dtype=np.uint32)  # [g, b, s, r]: bytes t of tile (s, r)
+    tiles = words.transpose(0, 3, 1, 2)  # [g, r, b, s], a view written in place
+    np.bitwise_or(first & low, (second & low) << np.uint32(4), out=tiles[..., :2])  # s = s': weights < 16
+    np.bitwise_or((first >> np.uint32(4)) & low, second & ~low, out=tiles[..., 2:])  # s = 2 + s': the rest
+    qw = words.view(np.uint8).reshape(g, nb, 4, 16, 4)
+    n = (block - 16) // 2
+    scales = np.ascontiguousarray(b[..., : 2 * n]).view(np.uint16).reshape(g, 16, nb, n)
+    return qw, np.ascontiguousarray(scales.transpose(0, 2, 3, 1)).view(np.float16)
+
+
 def _halves(x: np.ndarray) -> np.ndarray:
     """Per-32 scales [n, j] -> the same value for each 16-weight half [n, 2j]."""
     return np.repeat(x, 2, axis=1)

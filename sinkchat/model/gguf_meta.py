@@ -8,6 +8,12 @@ call it, so a first start parsed the file twice for a config of 20 numbers (and 
 string arrays are only counted) with the same mapping tables, and `served` hands it to both calls in place of
 `load_gguf_checkpoint`, so they take their usual code paths on the same config. tests/test_startup.py checks the
 dict and the converted folder's files against transformers' own, file by file, for every architecture sinkchat maps.
+
+transformers 5.2x reads a GGUF's metadata with its own fast reader (`read_gguf_metadata`) instead, three times in a
+conversion (the config, the tokenizer's class, the tokenizer itself), the last with the vocabulary and merges: 0.45-0.56
+s on the bundled file (load ~4, 2 cores), nearly all of it numpy's memmap slicing one string at a time. `served` also
+answers those calls from the header's bytes read once into a plain `bytes` (transformers' own parsing functions on
+them: the same dicts, 0.09-0.15 s), each kind of call parsed once.
 """
 
 from __future__ import annotations
@@ -82,6 +88,50 @@ def served(path: Path) -> Iterator[None]:
 
     mg.load_gguf_checkpoint = load_gguf_checkpoint
     try:
-        yield
+        with _metadata_served(path):
+            yield
     finally:
         mg.load_gguf_checkpoint = original
+
+
+@contextlib.contextmanager
+def _metadata_served(path: Path) -> Iterator[None]:
+    """While the block runs, transformers' `read_gguf_metadata(path, string_arrays)` is answered by its own parsing
+    functions on the header's bytes (`bytes`, read once), each `string_arrays` parsed once (a deep copy per call);
+    another file, or a transformers without those functions, goes to its own reader."""
+    try:
+        import transformers.integrations.gguf as package
+        from transformers.integrations.gguf import reader
+    except ImportError:  # pragma: no cover - another transformers
+        yield
+        return
+    original = getattr(reader, "read_gguf_metadata", None)
+    parse, table = getattr(reader, "_read_metadata", None), getattr(reader, "_read_tensor_table", None)
+    if original is None or parse is None or table is None:
+        yield
+        return
+    from sinkchat.model import gguf_file
+
+    target, blob = str(Path(path).resolve()), b""
+    done: dict[tuple[str, ...], tuple[dict, tuple[str, ...]]] = {}
+
+    def read_gguf_metadata(gguf_path: Any, string_arrays: Any = ()) -> tuple[dict, tuple[str, ...]]:
+        nonlocal blob
+        if str(Path(gguf_path).resolve()) != target:
+            return original(gguf_path, string_arrays)
+        key = tuple(sorted(string_arrays))
+        if key not in done:
+            if not blob:
+                with open(target, "rb") as f:
+                    blob = f.read(gguf_file.scan(Path(target)).data_start)
+            metadata, count, pos = parse(blob, str(gguf_path), key)
+            entries, _ = table(blob, count, pos)
+            done[key] = metadata, tuple(name for name, *_ in entries)
+        return copy.deepcopy(done[key])
+
+    exported = package.read_gguf_metadata  # (the package's lazy attribute, as `from ... import` finds it)
+    reader.read_gguf_metadata = package.read_gguf_metadata = read_gguf_metadata
+    try:
+        yield
+    finally:
+        reader.read_gguf_metadata, package.read_gguf_metadata = original, exported
