@@ -6,6 +6,7 @@ No torch import here: the CLI reads settings (and `--help` runs) without paying 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -76,6 +77,7 @@ class ConfigError(UsageError, ValueError):
 
 
 _dotenv_loaded = False
+_from_dotenv: set[str] = set()  # the SINKCHAT_* names `.env` set (errors say where a bad value came from)
 
 
 def load_dotenv_once(path: str | os.PathLike[str] = ".env") -> None:
@@ -100,6 +102,13 @@ def load_dotenv_once(path: str | os.PathLike[str] = ".env") -> None:
         value = value.strip().strip('"').strip("'")
         if key.startswith("SINKCHAT_") and key not in os.environ:
             os.environ[key] = value
+            _from_dotenv.add(key)
+
+
+def _set_as(name: str) -> str:
+    """`SINKCHAT_X='v'` as the user set it, and where: the environment or `.env` (a user who set it in .env finds
+    nothing with `env | grep`)."""
+    return f"{name}={os.environ.get(name, ENV_SETTINGS[name][0])!r}" + (" (set in .env)" if name in _from_dotenv else "")
 
 
 def env(name: str, cast: Callable[[str], Any] = str) -> Any:
@@ -109,7 +118,7 @@ def env(name: str, cast: Callable[[str], Any] = str) -> Any:
     try:
         return cast(raw)
     except (TypeError, ValueError):
-        raise ConfigError(f"{name}={raw!r} is not a valid value ({ENV_SETTINGS[name][1]})") from None
+        raise ConfigError(f"{_set_as(name)} is not a valid value ({ENV_SETTINGS[name][1]})") from None
 
 
 def physical_cores() -> int:
@@ -299,8 +308,33 @@ def prefill_mode() -> str:
 
 
 def settings_from_env() -> Settings:
-    """Settings from the environment and `.env` alone; CLI flags are applied on top with `dataclasses.replace`."""
+    """Settings from the environment and `.env` alone; CLI flags are applied on top with `dataclasses.replace`. A
+    value the settings' checks refuse is named as the user set it (`SINKCHAT_MEMORY='maybe' (set in .env): must be
+    on or off`), not as the flag the checks are written for (`--memory must be ...`: a flag never passed)."""
     prefill_mode()  # read where it is used (the native step); checked here, before any model loads
+    try:
+        return _env_settings()
+    except ConfigError as e:
+        raise _as_env_error(e) from None
+
+
+FLAG = re.compile(r"--([a-z][a-z-]*)(?: and --[a-z-]+)?")
+
+
+def _as_env_error(e: ConfigError) -> ConfigError:
+    """`e` (a check's message naming flags) about the SINKCHAT_* variables those flags are set by, where one of
+    them is set; else `e`."""
+    msg = str(e)
+    names = [n for f in FLAG.findall(msg) if (n := "SINKCHAT_" + f.upper().replace("-", "_")) in os.environ]
+    names += [n for f in re.findall(r"--[a-z-]+ and --([a-z-]+)", msg)
+              if (n := "SINKCHAT_" + f.upper().replace("-", "_")) in os.environ and n not in names]
+    if not names:
+        return e
+    rest = FLAG.sub("", msg, count=1).strip()
+    return ConfigError(f"{', '.join(_set_as(n) for n in names)}: {rest}")
+
+
+def _env_settings() -> Settings:
     return Settings(
         model=ModelConfig(
             model=env("SINKCHAT_MODEL") or None,

@@ -39,6 +39,33 @@ def test_bad_env_value_is_a_config_error(monkeypatch):
         settings_from_env()
 
 
+@pytest.mark.parametrize("name,value,says", [
+    ("SINKCHAT_MEMORY", "maybe", "SINKCHAT_MEMORY='maybe': must be on or off"),
+    ("SINKCHAT_THREADS", "-1", "SINKCHAT_THREADS='-1': must be >= 0"),
+    ("SINKCHAT_MEMORY_TOPK", "0", "SINKCHAT_MEMORY_TOPK='0': must be between 1 and 64"),
+    ("SINKCHAT_EVICT_CHUNK", "-2", "SINKCHAT_EVICT_CHUNK='-2': must be >= 0"),
+])
+def test_a_refused_env_value_is_named_as_the_user_set_it(monkeypatch, name, value, says):
+    """A user audit: SINKCHAT_MEMORY=maybe said `--memory must be on or off`, naming a flag never passed."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        settings_from_env()
+    assert str(e.value).startswith(says) and "--" not in str(e.value)
+
+
+def test_a_bad_value_from_dotenv_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("SINKCHAT_CACHE=lots\n")
+    monkeypatch.setattr(config, "_dotenv_loaded", False)
+    monkeypatch.delenv("SINKCHAT_CACHE", raising=False)
+    try:
+        with pytest.raises(ConfigError, match=r"^SINKCHAT_CACHE='lots' \(set in \.env\) is not a valid value"):
+            settings_from_env()
+    finally:
+        os.environ.pop("SINKCHAT_CACHE", None)
+        config._from_dotenv.discard("SINKCHAT_CACHE")
+
+
 def test_a_bad_prefill_mode_is_refused_before_any_model_loads(monkeypatch):
     monkeypatch.setenv("SINKCHAT_PREFILL", "fast")
     with pytest.raises(ConfigError, match="SINKCHAT_PREFILL must be auto or hf"):
@@ -79,5 +106,8 @@ def test_memory_settings_from_flags_and_env(monkeypatch):
     s = build_settings({"memory": "on", "memory_budget": 5, "memory_ram": 3})
     assert (s.memory.mode, s.memory.budget_mb, s.memory.topk, s.memory.ram_mb, s.memory.on) == ("on", 5, 6, 3, True)
     monkeypatch.setenv("SINKCHAT_MEMORY", "maybe")
-    with pytest.raises(ConfigError, match="--memory must be on or off"):
+    with pytest.raises(ConfigError, match="SINKCHAT_MEMORY='maybe': must be on or off"):
         build_settings({})
+    monkeypatch.delenv("SINKCHAT_MEMORY")
+    with pytest.raises(ConfigError, match="--memory must be on or off"):  # a value passed as a flag: the flag
+        build_settings({"memory": "maybe"})
