@@ -273,24 +273,53 @@ def measure(model_list: list[Path], threads: list[int], rounds: int, bin_dir: Pa
                 print(json.dumps({"model": model.name, "threads": t, "bandwidth_gbs": c["bw"][-1],
                                   "llama": c["ll"][-1], "sinkchat": c["sc"][-1],
                                   **({"against": c["old"][-1]} if against else {})}), file=sys.stderr)
+    return summarize(cells, model_list, threads, against)
+
+
+def summarize(cells: dict[tuple[Path, int], dict[str, list[Any]]], model_list: list[Path], threads: list[int],
+              against: str | None) -> list[dict[str, Any]]:
+    """Each (model, threads) cell's best rounds and their ratios (cells never measured are left out)."""
     rows = []
     for model in model_list:
+        if not any((model, t) in cells for t in threads):
+            continue
         sc_info, ll_bytes = info(model), llama_weight_bytes(model)
         old_info = info(model, against) if against else None
-        for t in threads:
+        for t in [t for t in threads if (model, t) in cells]:
             c = cells[(model, t)]
             bw, ll, sc = max(c["bw"]), best(c["ll"]), best(c["sc"])
             sp = {"sinkchat_decode@512": spread([x["decode@512"] for x in c["sc"]]),
                   "llama_tg128@d512": spread([x["tg128@d512"] for x in c["ll"]]), "bandwidth_gbs": spread(c["bw"])}
-            rows.append({"model": model.name, "threads": t, "rounds": rounds, "bandwidth_gbs": bw, "llama": ll,
+            rows.append({"model": model.name, "threads": t, "rounds": len(c["sc"]), "bandwidth_gbs": bw, "llama": ll,
                          "sinkchat": sc, "spread": sp,
                          **ratios(sc, ll, bw, sc_info, ll_bytes)})
-            if against and old_info is not None:
+            if against and old_info is not None and c.get("old"):
                 old = best(c["old"])
                 rows[-1]["against"] = {"tree": against, "sinkchat": old,
                                        "decode_spread@512": spread([x["decode@512"] for x in c["old"]]),
                                        **ratios(old, ll, bw, old_info, ll_bytes)}
     return rows
+
+
+def from_log(log: Path, model_list: list[Path], against: str | None) -> list[dict[str, Any]]:
+    """The table of a run cut short, from the cells it printed to stderr (one JSON line each)."""
+    by_name = {m.name: m for m in model_list}
+    cells: dict[tuple[Path, int], dict[str, list[Any]]] = {}
+    threads: list[int] = []
+    for line in log.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        if r["model"] not in by_name:
+            raise SystemExit(f"{log}: {r['model']} is none of the models given (--big, --file)")
+        c = cells.setdefault((by_name[r["model"]], r["threads"]), {"bw": [], "ll": [], "sc": [], "old": []})
+        c["bw"].append(r["bandwidth_gbs"])
+        c["ll"].append(r["llama"])
+        c["sc"].append(r["sinkchat"])
+        if "against" in r:
+            c["old"].append(r["against"])
+        threads += [r["threads"]] if r["threads"] not in threads else []
+    return summarize(cells, model_list, threads, against)
 
 
 def main() -> None:
@@ -302,6 +331,7 @@ def main() -> None:
     ap.add_argument("--bytes-only", action="store_true", help="only the MB read a token (no timed runs)")
     ap.add_argument("--file", action="append", type=Path, default=[], help="another GGUF to measure (repeatable)")
     ap.add_argument("--against", metavar="TREE", help="also time this checkout's sinkchat in every round (before / after)")
+    ap.add_argument("--from-log", type=Path, help="no runs: the table of the cells a run printed to stderr (cut short)")
     a = ap.parse_args()
     if a.bytes_only:
         rows = bytes_rows(models(a.big) + a.file)
@@ -311,14 +341,17 @@ def main() -> None:
                f"{r['sinkchat_mb_per_token@512'] / r['llama_mb_per_token@512']:.3f} |" for r in rows]))
         return
     against = str(Path(a.against).resolve()) if a.against else None
-    rows = measure(models(a.big) + a.file, [int(x) for x in a.threads.split(",")], max(1, a.rounds), lt.ensure_tools(),
-                   against)
+    if a.from_log:
+        rows = from_log(a.from_log, models(a.big) + a.file, against)
+    else:
+        rows = measure(models(a.big) + a.file, [int(x) for x in a.threads.split(",")], max(1, a.rounds),
+                       lt.ensure_tools(), against)
     saved = lt.cache_root() / "bench" / "llamacpp_bench.json"  # every figure, kept past a failed print
     saved.write_text(json.dumps(rows))
     if a.json:
         print(json.dumps(rows))
         return
-    print(f"best of {rows[0]['rounds']} rounds each (the spread of decode at fill 512 and of the bandwidth in brackets;"
+    print(f"best of {min(r['rounds'] for r in rows)}-{max(r['rounds'] for r in rows)} rounds each (the spread of decode at fill 512 and of the bandwidth in brackets;"
           f" every figure in {saved})")
     table(rows)
     if against:
