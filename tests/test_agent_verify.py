@@ -162,6 +162,24 @@ def test_the_final_answer_grammar_offers_only_numbers_the_tools_returned(bundled
         assert accepts(con, tok, text) == ok, text
 
 
+def test_the_grammar_asks_a_count_task_for_a_number(bundled, ws):
+    """A count task whose answer is the reply: under the grammar the answer holds a number a tool returned (the
+    bundled model answered `done` four times in a row without it); a question without a count does not need one."""
+    tok = bundled.tokenizer
+    eng = scripted_real(bundled, [call("count_lines", path="notes.txt"), final("2")])
+    agent = Agent(eng, build_default_tools(ws), ws)
+    con = agent.constraint
+    _, done = run(agent, "Count the lines of notes.txt", 3)
+    assert done.verified and done.answer == "2" and con.task.needs_number
+    for text, ok in [(final("2"), True), (final("notes.txt has 2 lines"), True), (final("done"), False),
+                     (final("it has some lines"), False), (final("3"), False)]:
+        assert accepts(con, tok, text) == ok, text
+    eng = scripted_real(bundled, [call("read_file", path="config.json"), final("example.com")])
+    agent = Agent(eng, build_default_tools(ws), ws)
+    run(agent, "Which host is set in config.json?", 3)
+    assert not agent.constraint.task.needs_number and accepts(agent.constraint, tok, final("example.com"))
+
+
 def test_a_write_task_grammar_writes_only_its_file_with_a_number_the_tools_gave(bundled, ws):
     """write_file is offered only once a tool gave a number, only for total.txt and only with such a number; while
     total.txt is missing a call is required (no final answer offered)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from sinkchat.apps.agent.larkgen import reply_lark
-from sinkchat.apps.agent.patterns import PATH, grounded_pattern
+from sinkchat.apps.agent.patterns import NUMBER, PATH, answering_pattern, grounded_pattern
 from sinkchat.apps.agent.tools.schema import Param, Tool
 from sinkchat.textutil import is_utf8
 
@@ -92,6 +92,17 @@ class TaskContext:
 
     targets: tuple[TargetFile, ...] = ()
     values: tuple[str, ...] | None = None
+    needs_number: bool = False  # the answer is the task's result and it asks for a count or a total (verify.py)
+
+    def answer_pattern(self, other: str | None = None, first: str | None = None) -> str | None:
+        """The final answer's regex body: grounded in `values`, with one of them in it where `needs_number` and
+        there is one to offer; None: not grounded."""
+        if self.values is None:
+            return None
+        kw = {k: v for k, v in (("other", other), ("first", first)) if v is not None}
+        if self.needs_number and any(NUMBER.fullmatch(v) for v in self.values):
+            return answering_pattern(self.values, **kw)
+        return grounded_pattern(self.values, **kw)
 
 
 _HEADERS: dict[tuple[str, int, int], tuple[tuple[str, ...], tuple[str, ...]] | None] = {}
@@ -265,8 +276,9 @@ def _targets(t: Tool, base: dict[str, Any], path: str, view: WorkspaceView | Non
 def final_schema(ctx: TaskContext | None = None) -> dict[str, Any]:
     """The final answer's string: grounded in the task's tool results when `ctx.values` is set."""
     s: dict[str, Any] = {"type": "string", "minLength": 1, "maxLength": FINAL_CHARS}
-    if ctx is not None and ctx.values is not None:
-        s["pattern"] = f"^(?:{grounded_pattern(ctx.values)})$"
+    body = ctx.answer_pattern() if ctx is not None else None
+    if body is not None:
+        s["pattern"] = f"^(?:{body})$"
     return s
 
 
@@ -295,8 +307,8 @@ def native_protocol_lark(tools: list[Tool], string_chars: int = STRING_CHARS, vi
               "required": ["name", "arguments"], "additionalProperties": False}
              for t in tools for a in args_schemas(t, view, string_chars, ctx)]
     text = "/[^<{\\s][^<]{0,%d}/" % (FINAL_CHARS * 2)
-    if ctx is not None and ctx.values is not None:
-        grounded = grounded_pattern(ctx.values, other="[^<0-9]", first="[^<{\\s0-9]")
+    grounded = ctx.answer_pattern(other="[^<0-9]", first="[^<{\\s0-9]") if ctx is not None else None
+    if grounded is not None:
         text = f"/{grounded}/ & {text}"
     return reply_lark(calls, ("<tool_call>\n", "\n</tool_call>"), text)
 

@@ -43,3 +43,16 @@ def grounded_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', f
     num = "(?:" + "|".join(re.escape(v) for v in vals) + ")"
     # a number is always followed by a non-digit, except at the very end
     return f"(?:{first}|{num}{other})(?:{other}|{num}{other})*{num}?|{num}"
+
+
+def answering_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', first: str | None = None) -> str:
+    """Like `grounded_pattern`, but holding at least one of `values`: the answer to a task that asks for a count
+    or a total (verify.ASKS_NUMBER) cannot be a bare "done" under the grammar. `values` must not be empty."""
+    given = list(dict.fromkeys(v for v in values if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
+    vals = sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
+    if not vals:
+        raise ValueError("answering_pattern needs a value to offer")
+    first = first or other
+    num = "(?:" + "|".join(re.escape(v) for v in vals) + ")"
+    head = f"(?:{first}(?:{other}|{num}{other})*)?"  # text before the first number held (each number whole)
+    return f"{head}{num}(?:{other}(?:{other}|{num}{other})*{num}?)?"

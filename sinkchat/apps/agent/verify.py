@@ -144,7 +144,8 @@ class TaskCheck:
         final answer may hold."""
         # a "new" target that was missing when the task began is this task's own file: it may be rewritten
         targets = tuple(TargetFile(g.path, self._content(g), g.append) for g in self.goals)
-        return TaskContext(targets, tuple(self.grounding.values))
+        asks_number = not (self.goals or self.blocked) and bool(ASKS_NUMBER.search(self.grounding.task))
+        return TaskContext(targets, tuple(self.grounding.values), needs_number=asks_number)
 
     def _content(self, g: WriteGoal) -> str | None:
         """The JSON schema (as JSON) of what the task asks to be written to `g`, or None while nothing the task
