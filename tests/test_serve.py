@@ -258,6 +258,7 @@ def test_second_server_continues_a_session_and_drains_on_sigterm(served, tmp_pat
         proc.send_signal(signal.SIGTERM)
         t.join(30)
         assert proc.wait(15) == 128 + signal.SIGTERM  # drained, then ended as `sinkchat chat` ends on SIGTERM
+        assert "stopped by SIGTERM" in proc.stderr.read()  # type: ignore[union-attr]  # said, not silent
         r2 = box["r"].json()
         assert r2["usage"]["completion_tokens"] == 300  # finished, not cut
         assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]

@@ -85,6 +85,11 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     signal.signal(signal.SIGTERM, _terminated)  # uvicorn drains, puts this back and raises the signal again
     try:
         srv.run()
+    except SystemExit as e:  # (`_terminated`): say so, as a user stopping the service reads its log
+        if e.code == 128 + signal.SIGTERM:
+            click.echo(f"sinkchat serve: stopped by SIGTERM after the requests in flight ended; sessions are kept in "
+                       f"{store_dir} and go on when a server starts again", err=True)
+        raise
     finally:
         server.executor.shutdown(wait=True, cancel_futures=True)
         store.close()
