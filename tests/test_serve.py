@@ -272,6 +272,14 @@ def test_second_server_continues_a_session_and_drains_on_sigterm(served, tmp_pat
     assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == r2["usage"]["total_tokens"]
 
 
+def test_a_stateless_request_reports_its_own_cache(served):
+    """A user audit: a request without X-Session-Id said `"cache_len": 0, "seen": 0` in its x_sinkchat (read after
+    its throwaway cache was let go)."""
+    r = post(served[0], {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}]}).json()
+    st = r["x_sinkchat"]
+    assert st["id"] is None and st["cache_len"] == st["seen"] == r["usage"]["total_tokens"] > 0
+
+
 def wait_busy(url: str, timeout: float = 30) -> None:
     """Until the server reports a request running (GET /health answers beside a generation)."""
     deadline = time.time() + timeout

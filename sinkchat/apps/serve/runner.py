@@ -103,8 +103,8 @@ class Runner:
             res = self._generate(sess, req, constraint, emit, cancelled)
             res.cached_tokens, res.prompt_tokens = cached, cached + fed
             sess.requests += 1
+            res.status = figures(sess, capture(self.engine))  # before `save` lets a stateless request's cache go
             self.store.save(sess)
-            res.status = figures(sess, capture(self.engine))
             return res
         except UserError as e:  # e.g. a system prompt too large to pin in this cache
             raise ApiError(400, str(e), code="context_length_exceeded") from None
