@@ -3,6 +3,8 @@ any length of conversation (ollama's `num_keep` of 4 lost them; ollama/ollama#13
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -59,7 +61,11 @@ def test_pinning_is_the_sink_mechanism_with_more_sinks():
 def test_a_system_prompt_too_large_to_pin_is_refused_in_one_line_before_anything_is_fed():
     with pytest.raises(ConfigError, match=r"the system prompt takes \d+ tokens.*--pin none") as e:
         engine(capacity=64, system="x" * 60)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and not re.search(r"leave -\d", str(e.value))  # no negative "leave -6"
+    need = int(re.search(r"--cache (\d+) or more", str(e.value)).group(1))  # the cache it names is enough
+    engine(capacity=need, system="x" * 60)
+    with pytest.raises(ConfigError):
+        engine(capacity=need - 1, system="x" * 60)
     eng = engine(capacity=64, system=None)
     eng.conv.system = "y" * 60  # changed later, e.g. by /system
     with pytest.raises(ConfigError):

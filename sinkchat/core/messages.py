@@ -33,9 +33,13 @@ def pinned_prefix(eng: Engine) -> str:
     n = len(eng.encode(block)) if block else 0
     least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
     if n and c.capacity - n < least:
-        raise ConfigError(f"the system prompt takes {n} tokens; pinned, it would leave {c.capacity - n} of the "
-                          f"{c.capacity}-token cache for the conversation (at least {least} needed): use a larger "
-                          "--cache, a shorter system prompt or --pin none")
+        need = n + 8
+        while need - n < max(8, need // 4):  # the smallest cache this prompt leaves enough of
+            need += 1
+        how = (f"pinned, it would leave {c.capacity - n} of the {c.capacity}-token cache for the conversation (at "
+               f"least {least} needed)" if n < c.capacity else f"it does not fit in the {c.capacity}-token cache")
+        raise ConfigError(f"the system prompt takes {n} tokens; {how}: use --cache {need} or more, a shorter system "
+                          "prompt or --pin none")
     return block
 
 
