@@ -320,6 +320,7 @@ def test_a_count_task_ends_unverified_on_an_answer_without_a_number(ws):
     ("Which host is set in config.json?", "example.com"),
     ("Does config.json set debug?", "no"),
     ("Count the lines of notes.txt", "2"),
+    ("Do the cleanup in the workspace", "done"),  # an imperative, not a question: "done" answers it
 ])
 def test_an_answer_that_says_what_was_asked_is_not_sent_back(ws, task, answer):
     from sinkchat.apps.agent.verify import TaskCheck

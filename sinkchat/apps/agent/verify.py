@@ -42,7 +42,7 @@ PIECE_CHARS = 200  # longest copied line offered (a long one would raise every r
 WORD = re.compile(r"[A-Za-z_][\w.\-/@:]*[\w]|[A-Za-z]")
 NAME_INNER = re.compile(r"\w[._\-/@:]\w")
 PLAIN = {"i", "ok", "yes", "no", "none", "true", "false", "done", "n/a"}  # capitalized, yet no names
-ASKS = re.compile(r"\?\s*$|^\s*(?:what|which|who|whom|whose|where|when|how|is|are|does|do|did|can)\b|"
+ASKS = re.compile(r"\?\s*$|^\s*(?:what|which|who|whom|whose|where|when|how)\b|"
                   r"\b(?:count|find|list|show|tell|report|look\s+up|compute|calculate|read|print|get|give|check)\b", re.I)
 ASKS_NUMBER = re.compile(r"\b(?:how\s+(?:many|much)|count|total|sum|average|number\s+of)\b", re.I)
 ACK = re.compile(r"^[\s\W]*(?:(?:it\s+is|it's|the\s+task\s+is|task|all|i\s+am|i'm)\s+)?"
