@@ -21,8 +21,8 @@ import torch
 from fakes import CharTokenizer, tiny_model
 from sinkchat.apps.chat.repl import ChatLoop, lines_reader
 from sinkchat.apps.logs import format_transcript
-from sinkchat.apps.render import (Renderer, age_text, fit_memory, memory_variants, recalled_line, status_text,
-                                  toolbar_text)
+from sinkchat.apps.memory_view import age_text, fit_memory, memory_variants, recalled_line
+from sinkchat.apps.render import Renderer, status_text, toolbar_text
 from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.core.metrics import human_bytes, status_variants
@@ -271,8 +271,8 @@ def test_forget_asks_then_reports_every_token_and_the_memory_goes_on(tmp_path):
     assert mem.tokens == held and mem.forgotten == 0 and "Type /forget yes to confirm" in err.getvalue()
     mark = len(err.getvalue())
     loop.run(lines_reader(["/forget yes"]))
-    gone = re.findall(r"⟂ forgotten (\d+) tokens \[(\d+),(\d+)\) \(/forget\)", err.getvalue()[mark:])
-    assert [(int(n), int(a), int(b)) for n, a, b in gone] == [(n, a, b) for a, b, n in spans]
+    gone = re.findall(r"⟂ forgotten (\d+) tokens? (\d+)(?:–(\d+))? \(/forget\)", err.getvalue()[mark:])  # inclusive
+    assert [(int(n), int(a), int(b or a) + 1) for n, a, b in gone] == [(n, a, b) for a, b, n in spans]
     assert sum(int(n) for n, _, _ in gone) == held
     assert mem.tokens == 0 and mem.blocks == 0 and mem.disk_bytes == 0 and mem.forgotten == held
     assert eng.ledger.evicted == mem.tokens + mem.forgotten

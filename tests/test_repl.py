@@ -165,10 +165,11 @@ def test_slash_commands_each_kind(tmp_path):
     assert "tokens seen" in err.getvalue() and eng.conv.messages
     loop.run(lines_reader(["/sinks 2"]))
     assert (eng.cache_cfg.n_sink, eng.cache_cfg.capacity) == (2, 62)
-    loop.run(lines_reader(["/window 40"]))
-    assert eng.cache_cfg.capacity == 42 and eng.cache.capacity == 42 and consistent(eng)
+    loop.run(lines_reader(["/window 40"]))  # 40 behind the pinned system prompt (sinks included)
+    cap = eng.pinned_slots() + 40
+    assert eng.cache_cfg.capacity == cap and eng.cache.capacity == cap and consistent(eng)
     loop.run(lines_reader(["/window 3", "/sinks x", "/policy bogus"]))
-    assert eng.cache_cfg.capacity == 42 and eng.cache_cfg.policy == "sink"
+    assert eng.cache_cfg.capacity == cap and eng.cache_cfg.policy == "sink"
     # /save then /clear then /load: the transcript comes back and the cache holds it again
     path = tmp_path / "t.json"
     msgs = [dict(m) for m in eng.conv.messages]

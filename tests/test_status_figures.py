@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -164,3 +165,26 @@ def test_the_kv_figure_is_the_same_all_session_long():
         assert 0 < s.kv_allocated <= s.kv_bytes
     assert len(set(figures)) == 1  # was: 0, then the allocation as the rings grew
     assert figures[0] == eng.cache.nbytes  # once a ring has taken the longest chunk, it is what is allocated
+
+
+@pytest.mark.parametrize("width", [60, 80, 120, 160, 250])
+def test_with_the_recall_memory_the_kv_field_is_the_windows_at_every_width(width):
+    """Audit after issue 30: `kv 9.8 MiB 41/128` with the memory on against 2.8 MiB off, the fraction counting the
+    window's slots only. The `kv` field now shows the bytes of the slots its fraction counts; the region's are the
+    memory field's; shown or not, no width mixes them."""
+    from sinkchat.apps.memory_view import MemoryFigures
+    from sinkchat.apps.render import status_text
+
+    window, region = int(2.8 * 2**20), int(7.0 * 2**20)
+    s = _stats(Metrics(), cache_len=41, capacity=128, kv_bytes=window + region, kv_allocated=window + region,
+               kv_layout="", pinned=0)
+    mem = MemoryFigures(9, 289, 0, int(6.3 * 2**20), 1 << 30, 1 << 16, 1 << 16, region=319, region_bytes=region,
+                        region_allocated=region)
+    for line in (status_text(s, mem, width), toolbar_text(s, width, mem)):
+        assert len(line) <= width and "41/128" in line and "9.8 MiB" not in line  # the sum is never the kv figure
+        kv = re.search(r"(?:kv|KV) ([\d.]+ MiB) 41/128", line)
+        assert kv is None or kv.group(1) == "2.8 MiB"
+        if "disk" in line:
+            assert "· 7.0 MiB KV" in line or line.rstrip().endswith("disk")
+    full = status_text(s, mem)  # with room: window 2.8 + region 7.0 = the buffers' 9.8, each beside its slots
+    assert "kv 2.8 MiB 41/128" in full and "mem 9 blk · 289 tok · 6.3 MiB disk · 7.0 MiB KV" in full

@@ -6,7 +6,8 @@ so `sinkchat chat < questions.txt > answers.txt` gives clean answers. A script t
 lines asks for `fmt="jsonl"` (one JSON object per answer, nothing else on stdout) or a `separator` line after each
 answer. Evictions during a reply are shown after it (the loop defers them), never between its lines. The toolbar text
 is a pure function of `Stats` and, with the recall memory on, its `MemoryStats` (pgcli style), so tests can check it
-without a terminal.
+without a terminal. How the memory itself is shown (its field, its /stats rows, the recall line, the KV its region
+takes apart from the window's) is `memory_view`'s; ranges are written in its one notation (`span`, inclusive).
 
 rich is imported only where something is drawn with it: on a terminal, a /stats table, or a line rich would print
 otherwise than as itself. Off a terminal a message line is plain text, and a line with no tab, control character or
@@ -17,14 +18,15 @@ piped chat's start at load 2-3 on the 2-core box; `tests/test_startup_light.py` 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
+from sinkchat.apps.memory_view import (MemoryFigures, fit_memory, memory_variants, plural, span,
+                                       window_stats)
 from sinkchat.core.events import DoneEvent, EvictionEvent, ForgottenEvent
-from sinkchat.core.metrics import (FIELDS, Metrics, Stats, eviction_line, fit_fields, gauge_bar, human_bytes,
-                                   read_stats, status_line, status_variants)
-from sinkchat.memory.report import MemoryStats, Recalled
+from sinkchat.core.metrics import (FIELDS, Metrics, Stats, gauge_bar, human_bytes, read_stats, status_line,
+                                   status_variants)
+from sinkchat.memory.report import MemoryStats
 
 if TYPE_CHECKING:
     from rich.console import Console, Group
@@ -49,12 +51,44 @@ def live_stats(engine: Any, metrics: Metrics, model_nbytes: int | None = None) -
 
 
 # ------------------------------------------------------------------------------------------------- pure text pieces
+PREVIEW_CHARS = 60  # where the engine cuts an eviction's preview (core/engine.py's PREVIEW_CHARS; a test compares)
+FORGOTTEN_WHY = {"budget": "over the memory budget", "disk": "the memory store could not write them",
+                 "damaged": "their memory block failed its checksum"}
+
+
+def clip_preview(text: str, limit: int = PREVIEW_CHARS) -> str:
+    """An eviction's preview as shown: the engine cuts it at `limit` characters, which can fall inside a word or a
+    special token (`...diversity<|i`); such a cut goes back to the last clean boundary (before the unclosed `<`,
+    else the last space) and is marked with an ellipsis. A preview shorter than `limit` is the whole text."""
+    if len(text) < limit:
+        return text
+    cut = text
+    if cut.rfind("<") > cut.rfind(">"):  # a special token (`<|im_end|>`) cut inside: drop its start
+        cut = cut[: cut.rfind("<")]
+    elif " " in cut.strip():
+        cut = cut[: cut.rstrip().rfind(" ")]  # the last word may be cut: drop it
+    return cut.rstrip() + "…"
+
+
+def eviction_text(ev: EvictionEvent | ForgottenEvent) -> str:
+    """One line per eviction or forgotten range in the chat, its range in the chat's one notation (`span`,
+    inclusive) and its preview cut cleanly (`clip_preview`): `⟂ evicted 64 tokens 26–89 to memory (sink, 41 left):
+    'the first…'`. (`metrics.eviction_line`, which the agent and summarize print, still says [26,90).)"""
+    if not isinstance(ev, EvictionEvent):
+        return f"⟂ forgotten {plural(ev.count, 'token')} {span(ev.first, ev.last)} " \
+               f"({FORGOTTEN_WHY.get(ev.reason, ev.reason)})"
+    where = " to memory" if ev.to_memory else ""
+    return (f"⟂ evicted {plural(ev.count, 'token')} {span(ev.first, ev.last)}{where} ({ev.policy}, "
+            f"{ev.cache_len} left): {clip_preview(ev.preview)!r}")
+
+
 def toolbar_fragments(s: Stats, width: int = 200, mem: MemoryStats | None = None) -> Fragments:
     """The bottom toolbar as prompt-toolkit (style, text) fragments: the status line's fields (`status_variants`,
     toolbar spelling), fitted to `width` columns by dropping lower-priority fields whole (`fit_fields`): the cache
     fill and the evictions stay longest, the gauge bar shrinks and goes first, never a field cut in the middle.
-    `mem`: the recall memory's figures, shown right after the evictions (`fit_memory`)."""
-    texts, mtext = fit_memory(status_variants(s, toolbar=True), memory_variants(mem), width - 3, 2)
+    `mem`: the recall memory's figures, shown right after the evictions (`fit_memory`); with its region's KV
+    (`MemoryFigures`), the `kv` field shows the window's alone (`window_stats`) and the memory's field the region's."""
+    texts, mtext = fit_memory(status_variants(window_stats(s, mem), toolbar=True), memory_variants(mem), width - 3, 2)
     if texts["seen"].startswith("seen "):  # tokens seen and evicted apart, the evictions in their own colour
         seen, _, evicted = texts["seen"].partition(" evicted ")
         parts = [("class:toolbar", seen), ("class:toolbar.evicted", f"evicted {evicted}")]
@@ -77,61 +111,13 @@ def toolbar_text(s: Stats, width: int = 200, mem: MemoryStats | None = None) -> 
     return "".join(t for _, t in toolbar_fragments(s, width, mem))
 
 
-# ------------------------------------------------------------------------------------------------- the recall memory
-def count(n: int) -> str:
-    """A figure with thousands separators: 52,123."""
-    return f"{n:,}"
-
-
-def compact(n: int) -> str:
-    """A figure for a narrow line: 3,840 below ten thousand, then 52k, 1.2M."""
-    return count(n) if n < 10_000 else f"{n / 1000:.0f}k" if n < 1_000_000 else f"{n / 1e6:.1f}M"
-
-
-def age_text(seconds: float) -> str:
-    """How long ago, for a person: 12 s ago, 41 min ago, 2 h 5 min ago, 3 days ago."""
-    s = max(0, int(seconds))
-    if s < 60:
-        return f"{s} s ago"
-    if s < 3600:
-        return f"{s // 60} min ago"
-    if s < 86400:
-        h, m = divmod(s // 60, 60)
-        return f"{h} h {m} min ago" if m else f"{h} h ago"
-    d = s // 86400
-    return f"{d} day{'s' if d > 1 else ''} ago"
-
-
-def memory_variants(mem: MemoryStats | None) -> list[str]:
-    """The memory's status field, longest first ("" = not shown): `mem 412 blk · 52,123 tok · 310.0 MiB` (blocks
-    indexed, tokens held, bytes on disk), then `mem 52k tok`. Memory off: nothing."""
-    if mem is None:
-        return [""]
-    return [f"mem {count(mem.blocks)} blk · {count(mem.tokens)} tok · {human_bytes(mem.disk_bytes)}",
-            f"mem {compact(mem.tokens)} tok", ""]
-
-
-def fit_memory(core: dict[str, list[str]], mem: list[str], width: int, sep: int) -> tuple[dict[str, str], str]:
-    """`fit_fields` with the memory's field beside the core ones: the memory keeps its longest text that leaves the
-    other fields room to fit with the evictions unshortened; the lower-priority core fields (gauge bar, policy,
-    RSS, KV bytes, rate) give way first, then the memory shrinks, then it goes."""
-
-    def total(texts: dict[str, str], extra: str) -> int:
-        shown = [t for t in [*texts.values(), extra] if t]
-        return sum(len(t) for t in shown) + sep * max(0, len(shown) - 1)
-
-    for m in mem:
-        texts = fit_fields(core, width - (len(m) + sep if m else 0), sep)
-        if not m or (total(texts, m) <= width and texts["seen"] == core["seen"][0]):
-            return texts, m
-    return fit_fields(core, width, sep), ""
-
-
 def status_text(s: Stats, mem: MemoryStats | None = None, width: int | None = None) -> str:
-    """`status_line` with the recall memory's field after the evictions (`mem`: None when the memory is off)."""
+    """`status_line` with the recall memory's field after the evictions (`mem`: None when the memory is off); the
+    `kv` field's bytes are the window's, those of the slots its fraction counts (`toolbar_fragments`)."""
     if mem is None:
         return status_line(s, width)
-    texts, mtext = fit_memory(status_variants(s), memory_variants(mem), width if width is not None else 1 << 30, 3)
+    texts, mtext = fit_memory(status_variants(window_stats(s, mem)), memory_variants(mem),
+                              width if width is not None else 1 << 30, 3)
     parts = []
     for name in FIELDS:
         if texts[name]:
@@ -141,67 +127,24 @@ def status_text(s: Stats, mem: MemoryStats | None = None, width: int | None = No
     return " | ".join(parts)
 
 
-def token_ranges(recalled: Sequence[Recalled], most: int = 4) -> str:
-    """The stream ranges of recalled blocks, consecutive blocks joined, inclusive ends: `3,100–3,483` (blocks
-    [3100, 3164) ... [3420, 3484)); past `most` + 1 ranges, the first `most` and how many more."""
-    runs: list[list[int]] = []
-    for r in sorted(recalled, key=lambda r: r.first):
-        if runs and runs[-1][1] == r.first:
-            runs[-1][1] = r.last
-        else:
-            runs.append([r.first, r.last])
-    shown = runs if len(runs) <= most + 1 else runs[:most]  # "and 1 more range" would be as long as the range
-    text = ", ".join(f"{count(a)}–{count(b - 1)}" for a, b in shown)
-    return text + (f" and {len(runs) - most} more ranges" if len(shown) < len(runs) else "")
-
-
-def ages(recalled: Sequence[Recalled], now: float | None = None) -> str:
-    """`41 min ago`, or the span `2 min ago – 41 min ago` when the blocks were stored at different times."""
-    now = time.time() if now is None else now
-    newest, oldest = age_text(min(r.age(now) for r in recalled)), age_text(max(r.age(now) for r in recalled))
-    return oldest if newest == oldest else f"{newest} – {oldest}"
-
-
-def recalled_line(recalled: Sequence[Recalled], now: float | None = None) -> str:
-    """After a reply: what it read from the memory. `↺ recalled 3 blocks: tokens 3,100–3,483, 41 min ago`."""
-    n = len(recalled)
-    return (f"↺ recalled {n} block{'s' if n != 1 else ''}: tokens {token_ranges(recalled)}, "
-            f"{ages(recalled, now)}")
-
-
-def recall_header(r: Recalled, now: float | None = None) -> str:
-    """One block in /recall: `block 12 · tokens 3,100–3,163 · 41 min ago · in 27/30 layers`."""
-    age = age_text(r.age(time.time() if now is None else now))
-    return f"block {r.bid} · tokens {count(r.first)}–{count(r.last - 1)} · {age} · in {r.layers}/{r.of} layers"
-
-
-def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last: int = 0) -> list[tuple[str, str]]:
-    """/stats rows of the recall memory: what it holds, what it forgot, its RAM, what the replies read from it
-    (`reads` block reads over `replies` replies, `last` in the last one)."""
-    if mem is None:
-        return [("recall memory", "off (/memory on, or --memory on at start)")]
-    return [
-        ("recall memory", f"{count(mem.blocks)} blocks, {count(mem.tokens)} tokens, {human_bytes(mem.disk_bytes)} on "
-                          f"disk (budget {human_bytes(mem.budget)})"),
-        ("forgotten", f"{count(mem.forgotten)} tokens (over the budget, unreadable, or /forget)"),
-        ("memory RAM", f"index {human_bytes(mem.index_bytes)}, recalled blocks {human_bytes(mem.ram_bytes)}"),
-        ("recalled", f"{count(reads)} blocks read in {count(replies)} replies; the last reply {count(last)} "
-                     "(/recall shows them)"),
-    ]
-
-
-def stats_table(s: Stats, memory: Sequence[tuple[str, str]] = ()) -> Table:
-    """The /stats table; `memory`: the recall memory's rows (`memory_rows`), after the tokens evicted."""
+def stats_table(s: Stats, memory: Sequence[tuple[str, str]] = (), mem: MemoryStats | None = None) -> Table:
+    """The /stats table; `memory`: the recall memory's rows (`memory_rows`), after the tokens evicted. `mem`: its
+    figures; with its region's KV (`MemoryFigures`) the cache row counts the window's KV alone, the region's in its
+    own row (`memory KV`), so each KV figure is that of the slots beside it."""
     from rich.table import Table
+
+    split = isinstance(mem, MemoryFigures) and mem.region_bytes > 0
+    s = window_stats(s, mem)
 
     t = Table(title="sinkchat stats", show_header=False, box=None, pad_edge=False)
     t.add_column("what", style="bold")
     t.add_column("value")
     rows = [
-        ("policy", f"{s.policy} ({s.n_sink} sinks)" if s.policy == "sink" else s.policy),
+        ("policy", f"{s.policy} ({plural(s.n_sink, 'sink')})" if s.policy == "sink" else s.policy),
         ("pinned", f"pinned {s.pinned} + window {s.capacity - s.pinned} (the system prompt, sinks included)"
          if s.pinned > s.n_sink else "-"),
         ("cache", f"{s.cache_len}/{s.capacity} tokens, {human_bytes(s.kv_bytes)} KV"
+                  + (" in the window (+ memory KV)" if split else "")
                   + (f" ({s.kv_layout})" if s.kv_layout else "")
                   + (f", {human_bytes(s.kv_allocated)} allocated so far (the local rings grow to it with longer "
                      "chunks)" if 0 < s.kv_allocated < s.kv_bytes else "")),
@@ -209,7 +152,7 @@ def stats_table(s: Stats, memory: Sequence[tuple[str, str]] = ()) -> Table:
         ("rss", human_bytes(s.rss)),
         ("cuda", f"{human_bytes(s.cuda[0])} (peak {human_bytes(s.cuda[1])})" if s.cuda else "-"),
         ("tokens seen", str(s.seen)),
-        ("tokens evicted", f"{s.evicted} in {s.evictions} evictions"),
+        ("tokens evicted", f"{s.evicted} in {plural(s.evictions, 'eviction')}"),
         *([("tokens cleared", f"{s.cleared} (/clear or a load: dropped, not evicted)")] if s.cleared else []),
         *memory,
         ("decode", f"{s.decode_tok_s:.1f} tok/s (p50 {s.p50_ms:.0f} ms, p99 {s.p99_ms:.0f} ms)"),
@@ -341,7 +284,7 @@ class Renderer:
         self._live.refresh()
 
     def eviction(self, ev: EvictionEvent | ForgottenEvent) -> None:
-        line = eviction_line(ev)
+        line = eviction_text(ev)
         if not self.tty:
             self.say("err", line)
         elif self._live is not None:

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.host import ChatHost
-from sinkchat.apps.render import eviction_line, stats_table
+from sinkchat.apps.memory_view import plural
+from sinkchat.apps.render import eviction_text, stats_table
 from sinkchat.config import POLICIES, ConfigError, SamplingConfig
 
 SET_KEYS: dict[str, Callable[[str], Any]] = {
@@ -45,7 +46,32 @@ def cmd_help(loop: ChatHost, arg: str) -> None:
 
 
 def cmd_stats(loop: ChatHost, arg: str) -> None:
-    loop.r.table(stats_table(loop.stats(), recall.stats_rows(loop)))
+    loop.r.table(stats_table(loop.stats(), recall.stats_rows(loop), loop.memory_stats()))
+
+
+def pinned_after(eng: Any, cfg: Any) -> int:
+    """Leading slots `cfg` keeps in front of the window: the sinks, or the pinned system prompt where it is longer
+    (`Engine.pinned_slots`). With nothing fed yet, the prompt the first message will pin (`messages.pinned_prefix`
+    pins it then), so a /window typed before the first message sizes the window the conversation will get."""
+    if eng.cache.length or cfg.policy != "sink" or cfg.pin != "system" or not eng.conv.system:
+        return int(eng.pinned_slots(cfg))
+    from sinkchat.core.cache_policy import pinned_slots
+
+    block = eng.conv.system_block()
+    return pinned_slots(cfg, len(eng.encode(block)) if block else 0)
+
+
+def cache_shape(eng: Any) -> str:
+    """The cache's layout in the words /stats uses (`pinned 26 + window 50`): the window is what the pinned slots
+    leave of the capacity, so the figure shown is the one /stats and the status line then show."""
+    c = eng.cache_cfg
+    if c.policy != "sink":
+        return f"capacity {c.capacity}, " + ("nothing pinned" if c.policy == "window" else "no eviction")
+    pinned = pinned_after(eng, c)
+    if pinned > c.n_sink:
+        return (f"pinned {pinned} (the system prompt, {plural(c.n_sink, 'sink')} included) + window "
+                f"{c.capacity - pinned} = capacity {c.capacity}")
+    return f"{plural(c.n_sink, 'sink')} + window {c.capacity - pinned} = capacity {c.capacity}"
 
 
 def _reconfigure(loop: ChatHost, **changes: Any) -> str:
@@ -54,11 +80,9 @@ def _reconfigure(loop: ChatHost, **changes: Any) -> str:
         loop.metrics.fold(ev)
         loop.r.eviction(ev)
     c = loop.engine.cache_cfg
-    shape = (f"{c.n_sink} sinks + window {c.window} = capacity {c.capacity}" if c.policy == "sink" else
-             f"capacity {c.capacity}, nothing pinned" if c.policy == "window" else f"capacity {c.capacity}, no eviction")
-    what = f"cache: {c.policy}, {shape} ({loop.engine.cache.length} tokens held)"
+    what = f"cache: {c.policy}, {cache_shape(loop.engine)} ({plural(loop.engine.cache.length, 'token')} held)"
     loop.r.info(what)
-    return what + (f", {sum(ev.count for ev in events)} tokens evicted" if events else "")
+    return what + (f", {plural(sum(ev.count for ev in events), 'token')} evicted" if events else "")
 
 
 def cmd_policy(loop: ChatHost, arg: str) -> str | None:
@@ -88,8 +112,13 @@ def cmd_sinks(loop: ChatHost, arg: str) -> str | None:
 
 
 def cmd_window(loop: ChatHost, arg: str) -> str | None:
+    """/window N: N recent tokens behind whatever is pinned (the sinks, or the pinned system prompt), so the
+    window /stats shows is the N asked for: capacity = pinned + N."""
     n = _int_arg(loop, arg, "/window N", 8)
-    return None if n is None else _reconfigure(loop, capacity=loop.engine.cache_cfg.n_sink + n)
+    if n is None:
+        return None
+    eng = loop.engine
+    return _reconfigure(loop, capacity=pinned_after(eng, eng.cache_cfg) + n)
 
 
 def cmd_system(loop: ChatHost, arg: str) -> str | None:
@@ -111,7 +140,8 @@ def cmd_system(loop: ChatHost, arg: str) -> str | None:
         loop.r.error(f"/system: {e}; nothing changed (/clear, then /system TEXT, starts over with it)")
         return None
     session.log_turn(loop, "system", arg, n, seconds=time.perf_counter() - t0)
-    loop.r.info(f"system message added to the conversation ({n} tokens); /clear to start over with it alone")
+    loop.r.info(f"system message added to the conversation ({plural(n, 'token')}); /clear to start over with it "
+                "alone")
     return None
 
 
@@ -143,9 +173,9 @@ def cmd_clear(loop: ChatHost, arg: str) -> str:
     loop.engine.clear()
     loop.metrics.gauge = None  # it measured a cache that is gone; the next reply measures again
     loop.last_recalled = []
-    also = f"; the recall memory's {held:,} tokens too" if held else ""
-    loop.r.info(f"cache and conversation cleared ({n} tokens dropped, not counted as evicted{also})")
-    return f"cache and conversation cleared ({n} tokens dropped{also})"
+    also = f"; the recall memory's {plural(held, 'token')} too" if held else ""
+    loop.r.info(f"cache and conversation cleared ({plural(n, 'token')} dropped, not counted as evicted{also})")
+    return f"cache and conversation cleared ({plural(n, 'token')} dropped{also})"
 
 
 def cmd_evictions(loop: ChatHost, arg: str) -> None:
@@ -153,11 +183,13 @@ def cmd_evictions(loop: ChatHost, arg: str) -> None:
     evs = list(m.evictions)[-20:]
     if not evs:
         loop.r.info("no evictions yet" if not m.eviction_count else
-                    f"no evictions since this stream was loaded ({m.eviction_count} before, {m.evicted} tokens)")
+                    f"no evictions since this stream was loaded ({m.eviction_count} before, "
+                    f"{plural(m.evicted, 'token')})")
         return
-    loop.r.info(f"last {len(evs)} of {m.eviction_count} evictions ({m.evicted} tokens evicted in all):")
+    loop.r.info(f"last {len(evs)} of {plural(m.eviction_count, 'eviction')} ({plural(m.evicted, 'token')} evicted "
+                "in all):")
     for ev in evs:
-        loop.r.info("  " + eviction_line(ev), style="yellow")
+        loop.r.info("  " + eviction_text(ev), style="yellow")
 
 
 def cmd_save(loop: ChatHost, arg: str) -> str | None:
@@ -209,8 +241,9 @@ COMMANDS: dict[str, Command] = {
     "/help": Command(cmd_help, "/help", "this list"),
     "/stats": Command(cmd_stats, "/stats", "memory, cache, speed and sink-gauge table"),
     "/policy": Command(cmd_policy, "/policy sink|window", "switch the cache policy live", POLICIES),
-    "/sinks": Command(cmd_sinks, "/sinks N", "pinned sink tokens (the window stays)"),
-    "/window": Command(cmd_window, "/window N", "recent-token window (capacity = sinks + N)"),
+    "/sinks": Command(cmd_sinks, "/sinks N", "pinned sink tokens (the capacity moves with N)"),
+    "/window": Command(cmd_window, "/window N", "recent-token window (capacity = pinned + N: the sinks, or the "
+                       "system prompt with them)"),
     "/system": Command(cmd_system, "/system TEXT", "set the system prompt (a system message mid-conversation)"),
     "/set": Command(cmd_set, "/set KEY VALUE", f"sampling: {', '.join(SET_KEYS)}", tuple(SET_KEYS)),
     "/clear": Command(cmd_clear, "/clear", "empty the cache and start over"),

@@ -21,9 +21,10 @@ from dataclasses import replace
 from typing import Any
 
 from sinkchat.apps.chat.host import ChatHost
-from sinkchat.apps.render import count, human_bytes, memory_rows, recall_header, recalled_line
+from sinkchat.apps.memory_view import memory_rows, plural, recall_header, recalled_line, window_stats
 from sinkchat.config import ConfigError
 from sinkchat.core.interrupts import deferred_sigint
+from sinkchat.core.metrics import human_bytes
 from sinkchat.memory import report
 
 SHOWN = 12  # blocks /recall prints without `all` (a long paste can read dozens)
@@ -57,9 +58,11 @@ def show_after_reply(loop: ChatHost) -> list[dict[str, Any]] | None:
 
 
 def stats_rows(loop: ChatHost) -> list[tuple[str, str]]:
-    """The /stats rows of the memory (`render.memory_rows`)."""
+    """The /stats rows of the memory (`memory_view.memory_rows`), its region's KV beside the window's."""
     replies, reads = loop.recall_tally
-    return memory_rows(loop.memory_stats(), replies, reads, len(loop.last_recalled))
+    mem = loop.memory_stats()
+    window_kv = window_stats(loop.stats(), mem).kv_bytes
+    return memory_rows(mem, replies, reads, len(loop.last_recalled), window_kv)
 
 
 # ------------------------------------------------------------------------------------------------ commands
@@ -80,7 +83,7 @@ def cmd_recall(loop: ChatHost, arg: str) -> None:
         sorted(got, key=lambda r: (-r.layers, r.first))[:SHOWN], key=lambda r: r.first)
     more = (f"; the {SHOWN} chosen in the most layers (/recall all for every one)" if len(shown) < len(got)
             else "")
-    loop.r.info(f"the last reply read {len(got)} block{'s' if len(got) != 1 else ''} from the memory{more}:")
+    loop.r.info(f"the last reply read {plural(len(got), 'block')} from the memory{more}:")
     decode = lambda ids: loop.engine.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     for r in shown:
         loop.r.info(recall_header(r, now), style="bold cyan")
@@ -107,7 +110,7 @@ def cmd_forget(loop: ChatHost, arg: str) -> str | None:
                     "Type /forget yes to confirm.", style="yellow")
         return None
     events = _drop(loop, "/forget")
-    what = f"memory forgotten: {count(held)} tokens in {count(len(events))} range{'s' if len(events) != 1 else ''}"
+    what = f"memory forgotten: {plural(held, 'token')} in {plural(len(events), 'range')}"
     loop.r.info(what + "; tokens evicted from now on go to it again")
     return what
 
@@ -140,7 +143,7 @@ def cmd_memory(loop: ChatHost, arg: str) -> str | None:
     mem.close()
     eng.use_memory(None)
     loop.last_recalled = []
-    what = "recall memory off" + (f": {count(held)} tokens forgotten" if held else "") + \
+    what = "recall memory off" + (f": {plural(held, 'token')} forgotten" if held else "") + \
         "; tokens evicted from now on are dropped"
     loop.r.info(what)
     return what
@@ -148,9 +151,8 @@ def cmd_memory(loop: ChatHost, arg: str) -> str | None:
 
 def _held(mem: Any) -> str:
     """`9 blocks (289 tokens)`, or `30 tokens` while they are all still queued (not yet a block)."""
-    n = mem.blocks
-    tokens = f"{count(mem.tokens)} tokens"
-    return f"{count(n)} block{'s' if n != 1 else ''} ({tokens})" if n else tokens
+    tokens = plural(mem.tokens, "token")
+    return f"{plural(mem.blocks, 'block')} ({tokens})" if mem.blocks else tokens
 
 
 def _drop(loop: ChatHost, reason: str) -> list[Any]:
@@ -183,7 +185,7 @@ def _turn_on(loop: ChatHost) -> str | None:
     eng.use_memory(mem)
     before = mem.forgotten  # dropped before the memory existed: forgotten, and counted so
     c = settings.memory
-    what = (f"recall memory on: blocks of {c.block} tokens, top {c.topk} per layer, disk budget "
+    what = (f"recall memory on: blocks of {plural(c.block, 'token')}, top {c.topk} per layer, disk budget "
             f"{human_bytes(c.budget_mb << 20)}")
-    loop.r.info(what + (f"; the {count(before)} tokens evicted before stay gone" if before else ""))
+    loop.r.info(what + (f"; the {plural(before, 'token')} evicted before stay gone" if before else ""))
     return what

@@ -29,6 +29,7 @@ from sinkchat.apps.chat.inputs import (  # noqa: F401 - lines_reader, stream_rea
 from sinkchat.apps.chat import recall, session
 from sinkchat.apps.chat.loading import logs_after_spinner
 from sinkchat.apps.chat.signals import sigterm_exits as _sigterm_exits
+from sinkchat.apps.memory_view import memory_figures, plural, span
 from sinkchat.apps.render import Renderer, live_stats, toolbar_fragments
 from sinkchat.memory import report
 
@@ -68,13 +69,14 @@ class ChatLoop:
         return live_stats(self.engine, self.metrics, self._model_nbytes)
 
     def memory_stats(self) -> Any:
-        """The recall memory's figures (`report.MemoryStats`), None when it is off. Read from the live status's
-        thread too, while the engine may be adding a block: a reading that fails gives the last one."""
+        """The recall memory's figures with its region's KV (`memory_view.MemoryFigures`), None when it is off.
+        Read from the live status's thread too, while the engine may be adding a block: a reading that fails gives
+        the last one."""
         mem = self.engine.memory
         if mem is None:
             return None
         try:
-            self._memory_stats = report.stats(mem)
+            self._memory_stats = memory_figures(self.engine, report.stats(mem))
         except Exception:  # noqa: BLE001 - a dict changed size mid-read: the previous figures stand
             pass
         return self._memory_stats
@@ -108,11 +110,11 @@ class ChatLoop:
             self.r.eviction(ev)
         for kind, rest in (("evictions", [e for e in evs[MAX_EVICTION_LINES:] if isinstance(e, EvictionEvent)]),
                            ("forgotten", [e for e in evs[MAX_EVICTION_LINES:] if isinstance(e, ForgottenEvent)])):
-            if rest:
+            if rest:  # the range in the chat's one notation (`memory_view.span`), as the lines above
                 n = sum(e.count for e in rest)
-                span = f"[{rest[0].first},{rest[-1].last})"
-                what = f"{len(rest)} more evictions" if kind == "evictions" else f"{len(rest)} more forgotten blocks"
-                self.r.info(f"⟂ ... and {what} this turn: {n} tokens {span}", style="dim yellow")
+                what = plural(len(rest), "more eviction" if kind == "evictions" else "more forgotten range")
+                self.r.info(f"⟂ ... and {what} this turn: {plural(n, 'token')} {span(rest[0].first, rest[-1].last)}",
+                            style="dim yellow")
 
     # ------------------------------------------------------------------------------------------- actions
     def turn(self, text: str, log_user: bool = True) -> DoneEvent | None:

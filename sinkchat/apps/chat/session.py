@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sinkchat.apps.chat.host import ChatHost
+from sinkchat.apps.memory_view import plural
 from sinkchat.config import ConfigError, Settings, data_dir
 from sinkchat.core.events import Event
 from sinkchat.core.metrics import Metrics, human_bytes
@@ -150,8 +151,9 @@ def save(loop: ChatHost, arg: str) -> str | None:
     except (SnapshotError, OSError) as e:
         loop.r.error(f"/save: {e}")
         return None
-    loop.r.info(f"saved snapshot ({loop.engine.cache.length} tokens in cache) to {path}; /load {arg} restores it")
-    return f"saved snapshot ({loop.engine.cache.length} tokens in cache) to {path}"
+    held = plural(loop.engine.cache.length, "token")
+    loop.r.info(f"saved snapshot ({held} in cache) to {path}; /load {arg} restores it")
+    return f"saved snapshot ({held} in cache) to {path}"
 
 
 def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
@@ -170,9 +172,10 @@ def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
         return None
     eng, m = loop.engine, loop.metrics
     known = restore_evictions(m, head.get("extra"))
-    figures = (f"; {m.evicted} tokens evicted in {m.eviction_count} evictions before it" if known
+    figures = (f"; {plural(m.evicted, 'token')} evicted in {plural(m.eviction_count, 'eviction')} before it"
+               if known
                else "; it records no eviction figures, so evictions count from here")
-    what = (f"loaded snapshot {head.get('path', arg)}: {len(eng.conv.messages)} messages, "
+    what = (f"loaded snapshot {head.get('path', arg)}: {plural(len(eng.conv.messages), 'message')}, "
             f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
     loop.r.info(what + figures)
     after = eng.cache_cfg
@@ -195,8 +198,9 @@ def save_transcript(loop: ChatHost, arg: str) -> str | None:
     except OSError as e:
         loop.r.error(f"cannot write {path}: {e.strerror or e}")
         return None
-    loop.r.info(f"saved {len(data['messages'])} messages to {path}")
-    return f"saved {len(data['messages'])} messages to {path}"
+    saved = plural(len(data["messages"]), "message")
+    loop.r.info(f"saved {saved} to {path}")
+    return f"saved {saved} to {path}"
 
 
 def load_transcript(loop: ChatHost, arg: str) -> str:
@@ -216,12 +220,13 @@ def load_transcript(loop: ChatHost, arg: str) -> str:
     loop.metrics.new_stream()
     eng.conv.system = tf.system
     seen0 = eng.ledger.seen
-    loop.r.info(f"replaying {len(tf.messages)} messages from {path} into the cache ...")
+    loop.r.info(f"replaying {plural(len(tf.messages), 'message')} from {path} into the cache ...")
     for m in tf.messages:
         loop.feed_message(m["role"], m["content"], quiet=True)
-    what = (f"replayed {len(tf.messages)} messages from {path}: {eng.ledger.seen - seen0} tokens fed, "
+    what = (f"replayed {plural(len(tf.messages), 'message')} from {path}: "
+            f"{plural(eng.ledger.seen - seen0, 'token')} fed, "
             f"{loop.metrics.evicted} evicted, {eng.cache.length}/{eng.cache_cfg.capacity} in cache")
-    loop.r.info(f"loaded: {eng.ledger.seen - seen0} tokens fed, {loop.metrics.evicted} evicted, "
+    loop.r.info(f"loaded: {plural(eng.ledger.seen - seen0, 'token')} fed, {loop.metrics.evicted} evicted, "
                 f"{eng.cache.length}/{eng.cache_cfg.capacity} in cache ({human_bytes(eng.cache.nbytes)})")
     saved = {**tf.cache, **{k: v for k, v in asdict(tf.sampling).items() if k in ("temperature", "max_tokens")}}
     now = {**asdict(eng.cache_cfg), **asdict(eng.sampling)}
