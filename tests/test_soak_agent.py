@@ -27,7 +27,7 @@ NAME = "agent valid-call share"
 CLOCK = json.dumps({"tool": "clock", "args": {}})  # a valid call that always runs ok
 UNKNOWN = json.dumps({"tool": "teleport", "args": {"to": "mars"}})  # rejected: no such tool
 MISSING = json.dumps({"tool": "read_file", "args": {"path": "nope.txt"}})  # valid, but the tool fails
-FINAL = json.dumps({"final": "done"})
+FINAL = json.dumps({"final": "that is what the tool returned"})  # (a bare "done" answers no question: sent back)
 
 
 class _Cache:
