@@ -462,9 +462,9 @@ def test_status_queue_figure_plus_lines_read_never_exceeds_the_input(run_inproce
     """The status line's "queue N" is lines waiting, so lines read + queued is at most the input's line count; it
     was one higher once the reader had queued its End marker (q.qsize() counted it)."""
     import sinkchat.apps.summarize.command as pipe
-    import sinkchat.apps.summarize.summarizer as summarizer
+    import sinkchat.apps.summarize.status as summarize_status
 
-    monkeypatch.setattr(summarizer, "PLAIN_EVERY", 0.0)  # a status line at every tick (stderr is not a terminal)
+    monkeypatch.setattr(summarize_status, "PLAIN_EVERY", 0.0)  # a status line at every tick (stderr is not a terminal)
     import sinkchat.api as api
 
     loaded = api.open_engine

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sinkchat.apps.render import toolbar_text
+from sinkchat.apps.summarize import status as summarize_status
 from sinkchat.apps.summarize import summarizer
 from sinkchat.config import CacheConfig
 from sinkchat.core.events import DoneEvent, PrefillEvent, TokenEvent
@@ -129,7 +130,7 @@ def test_summarize_shows_the_local_figure_at_160_columns(monkeypatch):
         def isatty(self) -> bool:
             return True
 
-    monkeypatch.setattr(summarizer, "_term_width", lambda: 160)
+    monkeypatch.setattr(summarize_status, "_term_width", lambda: 160)
     eng = engine(gemma3([S, S, F]), CacheConfig("sink", 4, 64, 6))
     stream(eng, random_ids(100), chunk=9, singles=3)
     m = Metrics()

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from sinkchat.apps.summarize.digest import render
 from sinkchat.apps.summarize.factcheck import Support, ban_processor, trim_sentence, unsupported
 from sinkchat.apps.summarize.guard import guard
 from sinkchat.apps.summarize.output import fill
@@ -80,6 +81,8 @@ class Answer:
     why: list[str] = field(default_factory=list)  # reasons other than unsupported words ("echoed the question")
     question_tokens: int = 0  # tokens fed for the question (its chat template included)
     question_seconds: float = 0.0  # seconds spent feeding them
+    earlier: list[str] = field(default_factory=list)  # model sentences kept on an earlier line, citing it
+    asked: bool = True  # False: written from the digest without asking the model (a stop left no time)
 
 
 def lines_in_cache(ledger: Any, chunks: list[tuple[int, int, int]]) -> int:
@@ -121,10 +124,14 @@ def _roll_back(engine: Any, length: int, evicted: int, logits: Any, question_tok
 
 
 def ask(engine: Any, events: Callable[[Any], str], question: str, support: Support, max_tokens: int,
-        retry: bool = True, digest: dict[str, Any] | None = None) -> Answer:
+        retry: bool = True, digest: dict[str, Any] | None = None,
+        earlier: list[tuple[int, str]] | None = None) -> Answer:
     """Feed the question, generate, check; regenerate once with unsupported words banned (see the module doc).
     The reply that stays in the cache is recorded in the conversation. With `digest`, the reply then goes through
-    guard.py: unsupported sentences out, missing incidents in, a complete last sentence."""
+    guard.py: unsupported sentences out, missing incidents in, a complete last sentence. `earlier`: notable lines
+    before the period (number, text); a claim they back is no reason to regenerate, and guard.py keeps a sentence
+    they back, citing them."""
+    wide = support.extended([t for _, t in earlier]) if earlier else support
     before, t0 = engine.ledger.seen, time.perf_counter()
     events(engine.add_message("user", question))
     question_tokens = engine.ledger.seen - before
@@ -132,13 +139,12 @@ def ask(engine: Any, events: Callable[[Any], str], question: str, support: Suppo
     ans = Answer(question_tokens=question_tokens, question_seconds=time.perf_counter() - t0)
     try:
         text, reason = _generate(engine, events, max_tokens, [])
-        bad = unsupported(text, support)
+        bad = unsupported(text, wide)
         ans.first_unsupported = list(bad)
         if bad and retry and _roll_back(engine, length, evicted, logits, question_tokens):
             ban = ban_processor(bad, engine.encode)
             log.info("summary claims unsupported %s; regenerating with %d token(s) banned", bad, len(ban.banned))
             text, reason = _generate(engine, events, max_tokens, [ban])
-            bad = unsupported(text, support)
             ans.regenerated = True
     finally:
         engine.conv.add_reply(engine.reply_text())
@@ -147,10 +153,17 @@ def ask(engine: Any, events: Callable[[Any], str], question: str, support: Suppo
         text, ans.cut = trim_sentence(text)
     ans.text, ans.unsupported, ans.prose = text, unsupported(text, support), "model"
     if digest is not None:
-        g = guard(text, ans.cut, support, digest, question)
+        g = guard(text, ans.cut, support, digest, question, earlier)
         ans.text, ans.prose, ans.dropped, ans.added = g.text, g.prose, g.dropped, g.added
-        ans.unsupported, ans.why = g.unsupported, g.why
+        ans.unsupported, ans.why, ans.earlier = g.unsupported, g.why, g.earlier
     return ans
+
+
+def digest_answer(support: Support, digest: dict[str, Any], why: str) -> Answer:
+    """The summary written from the digest alone, the model not asked (`why`: "stopped: ..."), held to the same
+    rule as any (guard.py)."""
+    g = guard("", False, support, digest)
+    return Answer(text=g.text, prose=g.prose, added=g.added, why=[why], asked=False)
 
 
 def settle_conversation(engine: Any, keep: int, sink: Callable[[Any], Any] | None = None) -> None:
@@ -171,3 +184,17 @@ def settle_conversation(engine: Any, keep: int, sink: Callable[[Any], Any] | Non
         conv.trim(keep)
     except Exception as e:  # noqa: BLE001 - a strict template that will not render the kept turns alone
         log.debug("conversation not trimmed: %s", e)
+
+
+def question_text(prompt: str, p: Any, digest: dict[str, Any], stopping: bool, count_tokens: Callable[[str], int],
+                  digest_budget: int) -> str:
+    """The question: `prompt` filled with period `p`'s line range, counts, notes and the digest text (cut to
+    `digest_budget` tokens; none when 0)."""
+    why = "the summarizer was stopped before it fed them" if stopping else "they came faster than they could be read"
+    other = p.skipped - p.binary
+    note = f" {other} lines were skipped because {why}." if other else ""
+    if p.binary:
+        note += f" {p.binary} binary (non-text) lines were skipped and are not shown."
+    text = render(digest, count_tokens, digest_budget) if digest_budget else ""
+    return fill(prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines, summarized=p.summarized,
+                filtered=p.filtered, deduped=p.deduped, skipped=p.skipped, binary=p.binary, note=note, digest=text)

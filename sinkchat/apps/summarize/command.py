@@ -9,6 +9,7 @@ import signal
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
@@ -21,6 +22,7 @@ from sinkchat.apps.runlog import open_log
 from sinkchat.apps.summarize.batching import Batcher
 from sinkchat.apps.summarize.output import FORMATS, Output, OutputClosed
 from sinkchat.apps.summarize.reader import LineQueue, Reader, follow_chunks, stream_chunks
+from sinkchat.apps.summarize.stop import signal_name
 from sinkchat.apps.summarize.summarizer import DEFAULT_SUMMARY_TOKENS, Interrupted, Status, Summarizer
 
 log = logging.getLogger(__name__)
@@ -97,8 +99,9 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
         halt = threading.Event()
         with StopSignals(lambda: (halt.set(), reader.stop.set())) as signals:  # a stop request, not an exception
             batcher = Batcher(lambda s: len(engine.encode(s)), chunk_lines, chunk_tokens, grep_re, exclude_re, dedupe)
-            slog = open_log(engine, "summarize", no_log, prompt, status.notice,
-                            extra={"input": follow_path or file_path or "stdin", "every": every, "interval": interval})
+            slog = open_log(engine, "summarize", no_log, fed_system(engine), status.notice,
+                            extra={"input": follow_path or file_path or "stdin", "every": every, "interval": interval,
+                                   "prompt": prompt_path or "prompts/summarize.txt"})
             summ = Summarizer(engine, batcher, Output(fmt, sys.stdout), status, prompt=prompt, every=every,
                               interval=interval, max_tokens=settings.sampling.max_tokens, slog=slog, halt=halt)
             summ.queued = lambda: q.lines  # lines only: q.qsize() also counts the End marker and notices
@@ -115,6 +118,7 @@ class StopSignals:
     def __init__(self, on_stop: Callable[[], Any]) -> None:
         self.on_stop = on_stop
         self.signum: int | None = None
+        self.at: float | None = None  # time.monotonic() of the first signal: the final summary's clock starts here
         self.old: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -131,7 +135,7 @@ class StopSignals:
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
             raise KeyboardInterrupt
-        self.signum = signum
+        self.signum, self.at = signum, time.monotonic()
         self.on_stop()
 
     @property
@@ -149,7 +153,7 @@ def _summarize(summ: Summarizer, q: LineQueue, reader: Reader, status: Status, s
         except Interrupted:
             status.clear()
             reader.join(READER_GRACE)  # its count of the lines it read is final once it has stopped
-            summ.finish_stopped(q, reader.n)
+            summ.finish_stopped(q, reader.n, at=signals.at, by=signal_name(signals.signum))
     except KeyboardInterrupt:
         log.info("a second signal: the final summary was given up")
     except OutputClosed:
@@ -163,6 +167,36 @@ def _summarize(summ: Summarizer, q: LineQueue, reader: Reader, status: Status, s
     finally:
         slog.close()
     return signals.code or (1 if summ.error else 0)
+
+
+_MARK = "SINKCHAT-PROBE-{}-7f3a"  # text no template rewrites, to find where a message's content goes
+
+
+def fed_system(engine: Any) -> str | None:
+    """The system prompt the model is actually fed: the conversation's own, else the one the chat template puts in
+    when there is none (SmolLM2's "You are a helpful AI assistant named SmolLM, trained by Hugging Face"), else
+    None. Why: the session log's [system] entry showed the question template with its `{first_line} ... {digest}
+    ... {note}` unfilled, while the eviction line beside it showed the real, template-supplied prompt being
+    evicted. Found by rendering one user message with and without a marked system message: the text in the marked
+    one's place is the default."""
+    conv = getattr(engine, "conv", None)
+    if conv is None or conv.system is not None:
+        return None if conv is None else conv.system
+    tok = conv.tokenizer
+    if not getattr(tok, "chat_template", None):
+        return None
+    user = [{"role": "user", "content": _MARK.format("user")}]
+    try:
+        plain = tok.apply_chat_template(user, tokenize=False, add_generation_prompt=False)
+        marked = tok.apply_chat_template([{"role": "system", "content": _MARK.format("system")}] + user,
+                                         tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - a template that refuses either rendering: nothing known to be fed
+        log.debug("chat template cannot render the system probe", exc_info=True)
+        return None
+    pre, _, post = marked.partition(_MARK.format("system"))
+    if not post or not plain.startswith(pre) or not plain.endswith(post) or len(plain) < len(pre) + len(post):
+        return None
+    return plain[len(pre): len(plain) - len(post)] or None
 
 
 def _load_prompt(prompt_path: str | None) -> str:

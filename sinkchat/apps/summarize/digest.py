@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from sinkchat.apps.summarize.vocab import CHANGE_WORDS
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS_KEPT = 2000  # token lists kept per template per period, for exact parameter values
 MAX_VALUES = 8  # values listed per parameter slot (the distinct count is always exact)
+FIRST_TEXT_CHARS = 200  # a template's first line, kept as written (quoted by code instead of its `<*>` template)
+NOTABLE_KEPT = 64  # run-wide: the last lines with a severity or a state change
 
 _TS_PATTERNS = [
     re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"),  # ISO / dpkg
@@ -47,7 +51,14 @@ SEVERITY_RE = re.compile(
     r"(?<![\w./-])(?:" + "|".join(f"(?P<{re.sub(r'[^a-z]', '_', k)}>{p})" for k, p in _SEVERITY_WORDS.items())
     + r")(?![\w/-])(?!\.\w)", re.IGNORECASE)
 _GROUP_TO_KEY = {re.sub(r"[^a-z]", "_", k): k for k in _SEVERITY_WORDS}
+CHANGE_RE = re.compile(
+    r"(?<![\w./-])(?:" + "|".join(f"(?P<{re.sub(r'[^a-z]', '_', k)}>{p})" for k, p in CHANGE_WORDS.items())
+    + r")(?![\w/-])(?!\.\w)", re.IGNORECASE)
+CHANGE_GROUP_TO_KEY = {re.sub(r"[^a-z]", "_", k): k for k in CHANGE_WORDS}
 HTTP_5XX_RE = re.compile(r"\"\s+(5\d\d)\s+(?:\d+|-)")  # access log: status after the quoted request
+# an out-of-memory class name glued into a qualified name ("java.lang.OutOfMemoryError", Python's "MemoryError"),
+# which the word pattern cannot see: the issue's two OutOfMemoryError lines counted as "error" only
+OOM_CLASS_RE = re.compile(r"OutOfMemory|(?<![A-Za-z])MemoryError")
 
 
 def split_timestamp(line: str) -> tuple[str | None, str]:
@@ -67,7 +78,14 @@ def severities(text: str) -> Counter[str]:
         found[_GROUP_TO_KEY[m.lastgroup or ""]] += 1
     if HTTP_5XX_RE.search(text):
         found["error"] += 1
+    if "oom" not in found and OOM_CLASS_RE.search(text):
+        found["oom"] += 1
     return found
+
+
+def changes(text: str) -> Counter[str]:
+    """Canonical state-change keys found in `text` ("restarted" -> restart, "SIGKILL" -> signal; vocab.py)."""
+    return Counter(CHANGE_GROUP_TO_KEY[m.lastgroup or ""] for m in CHANGE_RE.finditer(text))
 
 
 @dataclass
@@ -80,6 +98,8 @@ class _Template:
     first_ts: str | None = None
     last_ts: str | None = None
     severity: Counter[str] = field(default_factory=Counter)
+    changes: Counter[str] = field(default_factory=Counter)
+    first_text: str = ""  # the first line of the kind this period, timestamp cut off
     token_lists: list[tuple[str, ...]] = field(default_factory=list)
 
 
@@ -100,7 +120,9 @@ class Digest:
     """Templates, counts, timestamps, severities and parameter values of the lines since the last summary.
 
     One Drain3 miner lives for the whole run (templates learned early keep matching later), while the counts are
-    per period: `take()` returns the period's record and starts a new one."""
+    per period: `take()` returns the period's record and starts a new one. `notable` is run-wide too: the last
+    NOTABLE_KEPT lines (number, text) with a severity or a state change, so a summary sentence about an earlier
+    incident can be backed by its line (guard.py), in bounded memory."""
 
     def __init__(self) -> None:
         self.miner = _new_miner()
@@ -110,12 +132,17 @@ class Digest:
         self.first_ts: str | None = None
         self.last_ts: str | None = None
         self.severity: Counter[str] = Counter()
+        self.changes: Counter[str] = Counter()
+        self.notable: deque[tuple[int, str]] = deque(maxlen=NOTABLE_KEPT)
 
     def add(self, no: int, text: str, count: int = 1) -> None:
         """Account input line `no` (`count` identical lines ending there, for a closed run of repeats)."""
         ts, content = split_timestamp(text)
         result = self.miner.add_log_message(content or "(empty line)")
-        t = self.templates.setdefault(result["cluster_id"], _Template(first_line=no - count + 1))
+        t = self.templates.get(result["cluster_id"])
+        if t is None:
+            t = self.templates[result["cluster_id"]] = _Template(first_line=no - count + 1,
+                                                                 first_text=content[:FIRST_TEXT_CHARS])
         t.count += count
         t.last_line = no
         if ts:
@@ -127,6 +154,12 @@ class Digest:
         for k, v in sev.items():
             t.severity[k] += v * count
             self.severity[k] += v * count
+        chg = changes(content)
+        for k, v in chg.items():
+            t.changes[k] += v * count
+            self.changes[k] += v * count
+        if sev or chg:
+            self.notable.append((no, text))
         if len(t.token_lists) < MAX_TOKENS_KEPT:
             t.token_lists.extend([tuple((content or "(empty line)").split())] * min(count, MAX_TOKENS_KEPT))
         self.lines += count
@@ -144,15 +177,20 @@ class Digest:
                 item["first_ts"], item["last_ts"] = t.first_ts, t.last_ts
             if t.severity:
                 item["severity"] = dict(t.severity)
+            if t.changes:
+                item["changes"] = dict(t.changes)
+            if t.first_text:
+                item["first_text"] = t.first_text
             params, exact = _params(template, t.token_lists, t.count)
             if params:
                 item["params"] = params
                 if not exact:
                     item["values_exact"] = False
             out.append(item)
-        out.sort(key=lambda x: (-sum(x.get("severity", {}).values()), -x["count"], x["first_line"]))
+        out.sort(key=lambda x: (-sum(x.get("severity", {}).values()), -sum(x.get("changes", {}).values()),
+                                -x["count"], x["first_line"]))
         return {"lines": self.lines, "templates": out, "first_ts": self.first_ts, "last_ts": self.last_ts,
-                "severity": dict(self.severity), "binary": self.binary}
+                "severity": dict(self.severity), "changes": dict(self.changes), "binary": self.binary}
 
     def take(self) -> dict[str, Any]:
         """The record of this period, and a fresh period (the miner and its templates carry on)."""
@@ -165,6 +203,7 @@ class Digest:
         self.templates, self.lines, self.binary = {}, 0, 0
         self.first_ts = self.last_ts = None
         self.severity = Counter()
+        self.changes = Counter()
 
 
 def _params(template: str, token_lists: list[tuple[str, ...]], count: int) -> tuple[list[dict[str, Any]], bool]:
@@ -189,7 +228,9 @@ def render(rec: dict[str, Any], count_tokens: Callable[[str], int], budget: int)
     if rec.get("first_ts"):
         head += f", {rec['first_ts']} to {rec['last_ts']}"
     sev = rec.get("severity") or {}
-    head += "; severity words: " + (", ".join(f"{k} x{v}" for k, v in sev.items()) if sev else "none") + "."
+    head += "; severity words: " + (", ".join(f"{k} x{v}" for k, v in sev.items()) if sev else "none")
+    chg = rec.get("changes") or {}
+    head += ("; events: " + ", ".join(f"{k} x{v}" for k, v in chg.items()) if chg else "") + "."
     parts, used = [head], count_tokens(head)
     temps = rec.get("templates", [])
     for i, t in enumerate(temps):

@@ -18,6 +18,7 @@ that ties a timestamp to names or versions must find them on a line with that ti
 
 from __future__ import annotations
 
+import copy
 import re
 from functools import lru_cache
 from typing import Any, Callable
@@ -85,6 +86,19 @@ class Support:
         self.words = set(_ALPHA_RE.findall(self.text))
         self.stems = {stem(w) for w in self.words}
 
+    def extended(self, texts: list[str]) -> "Support":
+        """This support with more log text (an earlier line of the log), without re-reading what it holds."""
+        joined = "\n".join(texts)
+        more = copy.copy(self)
+        sev = set(severities(joined)) - self.severity
+        more.lines = self.lines + [ln.lower() for ln in joined.splitlines()]
+        more.severity = self.severity | sev
+        more.text = self.text + "\n" + joined.lower() + "\n" + " ".join(sev)
+        words = set(_ALPHA_RE.findall(joined.lower() + " " + " ".join(sev)))
+        more.words = self.words | words
+        more.stems = self.stems | {stem(w) for w in words}
+        return more
+
     def supports(self, kind: str, claim: str) -> bool:
         if kind == "severity":
             return claim.split(":", 1)[0] in self.severity
@@ -149,10 +163,13 @@ def _digest_text(d: dict[str, Any]) -> str:
     parts = [str(d.get("lines", "")), str(d.get("first_ts") or ""), str(d.get("last_ts") or ""),
              str(d.get("binary", "")), str(len(d.get("templates") or []))]  # "of 7 kinds"
     parts += [f"{k} {v}" for k, v in (d.get("severity") or {}).items()]
+    parts += [f"{k} {v}" for k, v in (d.get("changes") or {}).items()]  # "1 line shows restart"
+    for key in d.get("changes") or {}:
+        parts.append(str(sum(t["count"] for t in d.get("templates", []) if key in (t.get("changes") or {}))))
     for key in d.get("severity") or {}:  # "2 lines show error": the lines of the templates holding the key
         parts.append(str(sum(t["count"] for t in d.get("templates", []) if key in (t.get("severity") or {}))))
     for t in d.get("templates", []):
-        parts += [t["template"], str(t["count"]), str(t["first_line"]), str(t["last_line"]),
+        parts += [t["template"], t.get("first_text", ""), str(t["count"]), str(t["first_line"]), str(t["last_line"]),
                   str(t.get("first_ts") or ""), str(t.get("last_ts") or "")]
         for p in t.get("params", []):
             parts += list(p["values"]) + [str(p["distinct"])]

@@ -11,12 +11,16 @@ must not depend on the model noticing it. So, after `ask` (answer.py):
    that says nothing (no content word, no name: "- 15 more lines."), one already said in this reply, and one with
    unreadable characters; a last sentence cut by the token limit is dropped too, and one the model ended without a
    full stop is closed with one, so a summary always ends with a complete sentence;
-2. every severity the digest counted (error, fail, oom, denied, disk full, HTTP 5xx as error, ...) that the kept
-   prose does not name gets a sentence written by code: its count of lines, first line number and timestamp and
-   the template of that first line (`added`);
+2. every severity the digest counted (error, fail, oom, denied, disk full, HTTP 5xx as error, ...) and every
+   state change (restart, start, exit, failover, deploy, connection lost, ...; vocab.py), whatever the line's
+   level word, that the kept prose does not name gets a sentence written by code: its count of lines, first line
+   number and timestamp and that first line as written (`added`; written.py);
 3. when no model sentence is left, the summary is written by code from the digest alone: line count and time span,
-   the most frequent kinds of lines with their counts and values, then the severity sentences (or "No line shows
-   a severity word (no errors or warnings).").
+   the most frequent kinds of lines with their counts and values, the rare kinds no other sentence names, then
+   the severity and state-change sentences (or "No line shows a severity word (no errors or warnings).").
+
+A sentence about an incident (a severity or state change) that the period's lines do not back but an earlier
+notable line of the log does (Digest.notable) is kept, citing that line: "(earlier, at line 54)" (`earlier`).
 
 The record says which: `prose` is "model", "model+digest" (code sentences appended) or "digest" (code only).
 """
@@ -27,19 +31,18 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY
+from sinkchat.apps.summarize.digest import CHANGE_GROUP_TO_KEY, CHANGE_RE, SEVERITY_RE, _GROUP_TO_KEY
 from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negated, claims,
                                                content_words, stem, stitched, unbacked_words, unsupported)
+from sinkchat.apps.summarize.written import (MAX_INCIDENT_SENTENCES, NO_INCIDENT, UNREADABLE_RE,  # noqa: F401
+                                             Incident, digest_summary, incident_sentence, incident_sentences,
+                                             incidents, state_changes)
 
-TOP_TEMPLATES = 3  # templates named in a summary written from the digest
-MAX_INCIDENT_SENTENCES = 6  # severity sentences appended; the rest are counted in one more sentence
-TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
-VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
-NO_INCIDENT = "No line shows a severity word (no errors or warnings)."  # negated: checked against the lines
+EARLIER_TRIES = 8  # earlier notable lines tried as the backing of a sentence the period's lines do not back
 ECHO_GRAM = 3  # word n-grams shared with the question that mark a sentence as copied from it ...
 ECHO_SHARE = 0.5  # ... when they cover at least this share of its words
 _WILDCARD_RE = re.compile(r"<\*>|(?:^|[\s\"'(])\*(?=[\s\"')]|$)")  # a template's slot, as the question shows it
-_UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_UNREADABLE_RE = UNREADABLE_RE
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Guarded:
     why: list[str] = field(default_factory=list)  # other reasons sentences were dropped ("echoed the question")
     dropped: list[str] = field(default_factory=list)  # the model's sentences taken out
     added: list[str] = field(default_factory=list)  # the sentences written by code
+    earlier: list[str] = field(default_factory=list)  # model sentences kept because an earlier line backs them
 
 
 _BOUNDARY_RE = re.compile(SENTENCE_END_RE.pattern + r"|\n")
@@ -84,106 +88,16 @@ def mentioned(prose: str) -> set[str]:
     return {_GROUP_TO_KEY[m.lastgroup or ""] for m in SEVERITY_RE.finditer(prose) if not _negated(prose, m.start())}
 
 
+def mentioned_changes(prose: str) -> set[str]:
+    """The state-change keys `prose` states (not negated: "was not restarted")."""
+    return {CHANGE_GROUP_TO_KEY[m.lastgroup or ""] for m in CHANGE_RE.finditer(prose)
+            if not _negated(prose, m.start())}
+
+
 def contradicted(sentence: str, support: Support) -> list[str]:
     """Negated severity words whose key the lines do show ("no errors" while a line has an error)."""
     return ["no " + m.group(0) for m in SEVERITY_RE.finditer(sentence)
             if _negated(sentence, m.start()) and _GROUP_TO_KEY[m.lastgroup or ""] in support.severity]
-
-
-@dataclass
-class Incident:
-    """One severity of the digest (or several that occur in exactly the same templates)."""
-
-    keys: list[str]
-    lines: int
-    first_line: int
-    first_ts: str | None
-    template: str
-
-
-def incidents(digest: dict[str, Any]) -> list[Incident]:
-    """The digest's severities as incidents: lines with the key (sum over its templates), the first such line and
-    its template; keys found in exactly the same templates are one incident ("oom and killed")."""
-    by_templates: dict[tuple[int, ...], list[str]] = {}
-    temps = digest.get("templates") or []
-    for key in digest.get("severity") or {}:
-        idx = tuple(i for i, t in enumerate(temps) if key in (t.get("severity") or {}))
-        if idx:
-            by_templates.setdefault(idx, []).append(key)
-    out = []
-    for idx, keys in by_templates.items():
-        first = min((temps[i] for i in idx), key=lambda t: t["first_line"])
-        out.append(Incident(keys, sum(temps[i]["count"] for i in idx), first["first_line"], first.get("first_ts"),
-                            first["template"]))
-    out.sort(key=lambda x: x.first_line)
-    return out
-
-
-def _quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
-    """A template or value as quoted text: one line, no unreadable characters, at most `limit` characters, cut at a
-    space where there is one."""
-    t = " ".join(_UNREADABLE_RE.sub("", template).replace('"', "'").split())
-    if len(t) <= limit:
-        return t
-    cut = t[: limit - 1]
-    return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2:] else cut).rstrip() + "…"
-
-
-def _filled(t: dict[str, Any]) -> str:
-    """A template with each `<*>` slot shown as its values: one value as itself, more in braces, past two as the
-    first two and how many ("status {half-installed, unpacked} libfoo:amd64 1.2", "install {a, b, … 8 in all}").
-    Braces and commas, not "/": "unpacked/half-configured" would read back as one name no line holds."""
-    params = iter(t.get("params") or [])
-
-    def slot(_: re.Match[str]) -> str:
-        p = next(params, None)
-        if not p or not p.get("values"):
-            return "…"
-        vals, n = [_quote(v, VALUE_CHARS) for v in p["values"]], p.get("distinct", len(p["values"]))
-        if n == 1:
-            return vals[0]
-        return "{" + ", ".join(vals[:2]) + (f", … {n} in all" if n > 2 else "") + "}"
-
-    return _quote(re.sub(r"<\*>", slot, t["template"]), TEMPLATE_CHARS + 40)
-
-
-def incident_sentence(inc: Incident) -> str:
-    """"2 lines show error and disk full, first at line 56 (Mar  1 00:27:56): "web-01 rsyslogd: ..."."."""
-    where = f"line {inc.first_line}" + (f" ({inc.first_ts})" if inc.first_ts else "")
-    words = " and ".join(inc.keys)
-    plural = "lines show" if inc.lines != 1 else "line shows"
-    return f"{inc.lines} {plural} {words}, first at {where}: \"{_quote(inc.template)}\"."
-
-
-def incident_sentences(incs: list[Incident]) -> list[str]:
-    out = [incident_sentence(i) for i in incs[:MAX_INCIDENT_SENTENCES]]
-    rest = incs[MAX_INCIDENT_SENTENCES:]
-    if rest:
-        keys = sorted({k for i in rest for k in i.keys})
-        out.append(f"{sum(i.lines for i in rest)} more lines show {', '.join(keys)} (see the digest).")
-    return out
-
-
-def digest_summary(digest: dict[str, Any]) -> list[str]:
-    """A summary written by code from the digest alone: span, the most frequent kinds of lines with their counts
-    and values, then the severities ("26 lines from 14:36:31 to 14:36:33, of 9 kinds; most frequent: 8 x "status
-    {half-installed, unpacked, installed} python3.11:amd64 3.11.2-6"; ... No line shows a severity word.")."""
-    n = digest.get("lines", 0)
-    temps = digest.get("templates") or []
-    head = f"{n} line{'s' if n != 1 else ''}"
-    if digest.get("first_ts"):
-        head += f" from {digest['first_ts']} to {digest['last_ts']}"
-    if len(temps) > 1:
-        head += f", of {len(temps)} kinds"
-    top = sorted(temps, key=lambda t: (-t["count"], t["first_line"]))[:TOP_TEMPLATES]
-    if len(top) == 1:
-        head += f": {top[0]['count']} x \"{_filled(top[0])}\""
-    elif top:
-        head += "; most frequent: " + "; ".join(f"{t['count']} x \"{_filled(t)}\"" for t in top)
-    out = [head + "."]
-    incs = incidents(digest)
-    out += incident_sentences(incs) if incs else [NO_INCIDENT]
-    return out
 
 
 _TOKEN_RE = re.compile(r"[\w'](?:[\w'.:/+-]*[\w'])?")
@@ -238,10 +152,46 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
     return [], None
 
 
-def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None, question: str = "") -> Guarded:
+def earlier_lines(claim: str, support: Support, echo: Echo, earlier: list[tuple[int, str]]) -> list[int]:
+    """The numbers of earlier lines of the log that, beside the period's lines, back every word, name and number of
+    `claim` (one line, or together the few that share a word with it), or []. Why: in the issue the model's
+    sentence about `worker.service restarted` came one summary after that line and was dropped as `unsupported by
+    the log: ... restarted`, though the log says it; a reader must not lose that, nor read it as news of these
+    lines (the caller cites the lines). Only for a sentence about an incident (a severity or state change: the
+    model copying its last summary of plain lines, "The archives were unpacked.", is still dropped), and only
+    lines sharing a word or name with it are tried, the most recent EARLIER_TRIES of them."""
+    stems = {stem(w) for w in content_words(claim)}
+    names = [c.lower() for k, c in claims(claim) if k == "name"]
+    found: list[tuple[int, str]] = []
+    for no, line in reversed(earlier):
+        low = line.lower()
+        if any(n in low for n in names) or stems & {stem(w) for w in content_words(low)}:
+            found.append((no, line))
+            if len(found) >= EARLIER_TRIES:
+                break
+    for no, line in found:
+        if problems(claim, support.extended([line]), echo) == ([], None):
+            return [no]
+    if len(found) < 2 or problems(claim, support.extended([t for _, t in found]), echo) != ([], None):
+        return []
+    bad = len(problems(claim, support, echo)[0])
+    return sorted(no for no, line in found if len(problems(claim, support.extended([line]), echo)[0]) < bad)
+
+
+def _cite(sentence: str, nos: list[int]) -> str:
+    """The sentence with the earlier lines that back it: "The worker was restarted (earlier, at line 54)."."""
+    m = re.search(r"[.!?][\"')\]]*$", sentence)
+    cut = m.start() if m else len(sentence)
+    where = f"line {nos[0]}" if len(nos) == 1 else "lines " + ", ".join(map(str, nos[:-1])) + f" and {nos[-1]}"
+    return sentence[:cut] + f" (earlier, at {where})" + (sentence[cut:] or ".")
+
+
+def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None, question: str = "",
+          earlier: list[tuple[int, str]] | None = None) -> Guarded:
     """Drop the sentences of a checked reply that may not be shown, then state what the digest shows that the
     prose does not (see the module doc). `cut`: the reply hit the token limit (its last piece is unfinished);
-    `question`: what the model was asked (a sentence copied from it is dropped)."""
+    `question`: what the model was asked (a sentence copied from it is dropped); `earlier`: (number, text) of
+    notable lines before this period (Digest.notable): a sentence one of them backs is kept, citing it."""
     kept: list[str] = []
     g = Guarded("", "model")
     echo = Echo(question, support.lines)
@@ -258,6 +208,11 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
             sentence += "."  # a list item, or the model stopped (EOS) without a full stop: close the sentence
         claim = _LIST_MARK_RE.sub("", sentence)  # "2." of a numbered list is not a number claim
         bad, why = problems(claim, support, echo)
+        if bad and why is None and earlier and (mentioned(claim) or mentioned_changes(claim)):
+            nos = earlier_lines(claim, support, echo, earlier)
+            if nos:
+                bad, claim = [], _cite(claim, nos)
+                g.earlier.append(claim)
         if why is None and not bad and claim.lower() in (k.lower() for k in kept):
             why = "repeated"
         if bad or why:
@@ -283,14 +238,17 @@ def _refers(prose: str, stems: set[str], inc: Incident) -> bool:
 def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None) -> Guarded:
     """The kept prose, with the digest's incidents it leaves out stated by code; the digest's own summary when no
     model sentence is left."""
-    if digest is not None and not kept:
+    own = [k for k in kept if k not in g.earlier]  # sentences about this period's lines
+    if digest is not None and not own:  # nothing said of this period (a kept sentence may cite earlier lines)
         g.added = digest_summary(digest)
-        g.prose = "digest"
-        kept = g.added
+        g.prose = "model+digest" if kept else "digest"
+        kept = g.added + kept
     elif digest is not None:
         prose = " ".join(kept)
-        said, stems = mentioned(prose), {stem(w) for w in content_words(prose)}
-        missing = [i for i in incidents(digest) if not (set(i.keys) <= said and _refers(prose, stems, i))]
+        said = mentioned(prose) | mentioned_changes(prose)
+        stems = {stem(w) for w in content_words(prose)}
+        missing = [i for i in incidents(digest) + state_changes(digest)
+                   if not (set(i.keys) <= said and _refers(prose, stems, i))]
         g.added = incident_sentences(missing)
         if g.added:
             g.prose = "model+digest"

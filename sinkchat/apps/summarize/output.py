@@ -81,6 +81,9 @@ def render_block(b: dict[str, Any], fmt: str) -> str:
         return ""
     summary = summary_text(b)
     final = " (final)" if b["final"] else ""
+    if b["final"] and b.get("stopped_by"):  # a stop's skips, told apart from back-pressure drops
+        n = b.get("skipped_by_stop", 0)
+        final = f" (final; stopped by {b['stopped_by']}: {n} line{'s' if n != 1 else ''} read but not summarized)"
     if fmt == "markdown":
         return (f"### {b['time']} · lines {b['first_line']}–{b['last_line']}{final}\n\n"
                 f"_{counts_text(b)} · {b['tokens_fed']} tokens fed, {b['tokens_evicted']} evicted_\n\n{summary}\n\n")

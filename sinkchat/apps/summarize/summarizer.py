@@ -20,27 +20,24 @@ sentences dropped, the digest's incidents stated by code) and output.py (output 
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 from datetime import datetime
-from typing import Any, Callable, TextIO
+from typing import Any, Callable
 
-from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask, lines_in_cache,
+from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask, lines_in_cache, question_text,
                                             settle_conversation)
 from sinkchat.apps.summarize.batching import Batcher, Period
-from sinkchat.apps.summarize.digest import render
 from sinkchat.apps.summarize.factcheck import Support, period_numbers
-from sinkchat.apps.summarize.output import Output, fill
-from sinkchat.apps.summarize.reader import End, Item, Line, Notice
+from sinkchat.apps.summarize.output import Output
+from sinkchat.apps.summarize.reader import End, Item, Notice
+from sinkchat.apps.summarize.status import Status
+from sinkchat.apps.summarize.stop import OutOfTime, StopClock, final_ask, prefill_chunk_for, skip_queued
 
 log = logging.getLogger(__name__)
 
 IDLE_FLUSH = 0.5  # feed a partial chunk after this long without new lines
-LIVE_EVERY = 0.25  # status refresh on a terminal
-PLAIN_EVERY = 10.0  # plain status lines when stderr is not a terminal
 DEFAULT_SUMMARY_TOKENS = 128
 STOP_POLL = 0.2  # the longest an idle wait on the queue runs before a stop request is seen
 
@@ -48,64 +45,6 @@ STOP_POLL = 0.2  # the longest an idle wait on the queue runs before a stop requ
 class Interrupted(Exception):
     """A stop was requested (SIGTERM / Ctrl-C): raised at a chunk or token boundary, never inside a model call, so
     an interrupted feed is rolled back whole by `Engine.add_message` and the line accounting stays exact."""
-
-
-class Status:
-    """Progress on stderr: one live line on a terminal, a plain line every PLAIN_EVERY seconds otherwise.
-
-    `line(width)` builds the status for `width` columns (None: no limit); on a terminal it is given the terminal's
-    width, so the line drops lower-priority fields whole instead of being cut mid-field by the edge."""
-
-    def __init__(self, stream: TextIO, quiet: bool, line: Callable[[int | None], str] | None = None) -> None:
-        self.stream, self.quiet = stream, quiet
-        self.line = line
-        self.tty = bool(getattr(stream, "isatty", lambda: False)())
-        self.every = LIVE_EVERY if self.tty else PLAIN_EVERY
-        self.last = time.monotonic()
-        self.live = False
-
-    def _write(self, text: str) -> None:
-        try:
-            self.stream.write(text)
-            self.stream.flush()
-        except (OSError, ValueError):
-            self.quiet = True  # stderr is gone; keep working without it
-
-    def clear(self) -> None:
-        if self.live:
-            self._write("\r\x1b[K")
-            self.live = False
-
-    def notice(self, message: str) -> None:
-        if not self.quiet:
-            self.clear()
-            self._write(f"sinkchat: {message}\n")
-
-    def done(self) -> None:
-        """The last status, left on screen as a plain line."""
-        if not self.quiet and self.line is not None:
-            self.clear()
-            self._write(self.line(None) + "\n")
-
-    def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.quiet or self.line is None or (not force and now - self.last < self.every):
-            return
-        self.last = now
-        if self.tty:
-            width = max(20, _term_width() - 1)
-            self._write("\r\x1b[K" + self.line(width)[:width])  # fitted: the cut is a last resort, never reached
-            self.live = True
-        else:
-            self._write(self.line(None) + "\n")
-
-
-def _term_width() -> int:
-    """stderr's columns (where the live line goes); 120 when it is no terminal."""
-    try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns or 120
-    except (OSError, ValueError):
-        return 120
 
 
 class Summarizer:
@@ -131,6 +70,8 @@ class Summarizer:
         self.queued: Callable[[], int] = lambda: 0  # lines read but not yet taken (the command wires the queue in)
         self.halt = halt if halt is not None else threading.Event()
         self.stopping = False  # writing the final summary after a stop: no more Interrupted
+        self.clock: StopClock | None = None  # after a stop: the time the final summary has (stop.py)
+        self.skipped_at_stop = 0  # the period's skipped lines when the stop was seen (the rest are the stop's)
         status.line = self.status_text
         self.budget = Budget.for_engine(engine, prompt, max_tokens)  # see answer.py: lines + question + answer fit
         self.fed_chunks: list[tuple[int, int, int]] = []  # this period's chunks: absolute token span, lines
@@ -140,6 +81,7 @@ class Summarizer:
         self.last_final = False
         self.told_fit = False
         self.q: Any = None
+        self.base_chunk: int | None = getattr(engine, "prefill_chunk", None)  # resized to the rate: stop.py
         if not self.budget.fits:
             log.warning("window %d too small to fit log lines beside the question (%s)", self.budget.capacity,
                         self.budget)
@@ -156,7 +98,11 @@ class Summarizer:
 
     def check_stop(self) -> None:
         if self.stop_requested:
-            raise Interrupted
+            self._interrupt()
+
+    def _interrupt(self) -> None:
+        self.skipped_at_stop = self.batcher.period.skipped  # a feed taken back after this counts as the stop's
+        raise Interrupted
 
     def _fold(self, ev: Any) -> None:
         """One engine event into the metrics, and an eviction into the session log."""
@@ -181,7 +127,10 @@ class Summarizer:
             self.status.tick()
             if self.stop_requested:
                 events.close()
-                raise Interrupted
+                self._interrupt()
+            if self.clock is not None and self.clock.late():
+                events.close()  # the final summary after a stop ran past its deadline: the digest is the summary
+                raise OutOfTime
         return text
 
     def status_text(self, width: int | None = None) -> str:
@@ -219,6 +168,8 @@ class Summarizer:
         if text is None:
             return
         start = self.engine.ledger.seen
+        if self.base_chunk:  # a stop waits for the prefill chunk in hand: keep one to STOP_CHUNK_SECONDS
+            self.engine.prefill_chunk = prefill_chunk_for(self.metrics, self.base_chunk)
         try:
             self._events(self.engine.add_message("user", text, add_generation_prompt=False))
         except BaseException:
@@ -274,16 +225,7 @@ class Summarizer:
         digest = self.batcher.digest.record()  # taken only once the block is out: a stop while asking keeps it
         ans = Answer()
         if p.summarized or (self.stopping and digest["lines"]):
-            question = self.question(p, digest)
-            t0 = time.perf_counter()
-            support = Support(self.period_text, digest, numbers=period_numbers(
-                p.first_line, p.last_line, p.lines, p.summarized, p.filtered, p.deduped, p.skipped, p.binary))
-            ans = ask(self.engine, self._events, question, support, self.max_tokens, retry=self.retry,
-                      digest=digest)
-            self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
-            self.slog.turn("assistant", ans.text, len(self.engine.last_reply_ids),
-                           time.perf_counter() - t0 - ans.question_seconds, cache_len=self.engine.cache.length)
-            settle_conversation(self.engine, keep=2, sink=self._fold)
+            ans = self._answer(p, digest)
             if ans.dropped:
                 reasons = ([f"unsupported: {', '.join(ans.unsupported)}"] if ans.unsupported else []) + ans.why
                 why = f" ({'; '.join(reasons) or 'unfinished'})"
@@ -293,24 +235,42 @@ class Summarizer:
         extra = {"lines_in_full": in_full, "lines_digest_only": max(0, digest["lines"] - p.deduped - in_full),
                  "unsupported": ans.unsupported, "regenerated": ans.regenerated, "summary_cut": ans.cut,
                  "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "why": ans.why, "digest": digest}
+        if ans.earlier:
+            extra["earlier"] = ans.earlier
+        if final and self.clock is not None:
+            extra["stopped_by"] = self.clock.by
+            extra["skipped_by_stop"] = max(0, p.skipped - self.skipped_at_stop)
         self.batcher.digest.reset()  # its record is in `extra` (computed once, above)
         self.fed_chunks, self.period_text, self.period_tokens = [], [], 0
         if p.binary:
             self.status.notice(f"lines {p.first_line}-{p.last_line}: skipped {p.binary} binary lines")
         self.emit(self.batcher.take_period(), ans.text, final, extra)
 
+    def _answer(self, p: Period, digest: dict[str, Any]) -> Answer:
+        """Ask the model (logged as a question and answer turn); after a stop only within the time left
+        (stop.py): no regeneration, the answer cut to what fits, or the digest alone."""
+        question = self.question(p, digest)
+        t0 = time.perf_counter()
+        support = Support(self.period_text, digest, numbers=period_numbers(
+            p.first_line, p.last_line, p.lines, p.summarized, p.filtered, p.deduped, p.skipped, p.binary))
+        earlier = [(no, text) for no, text in self.batcher.digest.notable if no < p.first_line]
+        if self.clock is not None:
+            ans = final_ask(self.engine, self._events, question, support, digest, earlier, self.max_tokens,
+                            self.clock, self.metrics)
+        else:
+            ans = ask(self.engine, self._events, question, support, self.max_tokens, retry=self.retry,
+                      digest=digest, earlier=earlier)
+        if ans.asked:
+            self.slog.turn("user", question, ans.question_tokens, ans.question_seconds)
+            self.slog.turn("assistant", ans.text, len(self.engine.last_reply_ids),
+                           time.perf_counter() - t0 - ans.question_seconds, cache_len=self.engine.cache.length)
+        settle_conversation(self.engine, keep=2, sink=self._fold)
+        return ans
+
     def question(self, p: Period, digest: dict[str, Any]) -> str:
         """The question: prompts/summarize.txt filled with the line range, counts, notes and the digest text."""
-        why = "the summarizer was stopped before it fed them" if self.stopping else \
-            "they came faster than they could be read"
-        other = p.skipped - p.binary
-        note = f" {other} lines were skipped because {why}." if other else ""
-        if p.binary:
-            note += f" {p.binary} binary (non-text) lines were skipped and are not shown."
-        text = render(digest, lambda t: len(self.engine.encode(t)), self.budget.digest) if self.budget.digest else ""
-        return fill(self.prompt, first_line=p.first_line, last_line=p.last_line, lines=p.lines,
-                    summarized=p.summarized, filtered=p.filtered, deduped=p.deduped, skipped=p.skipped,
-                    binary=p.binary, note=note, digest=text)
+        return question_text(self.prompt, p, digest, self.stopping, lambda t: len(self.engine.encode(t)),
+                             self.budget.digest)
 
     def emit(self, p: Period, text: str, final: bool, extra: dict[str, Any] | None = None) -> None:
         from sinkchat.core.metrics import rss_bytes
@@ -363,30 +323,24 @@ class Summarizer:
             self.status.tick()
         self.finish()
 
-    def finish_stopped(self, q: "queue.Queue[Item]", lines_read: int) -> None:
+    def finish_stopped(self, q: "queue.Queue[Item]", lines_read: int, at: float | None = None,
+                       by: str = "a stop request") -> None:
         """After a stop (SIGTERM / Ctrl-C): feed nothing more. What is still queued, read but never queued
         (`lines_read`: the last line number the reader gave out) or waiting in the pending chunk counts as skipped,
-        and the final summary asks only about what the cache already holds. Feeding a backlog here instead would
-        outlast any process manager's grace period (10-90 s before SIGKILL), and the final summary would be lost."""
+        and the final summary asks only about what the cache already holds, within the time stop.py allows from
+        the signal (`at`, time.monotonic(); `by`: "SIGTERM"). Feeding a backlog here instead would outlast any
+        process manager's grace period (10-90 s before SIGKILL), and the final summary would be lost."""
         self.stopping = True
-        self.skip_queued(q)
+        self.clock = StopClock(time.monotonic() if at is None else at, by)
+        self.error = skip_queued(q, self.batcher) or self.error
         self.batcher.skip_to(lines_read)
         dropped = self.batcher.drop_chunk()
         log.info("stopped: %d lines skipped since the last summary (%d of them from the chunk not yet fed)",
                  self.batcher.period.skipped, dropped)
+        n = self.batcher.period.skipped - self.skipped_at_stop
         self.finish()
-
-    def skip_queued(self, q: "queue.Queue[Item]") -> None:
-        """Take everything already on the queue without feeding it: lines count as skipped."""
-        while True:
-            try:
-                item = q.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, (Line, End)):
-                self.batcher.skip(item)
-            if isinstance(item, End) and item.error:
-                self.error = item.error
+        self.status.notice(f"stopped by {by}: {n} line{'s' if n != 1 else ''} read but not summarized"
+                           + (" (counted as skipped in the final record)" if n else ""))
 
     def finish(self) -> None:
         """The final summary of whatever is pending (nothing is printed when nothing is pending)."""
