@@ -282,6 +282,7 @@ def test_chat_log_on_full_disk_and_sigterm(tiny_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and b"Traceback" not in err  # ended as /bye ends it, with 128 + SIGTERM
+    assert b"stopped by SIGTERM; its log: sinkchat logs show 1" in err  # said, not a silent exit
     con = sqlite3.connect(db)
     assert con.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     assert [r[0] for r in con.execute("SELECT role FROM turns ORDER BY seq")][:2] == ["user", "assistant"]

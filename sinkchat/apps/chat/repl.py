@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from signal import SIGTERM
 import time
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,11 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
         with _sigterm_exits() as closing:
             try:
                 _start(loop, load_name, resume_id, interactive, stdin)
+            except SystemExit as e:
+                if e.code == 128 + SIGTERM:  # say why it ended (a service manager's log otherwise shows nothing)
+                    at = f"; its log: sinkchat logs show {slog.id}" if getattr(slog, "id", None) else ""
+                    renderer.error(f"stopped by SIGTERM{at}")
+                raise
             finally:
                 closing()  # from here SIGTERM is ignored: the log's close is not cut short
                 slog.close()
