@@ -170,14 +170,15 @@ def test_the_grammar_asks_a_count_task_for_a_number(bundled, ws):
     agent = Agent(eng, build_default_tools(ws), ws)
     con = agent.constraint
     _, done = run(agent, "Count the lines of notes.txt", 3)
-    assert done.verified and done.answer == "2" and con.task.needs_number
+    assert done.verified and done.answer == "2" and con.task.answer_numbers == ("2",)
     for text, ok in [(final("2"), True), (final("notes.txt has 2 lines"), True), (final("done"), False),
-                     (final("it has some lines"), False), (final("3"), False)]:
+                     (final("it has some lines"), False), (final("3"), False), (final("No lines"), True),
+                     (final("none"), True)]:  # a count of none needs no number
         assert accepts(con, tok, text) == ok, text
     eng = scripted_real(bundled, [call("read_file", path="config.json"), final("example.com")])
     agent = Agent(eng, build_default_tools(ws), ws)
     run(agent, "Which host is set in config.json?", 3)
-    assert not agent.constraint.task.needs_number and accepts(agent.constraint, tok, final("example.com"))
+    assert agent.constraint.task.answer_numbers is None and accepts(agent.constraint, tok, final("example.com"))
 
 
 def test_a_write_task_grammar_writes_only_its_file_with_a_number_the_tools_gave(bundled, ws):

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from sinkchat.apps.agent.larkgen import reply_lark
-from sinkchat.apps.agent.patterns import NUMBER, PATH, answering_pattern, grounded_pattern
+from sinkchat.apps.agent.patterns import NONE_ANSWER, PATH, answering_pattern, grounded_pattern
 from sinkchat.apps.agent.tools.schema import Param, Tool
 from sinkchat.textutil import is_utf8
 
@@ -92,17 +92,18 @@ class TaskContext:
 
     targets: tuple[TargetFile, ...] = ()
     values: tuple[str, ...] | None = None
-    needs_number: bool = False  # the answer is the task's result and it asks for a count or a total (verify.py)
+    answer_numbers: tuple[str, ...] | None = None  # the answer is a count: one of these (tool-returned) numbers
 
     def answer_pattern(self, other: str | None = None, first: str | None = None) -> str | None:
-        """The final answer's regex body: grounded in `values`, with one of them in it where `needs_number` and
-        there is one to offer; None: not grounded."""
+        """The final answer's regex body: grounded in `values`; for a count task (`answer_numbers`, verify.py) also
+        holding one of the numbers the tools returned, or saying there are none ("none", "No errors"), where a
+        tool returned one; None: not grounded."""
         if self.values is None:
             return None
         kw = {k: v for k, v in (("other", other), ("first", first)) if v is not None}
-        if self.needs_number and any(NUMBER.fullmatch(v) for v in self.values):
-            return answering_pattern(self.values, **kw)
-        return grounded_pattern(self.values, **kw)
+        body = grounded_pattern(self.values, **kw)
+        held = answering_pattern(self.values, self.answer_numbers or (), **kw)
+        return body if held is None else f"{held}|{NONE_ANSWER}"
 
 
 _HEADERS: dict[tuple[str, int, int], tuple[tuple[str, ...], tuple[str, ...]] | None] = {}

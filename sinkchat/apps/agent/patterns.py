@@ -45,14 +45,24 @@ def grounded_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', f
     return f"(?:{first}|{num}{other})(?:{other}|{num}{other})*{num}?|{num}"
 
 
-def answering_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', first: str | None = None) -> str:
-    """Like `grounded_pattern`, but holding at least one of `values`: the answer to a task that asks for a count
-    or a total (verify.ASKS_NUMBER) cannot be a bare "done" under the grammar. `values` must not be empty."""
-    given = list(dict.fromkeys(v for v in values if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
-    vals = sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
-    if not vals:
-        raise ValueError("answering_pattern needs a value to offer")
+def answering_pattern(values: Iterable[str], required: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]',
+                      first: str | None = None) -> str | None:
+    """Like `grounded_pattern` (every number one of `values`), holding at least one of `required` (the numbers a
+    count task's tools returned: verify.asks_count), so its answer cannot be a bare "done"; None where `required`
+    offers none (over VALUE_CHARS, not a number: the plain grounded pattern applies)."""
+    def usable(vs: Iterable[str]) -> list[str]:
+        given = list(dict.fromkeys(v for v in vs if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
+        return sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
+
+    need, vals = usable(required), usable([*values, *required])
+    if not need:
+        return None
     first = first or other
     num = "(?:" + "|".join(re.escape(v) for v in vals) + ")"
-    head = f"(?:{first}(?:{other}|{num}{other})*)?"  # text before the first number held (each number whole)
-    return f"{head}{num}(?:{other}(?:{other}|{num}{other})*{num}?)?"
+    must = "(?:" + "|".join(re.escape(v) for v in need) + ")"
+    head = f"(?:{first}(?:{other}|{num}{other})*)?"  # text before the number held (each number whole)
+    return f"{head}{must}(?:{other}(?:{other}|{num}{other})*{num}?)?"
+
+
+# a count of none, digit-free: "none", "No errors", "There are no matching lines", "zero"
+NONE_ANSWER = rf"(?:[Tt]here (?:are|is|were|was) )?(?:[Nn]o|NO|[Nn]one|[Zz]ero|[Nn]othing)(?:[ ,.;:!][^0-9\"\\<{_CTRL}]*)?"

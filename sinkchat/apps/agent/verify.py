@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from sinkchat.apps.agent.asks import asks_count, asks_something, is_acknowledgment, negative_count
 from sinkchat.apps.agent.goals import WriteGoal, check_goal, write_goals
 from sinkchat.apps.agent.grammar import STRING_CHARS, TargetFile, TaskContext
 from sinkchat.apps.agent.patterns import grounded_pattern, numbers_in
@@ -42,12 +43,6 @@ PIECE_CHARS = 200  # longest copied line offered (a long one would raise every r
 WORD = re.compile(r"[A-Za-z_][\w.\-/@:]*[\w]|[A-Za-z]")
 NAME_INNER = re.compile(r"\w[._\-/@:]\w")
 PLAIN = {"i", "ok", "yes", "no", "none", "true", "false", "done", "n/a"}  # capitalized, yet no names
-ASKS = re.compile(r"\?\s*$|^\s*(?:what|which|who|whom|whose|where|when|how)\b|"
-                  r"\b(?:count|find|list|show|tell|report|look\s+up|compute|calculate|read|print|get|give|check)\b", re.I)
-ASKS_NUMBER = re.compile(r"\b(?:how\s+(?:many|much)|count|total|sum|average|number\s+of)\b", re.I)
-ACK = re.compile(r"^[\s\W]*(?:(?:it\s+is|it's|the\s+task\s+is|task|all|i\s+am|i'm)\s+)?"
-                 r"(?:done|ok|okay|finished|complete|completed|success|successful|ready)"
-                 r"(?:\s+(?:now|already))?[\s\W]*$", re.I)
 
 
 @dataclass
@@ -70,6 +65,11 @@ class Grounding:
         self.paths.append(frozenset(os.path.normpath(v) for v in (args or {}).values() if isinstance(v, str) and v))
         self.whole.append(whole)
         self.values += [v for v in numbers_in(text) if v not in self.values]
+
+    def returned(self) -> list[str]:
+        """The numbers the data results held (the task's own numbers left out: "How many of the first 10 lines
+        ..." is not answered by echoing 10)."""
+        return list(dict.fromkeys(v for r in self.results for v in numbers_in(r)))
 
     def pieces(self, source: str = "", which: str = "", max_chars: int | None = None) -> list[str]:
         """What a copy may be: the data results of calls given `source` (any, if ""), each whole and each of its
@@ -144,8 +144,9 @@ class TaskCheck:
         final answer may hold."""
         # a "new" target that was missing when the task began is this task's own file: it may be rewritten
         targets = tuple(TargetFile(g.path, self._content(g), g.append) for g in self.goals)
-        asks_number = not (self.goals or self.blocked) and bool(ASKS_NUMBER.search(self.grounding.task))
-        return TaskContext(targets, tuple(self.grounding.values), needs_number=asks_number)
+        count = not (self.goals or self.blocked) and asks_count(self.grounding.task)
+        return TaskContext(targets, tuple(self.grounding.values),
+                           answer_numbers=tuple(self.grounding.returned()) if count else None)
 
     def _content(self, g: WriteGoal) -> str | None:
         """The JSON schema (as JSON) of what the task asks to be written to `g`, or None while nothing the task
@@ -187,16 +188,17 @@ class TaskCheck:
 
     def unanswered(self, answer: str) -> list[str]:
         """Where the answer is the task's result (no file to write): an acknowledgment given for a task that asks
-        for something, or no number for one that asks for a count or a total (module docstring)."""
-        task = self.grounding.task
+        for something, or a count that no tool returned for one that asks for a count or a total (asks.py)."""
+        task, g = self.grounding.task, self.grounding
         if self.goals or self.blocked:
             return []  # the file is the result: "done" after writing it is an answer
-        if ASKS.search(task) and ACK.fullmatch(answer.strip()):
+        if asks_something(task) and is_acknowledgment(answer, "\n".join(g.results)):
             return [f'your answer only says "{answer.strip()[:40]}"; the task asks for something: answer with what '
                     "the tools returned"]
-        if ASKS_NUMBER.search(task) and not numbers_in(answer):
-            return ["the task asks for a count or a total and your answer holds no number; answer with the number "
-                    "the tools returned"]
+        if asks_count(task) and not negative_count(answer) and not set(map(_num, numbers_in(answer))) & set(
+                map(_num, g.returned())):
+            return ["the task asks for a count or a total and your answer holds no number a tool returned; answer "
+                    "with the number the tools returned"]
         return []
 
     def unmet(self) -> list[str]:
