@@ -38,7 +38,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -49,7 +48,9 @@ import llamacpp_tools as lt  # noqa: E402
 
 BW_C = r"""
 #include <stddef.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 /* A streaming read: 64 floats (256 bytes) a step, summed so the loads cannot be dropped. The widest vectors this
    CPU has (the probe is compiled with -march=native on the machine it runs on): AVX-512, else AVX2, else scalar. */
 double sc_stream(const float* a, size_t n, int reps) {
@@ -181,7 +182,7 @@ def tree_env(tree: str | None) -> dict[str, str]:
     return env
 
 
-CWD = tempfile.mkdtemp(prefix="llamacpp-bench-")
+CWD = str(lt.cache_root() / "bench" / "cwd")  # an empty folder the children start in (made in `main`)
 
 
 def sinkchat_bench(model: Path, threads: int, tree: str | None = None) -> dict[str, float]:
@@ -333,6 +334,7 @@ def main() -> None:
     ap.add_argument("--against", metavar="TREE", help="also time this checkout's sinkchat in every round (before / after)")
     ap.add_argument("--from-log", type=Path, help="no runs: the table of the cells a run printed to stderr (cut short)")
     a = ap.parse_args()
+    Path(CWD).mkdir(parents=True, exist_ok=True)
     if a.bytes_only:
         rows = bytes_rows(models(a.big) + a.file)
         print(json.dumps(rows) if a.json else "\n".join(
@@ -346,6 +348,8 @@ def main() -> None:
     else:
         rows = measure(models(a.big) + a.file, [int(x) for x in a.threads.split(",")], max(1, a.rounds),
                        lt.ensure_tools(), against)
+    if not rows:
+        raise SystemExit("no cell was measured" + (f" in {a.from_log}" if a.from_log else ""))
     saved = lt.cache_root() / "bench" / "llamacpp_bench.json"  # every figure, kept past a failed print
     saved.write_text(json.dumps(rows))
     if a.json:
@@ -354,10 +358,11 @@ def main() -> None:
     print(f"best of {min(r['rounds'] for r in rows)}-{max(r['rounds'] for r in rows)} rounds each (the spread of decode at fill 512 and of the bandwidth in brackets;"
           f" every figure in {saved})")
     table(rows)
-    if against:
+    before = [r for r in rows if "against" in r]
+    if before:
         print(f"\nthe same rounds, sinkchat of {against} (before) against the same llama.cpp runs:")
         table([{**r, **r["against"], "spread": {**r["spread"], "sinkchat_decode@512": r["against"]["decode_spread@512"]}}
-               for r in rows])
+               for r in before])
 
 
 def table(rows: list[dict[str, Any]]) -> None:

@@ -124,14 +124,22 @@ def _metadata_served(path: Path) -> Iterator[None]:
             if not blob:
                 with open(target, "rb") as f:
                     blob = f.read(gguf_file.scan(Path(target)).data_start)
-            metadata, count, pos = parse(blob, str(gguf_path), key)
-            entries, _ = table(blob, count, pos)
+            try:  # private helpers: another transformers may take other arguments; then its own reader
+                metadata, count, pos = parse(blob, str(gguf_path), key)
+                entries, _ = table(blob, count, pos)
+            except Exception:  # noqa: BLE001 - any failure of the fast path is the original's to report
+                log.debug("transformers' metadata helpers differ: its own reader", exc_info=True)
+                return original(gguf_path, string_arrays)
             done[key] = metadata, tuple(name for name, *_ in entries)
         return copy.deepcopy(done[key])
 
-    exported = package.read_gguf_metadata  # (the package's lazy attribute, as `from ... import` finds it)
-    reader.read_gguf_metadata = package.read_gguf_metadata = read_gguf_metadata
+    exported = getattr(package, "read_gguf_metadata", None)  # (the package's lazy attribute, as `from ... import`)
+    reader.read_gguf_metadata = read_gguf_metadata
+    if exported is not None:
+        package.read_gguf_metadata = read_gguf_metadata
     try:
         yield
     finally:
-        reader.read_gguf_metadata, package.read_gguf_metadata = original, exported
+        reader.read_gguf_metadata = original
+        if exported is not None:
+            package.read_gguf_metadata = exported
