@@ -67,7 +67,7 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     import uvicorn
 
     from sinkchat.api import start
-    from sinkchat.apps.serve.app import Server, build_app
+    from sinkchat.apps.serve.app import STOP_GRACE, Server, build_app
     from sinkchat.apps.serve.runner import Runner
     from sinkchat.apps.serve.sessions import SessionStore
 
@@ -87,8 +87,8 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
         srv.run()
     except SystemExit as e:  # (`_terminated`): say so, as a user stopping the service reads its log
         if e.code == 128 + signal.SIGTERM:
-            click.echo(f"sinkchat serve: stopped by SIGTERM after the requests in flight ended; sessions are kept in "
-                       f"{store_dir} and go on when a server starts again", err=True)
+            click.echo(f"sinkchat serve: stopped by SIGTERM (requests in flight had up to {STOP_GRACE:g} s to finish); "
+                       f"sessions are kept in {store_dir} and go on when a server starts again", err=True)
         raise
     finally:
         server.executor.shutdown(wait=True, cancel_futures=True)
