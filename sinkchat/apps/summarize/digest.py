@@ -20,14 +20,16 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from sinkchat.apps.summarize.vocab import CHANGE_WORDS
+from sinkchat.apps.summarize.vocab import CHANGE_WORDS, ROUTINE_CHANGES, negated
 
 log = logging.getLogger(__name__)
 
 MAX_TOKENS_KEPT = 2000  # token lists kept per template per period, for exact parameter values
 MAX_VALUES = 8  # values listed per parameter slot (the distinct count is always exact)
 FIRST_TEXT_CHARS = 200  # a template's first line, kept as written (quoted by code instead of its `<*>` template)
-NOTABLE_KEPT = 64  # run-wide: the last lines with a severity or a state change
+NOTABLE_KEPT = 64  # run-wide: the last lines with a severity ...
+CHANGES_KEPT = 32  # ... and, apart, the last lines with a state change and no severity ...
+ROUTINE_KEPT = 8  # ... and the last with only a routine one (start, stop, reload), so neither pushes out the above
 
 _TS_PATTERNS = [
     re.compile(r"^\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?"),  # ISO / dpkg
@@ -83,9 +85,25 @@ def severities(text: str) -> Counter[str]:
     return found
 
 
+_ZERO_AFTER = re.compile(r"\s*[:=]?\s*0(?![\d.])")  # "pods evicted: 0", "evicted 0 pods", "exit 0"
+_CODE_AFTER = re.compile(r"\b(?:code|status|rc)\b\s*[:=]?\s*(\d+)(?![\d.])")  # "exited with code 0", systemd
+
+
+def _zero(text: str, end: int) -> bool:
+    """The change word at `end` comes with a count or exit code of 0: nothing changed ("exit code 0", "pods
+    evicted: 0", systemd's "Main process exited, code=exited, status=0/SUCCESS")."""
+    tail = re.split(r"[;(]", text[end: end + 40], maxsplit=1)[0]
+    if _ZERO_AFTER.match(tail):
+        return True
+    m = _CODE_AFTER.search(tail)
+    return m is not None and int(m.group(1)) == 0
+
+
 def changes(text: str) -> Counter[str]:
-    """Canonical state-change keys found in `text` ("restarted" -> restart, "SIGKILL" -> signal; vocab.py)."""
-    return Counter(CHANGE_GROUP_TO_KEY[m.lastgroup or ""] for m in CHANGE_RE.finditer(text))
+    """Canonical state-change keys found in `text` ("restarted" -> restart, "SIGKILL" -> signal; vocab.py); a
+    negated ("no exception occurred", "0 pods evicted") or zero ("exit code 0") one is no change."""
+    return Counter(CHANGE_GROUP_TO_KEY[m.lastgroup or ""] for m in CHANGE_RE.finditer(text)
+                   if not negated(text, m.start()) and not _zero(text, m.end()))
 
 
 @dataclass
@@ -121,8 +139,8 @@ class Digest:
 
     One Drain3 miner lives for the whole run (templates learned early keep matching later), while the counts are
     per period: `take()` returns the period's record and starts a new one. `notable` is run-wide too: the last
-    NOTABLE_KEPT lines (number, text) with a severity or a state change, so a summary sentence about an earlier
-    incident can be backed by its line (guard.py), in bounded memory."""
+    lines (number, text) with a severity or a state change (bounded apart, see `notable`), so a summary sentence
+    about an earlier incident can be backed by its line (guard.py), in bounded memory."""
 
     def __init__(self) -> None:
         self.miner = _new_miner()
@@ -133,7 +151,16 @@ class Digest:
         self.last_ts: str | None = None
         self.severity: Counter[str] = Counter()
         self.changes: Counter[str] = Counter()
-        self.notable: deque[tuple[int, str]] = deque(maxlen=NOTABLE_KEPT)
+        self._severe: deque[tuple[int, str]] = deque(maxlen=NOTABLE_KEPT)
+        self._changed: deque[tuple[int, str]] = deque(maxlen=CHANGES_KEPT)
+        self._routine: deque[tuple[int, str]] = deque(maxlen=ROUTINE_KEPT)
+
+    @property
+    def notable(self) -> list[tuple[int, str]]:
+        """The run's last notable lines (number, text), in line order: NOTABLE_KEPT with a severity, CHANGES_KEPT
+        with only a state change, ROUTINE_KEPT with only a routine one. Why apart: in one deque of 64 a journal's
+        "Started Session 42 of User root." lines pushed out the OutOfMemoryError a model sentence cited."""
+        return sorted([*self._severe, *self._changed, *self._routine])
 
     def add(self, no: int, text: str, count: int = 1) -> None:
         """Account input line `no` (`count` identical lines ending there, for a closed run of repeats)."""
@@ -158,8 +185,10 @@ class Digest:
         for k, v in chg.items():
             t.changes[k] += v * count
             self.changes[k] += v * count
-        if sev or chg:
-            self.notable.append((no, text))
+        if sev:
+            self._severe.append((no, text))
+        elif chg:
+            (self._routine if set(chg) <= ROUTINE_CHANGES else self._changed).append((no, text))
         if len(t.token_lists) < MAX_TOKENS_KEPT:
             t.token_lists.extend([tuple((content or "(empty line)").split())] * min(count, MAX_TOKENS_KEPT))
         self.lines += count

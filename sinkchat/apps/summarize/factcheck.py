@@ -25,14 +25,12 @@ from typing import Any, Callable
 
 import snowballstemmer
 
-from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, severities
-from sinkchat.apps.summarize.vocab import FUNCTION_WORDS, SUMMARY_WORDS
+from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, severities
+from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, FUNCTION_WORDS, NEGATIONS, SUMMARY_WORDS, negated
 
-NEGATIONS = {"no", "not", "without", "zero", "0", "none", "never", "nor", "free", "neither"}
 NAME_RE = re.compile(r"(?<![\w/.-])(/?[A-Za-z0-9][\w+]*(?:[-_./:][\w+]+)+)")
 NUMBER_RE = re.compile(r"(?<![\w.:/-])(\d+(?:[-.:/]\d+)*)(?![\w-])")
 SENTENCE_END_RE = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
-_WORD_RE = re.compile(r"[A-Za-z0-9']+")
 _ALPHA_RE = re.compile(r"[a-z]+")
 TIME_RE = re.compile(r"(?<![\d:])\d{1,2}:\d{2}:\d{2}(?![\d:])")
 _STEMMER = snowballstemmer.stemmer("english")
@@ -44,12 +42,7 @@ def stem(word: str) -> str:
     return _STEMMER.stemWord(word)
 
 
-def _negated(text: str, start: int) -> bool:
-    """A severity word preceded (within four words of its own clause) by a negation is not a claim: "no errors",
-    "without failure"; "did not start: permission denied" is one."""
-    clause = re.split(r"[:;,(.!?]", text[max(0, start - 40): start])[-1]
-    before = _WORD_RE.findall(clause.lower())[-4:]
-    return any(w in NEGATIONS or w.endswith("n't") for w in before)
+_negated = negated  # the rule lives in vocab.py: digest.changes applies it to log lines too
 
 
 def claims(summary: str) -> list[tuple[str, str]]:
@@ -79,8 +72,10 @@ class Support:
         self.lines = [ln.lower() for ln in joined.splitlines()]
         self.text = joined.lower() + "\n" + numbers.lower()
         self.severity = set(severities(joined))
+        self.failures = set(changes(joined)) & FAILURE_CHANGES  # a traceback: "no errors" is contradicted (guard)
         if digest:
             self.severity |= set(digest.get("severity") or {})
+            self.failures |= set(digest.get("changes") or {}) & FAILURE_CHANGES
             self.text += "\n" + _digest_text(digest).lower()
         self.text += "\n" + " ".join(self.severity)  # "disk full" backs "the disk is full"
         self.words = set(_ALPHA_RE.findall(self.text))
@@ -93,6 +88,7 @@ class Support:
         sev = set(severities(joined)) - self.severity
         more.lines = self.lines + [ln.lower() for ln in joined.splitlines()]
         more.severity = self.severity | sev
+        more.failures = self.failures | (set(changes(joined)) & FAILURE_CHANGES)
         more.text = self.text + "\n" + joined.lower() + "\n" + " ".join(sev)
         words = set(_ALPHA_RE.findall(joined.lower() + " " + " ".join(sev)))
         more.words = self.words | words

@@ -17,7 +17,8 @@ must not depend on the model noticing it. So, after `ask` (answer.py):
    number and timestamp and that first line as written (`added`; written.py);
 3. when no model sentence is left, the summary is written by code from the digest alone: line count and time span,
    the most frequent kinds of lines with their counts and values, the rare kinds no other sentence names, then
-   the severity and state-change sentences (or "No line shows a severity word (no errors or warnings).").
+   the severity and state-change sentences (or "No line shows a severity word (no errors or warnings).", only
+   when no line shows a severity nor a failure-type change such as an exception: written.py).
 
 A sentence about an incident (a severity or state change) that the period's lines do not back but an earlier
 notable line of the log does (Digest.notable) is kept, citing that line: "(earlier, at line 54)" (`earlier`).
@@ -31,7 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from sinkchat.apps.summarize.digest import CHANGE_GROUP_TO_KEY, CHANGE_RE, SEVERITY_RE, _GROUP_TO_KEY
+from sinkchat.apps.summarize.digest import (CHANGE_GROUP_TO_KEY, CHANGE_RE, SEVERITY_RE, _GROUP_TO_KEY, changes,
+                                            severities)
 from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negated, claims,
                                                content_words, stem, stitched, unbacked_words, unsupported)
 from sinkchat.apps.summarize.written import (MAX_INCIDENT_SENTENCES, NO_INCIDENT, UNREADABLE_RE,  # noqa: F401
@@ -94,10 +96,19 @@ def mentioned_changes(prose: str) -> set[str]:
             if not _negated(prose, m.start())}
 
 
+FAILURE_KEYS = frozenset({"error", "fail"})  # what a failure-type change (exception, core dump, down) contradicts
+
+
 def contradicted(sentence: str, support: Support) -> list[str]:
-    """Negated severity words whose key the lines do show ("no errors" while a line has an error)."""
-    return ["no " + m.group(0) for m in SEVERITY_RE.finditer(sentence)
-            if _negated(sentence, m.start()) and _GROUP_TO_KEY[m.lastgroup or ""] in support.severity]
+    """Negated severity words whose key the lines do show ("no errors" while a line has an error), and "no errors"
+    or "no failures" beside a failure-type change with no severity word (a Python traceback, a Java exception:
+    the code's own sentences name it as "exception", written.py)."""
+    out = []
+    for m in SEVERITY_RE.finditer(sentence):
+        key = _GROUP_TO_KEY[m.lastgroup or ""]
+        if _negated(sentence, m.start()) and (key in support.severity or (key in FAILURE_KEYS and support.failures)):
+            out.append("no " + m.group(0))
+    return out
 
 
 _TOKEN_RE = re.compile(r"[\w'](?:[\w'.:/+-]*[\w'])?")
@@ -152,14 +163,21 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
     return [], None
 
 
+def _kind(line: str) -> frozenset[str]:
+    """The severity and state-change keys of a line: two lines of one kind report the same sort of incident."""
+    return frozenset(severities(line)) | frozenset(changes(line))
+
+
 def earlier_lines(claim: str, support: Support, echo: Echo, earlier: list[tuple[int, str]]) -> list[int]:
     """The numbers of earlier lines of the log that, beside the period's lines, back every word, name and number of
-    `claim` (one line, or together the few that share a word with it), or []. Why: in the issue the model's
-    sentence about `worker.service restarted` came one summary after that line and was dropped as `unsupported by
-    the log: ... restarted`, though the log says it; a reader must not lose that, nor read it as news of these
-    lines (the caller cites the lines). Only for a sentence about an incident (a severity or state change: the
-    model copying its last summary of plain lines, "The archives were unpacked.", is still dropped), and only
-    lines sharing a word or name with it are tried, the most recent EARLIER_TRIES of them."""
+    `claim`: one line, or a pair of one kind (the same severity and change keys: "db-1 restarted" and "db-2
+    restarted" back "db-1 and db-2 were restarted"), or []. Why: in the issue the model's sentence about
+    `worker.service restarted` came one summary after that line and was dropped as `unsupported by the log: ...
+    restarted`, though the log says it; a reader must not lose that, nor read it as news of these lines (the caller
+    cites the lines). Why not any lines together: pooled, "database restarted" and "worker exited" backed "the
+    database exited" (a code review). Only for a sentence about an incident (a severity or state change: the model
+    copying its last summary of plain lines, "The archives were unpacked.", is still dropped), and only lines
+    sharing a word or name with it are tried, the most recent EARLIER_TRIES of them."""
     stems = {stem(w) for w in content_words(claim)}
     names = [c.lower() for k, c in claims(claim) if k == "name"]
     found: list[tuple[int, str]] = []
@@ -172,10 +190,11 @@ def earlier_lines(claim: str, support: Support, echo: Echo, earlier: list[tuple[
     for no, line in found:
         if problems(claim, support.extended([line]), echo) == ([], None):
             return [no]
-    if len(found) < 2 or problems(claim, support.extended([t for _, t in found]), echo) != ([], None):
-        return []
-    bad = len(problems(claim, support, echo)[0])
-    return sorted(no for no, line in found if len(problems(claim, support.extended([line]), echo)[0]) < bad)
+    for i, (no, line) in enumerate(found):
+        for no2, line2 in found[i + 1:]:
+            if _kind(line) == _kind(line2) and problems(claim, support.extended([line, line2]), echo) == ([], None):
+                return sorted([no, no2])
+    return []
 
 
 def _cite(sentence: str, nos: list[int]) -> str:

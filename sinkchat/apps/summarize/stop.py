@@ -14,9 +14,9 @@ period is often 10 s before SIGKILL, which would have lost the final record. So 
   to the same rule as any);
 - a stop is seen between two prefill chunks (never inside a model call), and a 256-token chunk took ~2.7 s at
   the ~50-140 tokens/s of that box (measured: 2.70 s and 2.75 s from the signal to the exit when it came mid-feed,
-  0.3-0.4 s when it came mid-answer); so the summarizer sizes the engine's prefill chunks to what the recent
-  prefill rate feeds in STOP_CHUNK_SECONDS (`prefill_chunk_for`: 256 on a quiet machine at 500+ tokens/s, down
-  to MIN_PREFILL_CHUNK on a loaded one);
+  0.3-0.4 s when it came mid-answer); so the summarizer sizes the engine's prefill chunks to what the prefill
+  rate measured at the engine's own chunk feeds in STOP_CHUNK_SECONDS (`ChunkSizer`: 256 on a quiet machine at
+  850+ tokens/s, down to MIN_PREFILL_CHUNK on a loaded one);
 - a hard deadline (`late`) at STOP_SECONDS + LATE_GRACE ends the question or answer at the next token boundary
   when the rates were wrong (a load spike), and the digest is the summary.
 """
@@ -41,17 +41,36 @@ MIN_FINAL_TOKENS = 24  # fewer answer tokens than this say nothing a digest does
 DECODE_VS_PREFILL = 4.0  # with no decode measured yet, one generated token costs this many fed ones
 RATE_SAMPLE = 64  # recent decode latencies averaged
 STOP_CHUNK_SECONDS = 0.3  # a prefill chunk is sized to take about this long, so a stop waits no longer for one
-MIN_PREFILL_CHUNK = 32  # smaller chunks cost more in per-call overhead than they save in stop latency
+MIN_PREFILL_CHUNK = 128  # smaller chunks cost more in per-call overhead than they save in stop latency
 
 
-def prefill_chunk_for(metrics: Any, base: int) -> int:
-    """The prefill chunk (tokens) the recent prefill rate feeds in STOP_CHUNK_SECONDS, within
-    [MIN_PREFILL_CHUNK, base]; `base` (the engine's own) until a rate is measured."""
-    fed = sum(t for t, _ in metrics.recent_prefill)
-    seconds = sum(s for _, s in metrics.recent_prefill)
-    if not fed or seconds <= 0:
-        return base
-    return max(min(MIN_PREFILL_CHUNK, base), min(base, int(fed / seconds * STOP_CHUNK_SECONDS)))
+class ChunkSizer:
+    """The engine's prefill chunk (tokens): what the prefill rate measured at the engine's own chunk (`base`) feeds
+    in STOP_CHUNK_SECONDS, within [MIN_PREFILL_CHUNK, base]; `base` until such a rate is measured.
+
+    Why only chunks fed at `base`: sizing from every chunk's rate fed on itself (a smaller chunk pays the per-call
+    overhead more often, measures a lower rate and gets a smaller chunk): on the 400-line log below the old sizing
+    fed at 119, 104, ... 42 tokens, every feed, not only after a stop; here the chunk size never changes the rate
+    it is sized from (83 feeds: one at 256, then 82 at 128). Why the floor of 128: below it per-call overhead
+    costs throughput for a stop wait already within the README's "a second or two" (128 tokens at the ~160
+    tokens/s measured). Measured on a 2-core box shared with a benchmark, SmolLM2-135M, `nice -n 19 ... summarize
+    --file (400 lines) --every 0 --threads 1 --max-tokens 60 --temperature 0`: 150.9 s (prefill 163 tokens/s)
+    against 149.3 s (168) before, within that box's noise; SIGTERM at 15 s of a piped 400-line log, `--max-tokens
+    150`: 1.01, 1.34 and 1.42 s from the signal to the exit (0.92 and 1.15 s before, with its chunks of ~50).
+    The rate is kept once no chunk at `base` is recent: a box that became quiet later keeps the smaller chunk, and
+    one that became slower is caught by the deadline (`StopClock.late`)."""
+
+    def __init__(self, base: int) -> None:
+        self.base = base
+        self.rate: float | None = None  # tokens/s of the recent chunks fed at `base`
+
+    def __call__(self, metrics: Any) -> int:
+        full = [(t, s) for t, s in metrics.recent_prefill if t >= self.base and s > 0]
+        if full:
+            self.rate = sum(t for t, _ in full) / sum(s for _, s in full)
+        if self.rate is None:
+            return self.base
+        return max(min(MIN_PREFILL_CHUNK, self.base), min(self.base, int(self.rate * STOP_CHUNK_SECONDS)))
 
 
 class OutOfTime(Exception):

@@ -33,7 +33,7 @@ from sinkchat.apps.summarize.factcheck import Support, period_numbers
 from sinkchat.apps.summarize.output import Output
 from sinkchat.apps.summarize.reader import End, Item, Notice
 from sinkchat.apps.summarize.status import Status
-from sinkchat.apps.summarize.stop import OutOfTime, StopClock, final_ask, prefill_chunk_for, skip_queued
+from sinkchat.apps.summarize.stop import ChunkSizer, OutOfTime, StopClock, final_ask, skip_queued
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class Summarizer:
         self.last_final = False
         self.told_fit = False
         self.q: Any = None
-        self.base_chunk: int | None = getattr(engine, "prefill_chunk", None)  # resized to the rate: stop.py
+        base = getattr(engine, "prefill_chunk", None)
+        self.chunk_sizer = ChunkSizer(base) if base else None  # the prefill chunk sized to the rate: stop.py
         if not self.budget.fits:
             log.warning("window %d too small to fit log lines beside the question (%s)", self.budget.capacity,
                         self.budget)
@@ -168,8 +169,8 @@ class Summarizer:
         if text is None:
             return
         start = self.engine.ledger.seen
-        if self.base_chunk:  # a stop waits for the prefill chunk in hand: keep one to STOP_CHUNK_SECONDS
-            self.engine.prefill_chunk = prefill_chunk_for(self.metrics, self.base_chunk)
+        if self.chunk_sizer:  # a stop waits for the prefill chunk in hand: keep one to STOP_CHUNK_SECONDS
+            self.engine.prefill_chunk = self.chunk_sizer(self.metrics)
         try:
             self._events(self.engine.add_message("user", text, add_generation_prompt=False))
         except BaseException:

@@ -10,6 +10,8 @@ freely ("system", "problem", "computer" are in some). Stemming, which is logic, 
 
 from __future__ import annotations
 
+import re
+
 FUNCTION_WORDS = frozenset("""
 a about above across after again against all almost along already also although always am among an and another any
 anyone anything are aren around as at away be became because been before being below beside besides between both
@@ -45,27 +47,60 @@ once twice same other frequent frequently value values severity word words find 
 # holds no severity word, so the digest named 3 of its 4 kinds and the restart in none of the summaries; a companion
 # `service started on port 8080` was never shown either. Severities (digest.py) stay claims a model sentence must
 # back by key; these are named by code (guard.py) and a model sentence about them is checked word by word.
+# Verb forms only ("restarted", "resumed"; not "restart required", "Resume uploaded", "Traceback settings") and
+# phrases for the nouns that do report an event ("scheduled restart", "leader elected", "rate limit exceeded"): a
+# code review found "Resume uploaded: resume.pdf" read as recovered, "promoted user bob to admin" as a leader change
+# and "rate limit 100 req/s configured" as throttled. Negated ("no exception occurred") and zero ("exit code 0",
+# "pods evicted: 0") matches are no change (digest.changes).
 CHANGE_WORDS = {
-    "restart": r"re-?start(?:s|ed|ing)?|respawn(?:s|ed|ing)?",
-    "start": r"start(?:s|ed|ing)?|launch(?:es|ed|ing)?|listening on|up and running",
-    "stop": r"stop(?:s|ped|ping)?",
-    "exit": r"exit(?:s|ed|ing)?",
-    "terminated": r"terminat(?:e|es|ed|ing|ion)",
+    "restart": r"re-?start(?:s|ed|ing)|respawn(?:s|ed|ing)|schedul(?:ed|ing) restart",
+    "start": r"start(?:s|ed|ing)|launch(?:es|ed|ing)|listening on|up and running",
+    "stop": r"stop(?:s|ped|ping)",
+    "exit": r"exit(?:s|ed|ing)?",  # "exit code 137": the noun with a code is the event; code 0 is none
+    "terminated": r"terminat(?:es|ed|ing)",
     "shutdown": r"shut(?:ting)?[ -]?down|shutdown",
-    "reboot": r"re-?boot(?:s|ed|ing)?",
-    "reload": r"reload(?:s|ed|ing)?",
+    "reboot": r"re-?boot(?:s|ed|ing)",
+    "reload": r"reload(?:s|ed|ing)",
     "signal": r"sig(?:term|kill|hup|int|segv|abrt|quit)",
     "core dump": r"core dump(?:ed)?|dumped core",
-    "exception": r"exception|traceback|(?-i:(?:[\w$]+\.)*[A-Z][\w$]*(?:Exception|Error))",  # Java/Python classes
+    "exception": r"(?:unhandled|uncaught) exception|exception in thread|exception (?:occurred|raised|thrown|caught)"
+                 r"|(?:threw|raised|thrown|throws|caught)(?: an?)? exception|traceback \(most recent call last\)"
+                 r"|(?-i:(?:[\w$]+\.)*[A-Z][\w$]*(?:Exception|Error)|Exception(?=:))",  # Java/Python classes
     "failover": r"fail[ -]?over",
-    "deploy": r"deploy(?:s|ed|ing|ment)?|roll(?:ed|ing)? out|rollout",
-    "rollback": r"roll(?:ed|ing)?[ -]?back|rollback",
-    "connection lost": r"(?:connection|conn) (?:lost|reset|closed|dropped)|lost connection|disconnect(?:s|ed|ing)?",
-    "reconnect": r"reconnect(?:s|ed|ing)?",
+    "deploy": r"deploy(?:s|ed|ing)|roll(?:ed|ing) out|rollout complete(?:d)?",
+    "rollback": r"roll(?:ed|ing)[ -]?back",
+    "connection lost": r"(?:connection|conn) (?:lost|reset|dropped)|lost connection|disconnected unexpectedly"
+                       r"|unexpectedly disconnected",
+    "reconnect": r"reconnect(?:s|ed|ing)",
     "down": r"(?:is|went|gone|going) down",
-    "recovered": r"recover(?:s|ed|y|ing)?|back (?:up|online)|resum(?:e|es|ed|ing)",
+    "recovered": r"recover(?:s|ed|ing)|recovery complete(?:d)?|(?:is|are|came|comes|coming) back (?:up|online)"
+                 r"|back online|resum(?:ed|ing)",
     "unhealthy": r"unhealthy|degraded",
-    "leader": r"(?:new|elected|became) leader|leader (?:elected|changed)|promot(?:ed|ing)|demot(?:ed|ing)",
-    "evicted": r"evict(?:ed|ion)",
-    "throttled": r"throttl(?:ed|ing)|rate[ -]limit(?:ed)?",
+    "leader": r"new leader|elected (?:as )?leader|became (?:the )?leader|leader (?:elected|changed|lost)"
+              r"|lost leadership|promot(?:ed|ing) to (?:primary|master|leader)"
+              r"|demot(?:ed|ing) to (?:secondary|replica|follower|standby)",
+    "evicted": r"evict(?:ed|ing)",
+    "throttled": r"throttl(?:ed|ing)|rate[ -]limit(?:ed| exceeded| reached)",
 }
+
+# Changes that report a failure though the line holds no severity word (a Python traceback, `Exception in thread
+# "main" java.lang.NullPointerException`, "node-3 is down"): a summary that shows one never also says "No line
+# shows a severity word (no errors or warnings)." (written.py), and a model's "no errors" beside one is a
+# contradiction (guard.py).
+FAILURE_CHANGES = frozenset({"exception", "core dump", "signal", "down", "unhealthy", "connection lost"})
+
+# Changes a healthy system logs all day (systemd's "Started Session 42 of User root.", "Stopping User Manager...",
+# a config reload): named by code only beside a failure or an ended or restarted process (written.py).
+ROUTINE_CHANGES = frozenset({"start", "stop", "reload"})
+ROUTINE_TRIGGERS = FAILURE_CHANGES | {"restart", "exit", "terminated"}
+
+NEGATIONS = frozenset({"no", "not", "without", "zero", "0", "none", "never", "nor", "free", "neither"})
+_WORD_RE = re.compile(r"[A-Za-z0-9']+")
+
+
+def negated(text: str, start: int) -> bool:
+    """A word preceded (within four words of its own clause) by a negation is not a claim: "no errors", "without
+    failure", "no exception occurred", "0 pods evicted"; "did not start: permission denied" is one."""
+    clause = re.split(r"[:;,(.!?]", text[max(0, start - 40): start])[-1]
+    before = _WORD_RE.findall(clause.lower())[-4:]
+    return any(w in NEGATIONS or w.endswith("n't") for w in before)

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, ROUTINE_CHANGES, ROUTINE_TRIGGERS
+
 TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity / state-change sentences appended; the rest are counted in one more sentence
 RARE_COUNT = 2  # a kind of line with at most this many lines in the period is rare ...
@@ -69,9 +71,29 @@ def incidents(digest: dict[str, Any]) -> list[Incident]:
     return _grouped(digest, "severity")
 
 
+def quiet_routine(digest: dict[str, Any]) -> bool:
+    """Whether the period's routine changes (start, stop, reload) go unnamed: they do unless the period also shows
+    a severity, a failure-type change (exception, core dump, down, ...) or a process that ended or restarted
+    (restart, a non-zero exit, terminated). Why: a journal logs "Started Session 42 of User root." and "Stopping
+    User Manager..." all day, and one code-written sentence per window about them buried the incidents; the start
+    worth a sentence is the one beside a crash or an exit ("app.service: crashed" then "service started on port
+    8080"), which this rule keeps. The digest still counts them (`changes`), for the model and the fact check."""
+    keys = set(digest.get("changes") or {})
+    return not digest.get("severity") and not keys & ROUTINE_TRIGGERS
+
+
 def state_changes(digest: dict[str, Any]) -> list[Incident]:
-    """The digest's state changes on lines with no severity word, as incidents (see `_grouped`)."""
-    return _grouped(digest, "changes")
+    """The digest's state changes on lines with no severity word, as incidents (see `_grouped`); routine ones only
+    beside a failure or an ended process (`quiet_routine`)."""
+    out = _grouped(digest, "changes")
+    if quiet_routine(digest):
+        out = [i for i in out if not set(i.keys) <= ROUTINE_CHANGES]
+    return out
+
+
+def failures(digest: dict[str, Any]) -> set[str]:
+    """The period's severities and failure-type changes: with none, the summary may say no line shows one."""
+    return set(digest.get("severity") or {}) | (set(digest.get("changes") or {}) & FAILURE_CHANGES)
 
 
 def quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
@@ -143,10 +165,12 @@ def incident_sentences(incs: list[Incident]) -> list[str]:
     return out
 
 
-def _rare(temps: list[dict[str, Any]], named: list[dict[str, Any]]) -> str | None:
-    """"Also seen: 1 x "..."; 2 x "..."." for the kinds of at most RARE_COUNT lines no other sentence names."""
-    rare = sorted((t for t in temps if t["count"] <= RARE_COUNT and not t.get("severity") and not t.get("changes")
-                   and not any(t is n for n in named)), key=lambda t: t["first_line"])
+def _rare(temps: list[dict[str, Any]], named: list[dict[str, Any]], quiet: frozenset[str]) -> str | None:
+    """"Also seen: 1 x "..."; 2 x "..."." for the kinds of at most RARE_COUNT lines no other sentence names (a kind
+    whose only changes are `quiet`, routine ones left unnamed, is rare like any)."""
+    rare = sorted((t for t in temps if t["count"] <= RARE_COUNT and not t.get("severity")
+                   and not set(t.get("changes") or {}) - quiet and not any(t is n for n in named)),
+                  key=lambda t: t["first_line"])
     if not rare:
         return None
     text = "Also seen: " + "; ".join(f"{t['count']} x \"{filled(t)}\"" for t in rare[:RARE_SHOWN])
@@ -172,9 +196,10 @@ def digest_summary(digest: dict[str, Any]) -> list[str]:
     elif top:
         head += "; most frequent: " + "; ".join(f"{t['count']} x \"{filled(t)}\"" for t in top)
     out = [head + "."]
-    rare = _rare(temps, top)
+    rare = _rare(temps, top, ROUTINE_CHANGES if quiet_routine(digest) else frozenset())
     if rare:
         out.append(rare)
-    incs = incidents(digest)
-    out += incident_sentences(incs + state_changes(digest))
-    return out if incs else out + [NO_INCIDENT]
+    out += incident_sentences(incidents(digest) + state_changes(digest))
+    # not beside an exception with no severity word: "2 lines show exception, first at line 21: "Traceback (most
+    # recent call last):"." then "No line shows a severity word (no errors or warnings)." read as a contradiction
+    return out if failures(digest) else out + [NO_INCIDENT]
