@@ -318,19 +318,19 @@ def settings_from_env() -> Settings:
         raise _as_env_error(e) from None
 
 
-FLAG = re.compile(r"--([a-z][a-z-]*)(?: and --[a-z-]+)?")
+FLAG = re.compile(r"--([a-z][a-z-]*)")
+LEADING_FLAGS = re.compile(r"^--[a-z-]+(?: and --[a-z-]+)?")
 
 
 def _as_env_error(e: ConfigError) -> ConfigError:
     """`e` (a check's message naming flags) about the SINKCHAT_* variables those flags are set by, where one of
     them is set; else `e`."""
     msg = str(e)
-    names = [n for f in FLAG.findall(msg) if (n := "SINKCHAT_" + f.upper().replace("-", "_")) in os.environ]
-    names += [n for f in re.findall(r"--[a-z-]+ and --([a-z-]+)", msg)
-              if (n := "SINKCHAT_" + f.upper().replace("-", "_")) in os.environ and n not in names]
+    names = [n for f in dict.fromkeys(FLAG.findall(msg))
+             if (n := "SINKCHAT_" + f.upper().replace("-", "_")) in os.environ]
     if not names:
         return e
-    rest = FLAG.sub("", msg, count=1).strip()
+    rest = LEADING_FLAGS.sub("", msg, count=1).strip()
     return ConfigError(f"{', '.join(_set_as(n) for n in names)}: {rest}")
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from sinkchat.apps.memory_view import (MemoryFigures, fit_memory, memory_variants, plural, span,
                                        window_stats)
-from sinkchat.core.events import DoneEvent, EvictionEvent, ForgottenEvent
+from sinkchat.core.events import PREVIEW_CHARS, DoneEvent, EvictionEvent, ForgottenEvent
 from sinkchat.core.metrics import (FIELDS, Metrics, Stats, gauge_bar, human_bytes, read_stats, status_line,
                                    status_variants)
 from sinkchat.memory.report import MemoryStats
@@ -51,7 +51,6 @@ def live_stats(engine: Any, metrics: Metrics, model_nbytes: int | None = None) -
 
 
 # ------------------------------------------------------------------------------------------------- pure text pieces
-PREVIEW_CHARS = 60  # where the engine cuts an eviction's preview (core/engine.py's PREVIEW_CHARS; a test compares)
 FORGOTTEN_WHY = {"budget": "over the memory budget", "disk": "the memory store could not write them",
                  "damaged": "their memory block failed its checksum"}
 

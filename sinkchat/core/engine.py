@@ -18,8 +18,8 @@ import torch
 from sinkchat.core import calls, messages
 from sinkchat.core.cache_policy import Eviction, Ledger, chunk_sizes, eviction_runs, pinned_slots, plan_eviction
 from sinkchat.config import CacheConfig, ConfigError, SamplingConfig
-from sinkchat.core.events import (DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent, PrefillEvent,
-                                  TokenEvent)
+from sinkchat.core.events import (PREVIEW_CHARS, DoneEvent, EvictionEvent, Event, ForgottenEvent, GaugeEvent,
+                                  PrefillEvent, TokenEvent)
 from sinkchat.core.gauge import SinkGauge
 from sinkchat.core.interrupts import deferred_sigint
 from sinkchat.core.hybrid_cache import local_layout, make_cache
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256
-PREVIEW_CHARS = 60
 
 
 class Engine(Remembering):

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from sinkchat.memory.events import ForgottenEvent  # noqa: F401 - the memory's, re-exported
 
+PREVIEW_CHARS = 60  # an eviction's preview: its first tokens' text, cut to this many characters (Engine._evict)
+
 
 @dataclass(frozen=True)
 class PrefillEvent:

@@ -32,11 +32,17 @@ def numbers_in(text: str) -> list[str]:
     return [m.group(0) for m in _WITH_EXPONENT.finditer(text) if NUMBER.fullmatch(m.group(0))]
 
 
+def _offered(values: Iterable[str]) -> list[str]:
+    """The numbers a pattern may spell: each once, at most VALUE_CHARS long, the first MAX_VALUES given, longest
+    first (so an alternation matches "8443" whole, not its "84")."""
+    given = list(dict.fromkeys(v for v in values if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
+    return sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
+
+
 def grounded_pattern(values: Iterable[str], other: str = rf'[^0-9"\\{_CTRL}]', first: str | None = None) -> str:
     """Text of at least one character in which every number is one of `values` (whole). `other`: the class of
     every other character; `first`: the class of a first character that is not a digit (default `other`)."""
-    given = list(dict.fromkeys(v for v in values if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
-    vals = sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
+    vals = _offered(values)
     first = first or other
     if not vals:
         return f"{first}{other}*"
@@ -50,11 +56,7 @@ def answering_pattern(values: Iterable[str], required: Iterable[str], other: str
     """Like `grounded_pattern` (every number one of `values`), holding at least one of `required` (the numbers a
     count task's tools returned: verify.asks_count), so its answer cannot be a bare "done"; None where `required`
     offers none (over VALUE_CHARS, not a number: the plain grounded pattern applies)."""
-    def usable(vs: Iterable[str]) -> list[str]:
-        given = list(dict.fromkeys(v for v in vs if v and len(v) <= VALUE_CHARS and NUMBER.fullmatch(v)))
-        return sorted(given[:MAX_VALUES], key=lambda v: (-len(v), v))
-
-    need, vals = usable(required), usable([*values, *required])
+    need, vals = _offered(required), _offered([*values, *required])
     if not need:
         return None
     first = first or other
