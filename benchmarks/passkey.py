@@ -13,7 +13,7 @@ the last prompt token recalled, in how many of the memory layers.
 Usage: python benchmarks/passkey.py [--lengths 4096,16384] [--trials 20] [--cache 1024] [--modes off,on,dense]
                                     [--haystack filler|prose] [--task passkey|number|kv] [--no-intro] [--out DIR]
                                     [--model M] [--topk K] [--block B] [--rule far|attn|bound|mass] [--reps R]
-                                    [--oracle]
+                                    [--oracle] [--reread N]
 Writes DIR/passkey.json (every trial) and prints the table (right / trials per length and mode).
 """
 
@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DEFAULT_REPS = 4  # --reps, for modes "on:RULE" that name none
+REREAD = None  # --reread: blocks read again before the question (None: the setting's default)
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
          "you about the important information there.\n")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -109,11 +110,17 @@ def build(engine: Any, units: list[str], length: int, depth: float, key: Any, in
     return ids, len(ids) - len(q) - len(body) + at - len(nd)
 
 
-def answer(engine: Any, ids: list[int], start: int, n: int, max_tokens: int = 10, oracle: list[Any] | None = None
-           ) -> tuple[str, int | None]:
-    """The greedy reply, and in how many memory layers the last prompt token recalled the needle (None: off)."""
+def answer(engine: Any, ids: list[int], start: int, n: int, max_tokens: int = 10, oracle: list[Any] | None = None,
+           question: int = 0) -> tuple[str, int | None]:
+    """The greedy reply, and in how many memory layers the last prompt token recalled the needle (None: off). The
+    last `question` ids are the question: the document is fed, then what the memory holds that the question names
+    is read again (`Engine.feed_query`, as a chat message gets it; nothing with the memory off or `--memory-reread 0`),
+    then the question."""
     engine.clear()
-    for _ in engine.feed_ids(ids):
+    cut = len(ids) - question
+    for _ in engine.feed_ids(ids[:cut]):
+        pass
+    for _ in engine.feed_query(ids[cut:]):
         pass
     hits = needle_layers(engine, start, n) if engine.memory is not None else None  # None: off, or not in a block
     if oracle is not None and hits is not None:
@@ -137,6 +144,15 @@ def needle_layers(engine: Any, start: int, n: int) -> int | None:
         if any(b in where and where[b].first < start + n and where[b].last > start for b in c):
             hits += 1
     return hits
+
+
+def needle_reread(engine: Any, start: int, n: int) -> bool | None:
+    """Whether a block read again before the question (`Engine.feed_query`) held a needle token; None: memory off."""
+    mem = engine.memory
+    if mem is None:
+        return None
+    where, start = mem.store.where, start + engine.ledger.start
+    return any(b in where and where[b].first < start + n and where[b].last > start for b in mem.reread)
 
 
 def oracle_layers(engine: Any, start: int, n: int) -> tuple[int, int]:
@@ -185,7 +201,7 @@ def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, 
         recall.RULE, recall.REPS = rule, int(reps[0]) if reps else DEFAULT_REPS
         mode = "on"
     opts: dict[str, Any] = {"temperature": 0.0, "model": model, "memory_topk": topk, "memory_block": block,
-                            "memory_budget": budget}
+                            "memory_budget": budget, "memory_reread": REREAD}
     if mode == "dense":
         opts.update(policy="dense", cache_size=length + 64)
     else:
@@ -212,20 +228,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ids, at = build(engine, units_cache, length, depth, key, not args.no_intro, args.task)
                 t0 = time.perf_counter()
                 text, hits = answer(engine, ids, at, len(engine.encode(needle(key, args.task))),
-                                    max_tokens=24 if args.task == "kv" else 12, oracle=oracle if args.oracle else None)
+                                    max_tokens=24 if args.task == "kv" else 12, oracle=oracle if args.oracle else None,
+                                    question=len(engine.encode(task_parts(args.task, key)[1])))
                 ok = is_right(args.task, key, text)
+                again = needle_reread(engine, at, len(engine.encode(needle(key, args.task))))
                 right += ok
                 layers += [] if hits is None else [hits]
                 results["trials"].append({"length": len(ids), "target": length, "mode": mode, "depth": depth,
                                           "key": key, "reply": text, "right": ok, "needle_layers": hits,
+                                          "needle_reread": again,
                                           "layers": len(engine.memory.layers) if engine.memory else None,
                                           "next_rule_exact": oracle[-1] if oracle and hits is not None else None,
                                           "seconds": round(time.perf_counter() - t0, 2)})
                 print(f"{length:>7} {mode:>5} depth {depth:.2f}: {'right' if ok else 'WRONG'} {text.strip()[:24]!r}"
-                      + (f" needle in {hits} layers" if hits is not None else ""), file=sys.stderr, flush=True)
+                      + (f" needle in {hits} layers" if hits is not None else "") + (", read again" if again else ""),
+                      file=sys.stderr, flush=True)
             if engine.memory is not None:
                 engine.memory.close()
-            print(f"{length:>7} {mode:>5}: {right}/{len(keys)}" + recall_line(layers, engine), flush=True)
+            rows = [t for t in results["trials"] if t["target"] == length and t["mode"] == mode]
+            again = sum(bool(t["needle_reread"]) for t in rows)
+            print(f"{length:>7} {mode:>5}: {right}/{len(keys)}" + recall_line(layers, engine)
+                  + (f", its block read again in {again}" if engine.memory is not None else ""), flush=True)
             if oracle:
                 print(f"{length:>7} {mode:>5}: next choice, the rule / the exact attention mass: "
                       + recall_line([o[0] for o in oracle], engine)[2:] + " / "
@@ -254,12 +277,15 @@ def main() -> None:
     ap.add_argument("--rule", default=None, help="the memory's retrieval rule (sinkchat.memory.recall.RULES; "
                     "default: recall.RULE)")
     ap.add_argument("--reps", type=int, default=None, help="representative keys a block (rules far, mix, attn)")
+    ap.add_argument("--reread", type=int, default=None, help="blocks the memory reads again before the question "
+                    "(`--memory-reread`; 0: attend the recalled blocks only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sinkchat" / "passkey")
     args = ap.parse_args()
     from sinkchat.memory import recall
 
-    global DEFAULT_REPS
+    global DEFAULT_REPS, REREAD
+    REREAD = args.reread
     recall.RULE = args.rule or recall.RULE
     recall.REPS = DEFAULT_REPS = args.reps or recall.REPS
     res = run(args)

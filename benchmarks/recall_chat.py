@@ -130,6 +130,7 @@ def ask(engine: Any, say: Say, kind: str, value: str, span: tuple[int, int]) -> 
     return {"fact": kind, "value": value, "span": list(span), "at": engine.ledger.seen, "reply": reply,
             "right": is_right(value, reply), "in_window": in_window,
             "recalled": None if got is None else bool(hit), "recalled_layers": max((r.layers for r in hit), default=0),
+            "reread": None if got is None else any(r.reread for r in hit),
             "recalled_blocks": None if got is None else [[r.first, r.last, r.layers] for r in got],
             "seconds": round(time.perf_counter() - t0, 2)}
 

@@ -65,6 +65,8 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
                                "are forgotten, and that is reported)"),
     "SINKCHAT_MEMORY_BLOCK": ("64", "tokens per recall-memory block"),
     "SINKCHAT_MEMORY_TOPK": ("4", "recall-memory blocks each layer attends to at a time"),
+    "SINKCHAT_MEMORY_REREAD": ("3", "recall-memory blocks read again as text before a message that names what they hold "
+                               "(the block it names and its neighbours; 0 = none)"),
     "SINKCHAT_MEMORY_RAM": ("64", "MB of recalled blocks kept in RAM (least recently used go first)"),
     "SINKCHAT_MEMORY_BITS": ("16", "bits a stored key / value takes in the recall memory: 16 (the cache's own, exact) "
                                    "or 8 (int8 with a scale per token and head: half the disk)"),
@@ -270,6 +272,7 @@ class MemoryConfig:
     topk: int = 4
     ram_mb: int = 64
     bits: int = 16
+    reread: int = 3
 
     def __post_init__(self) -> None:
         if self.mode not in MEMORY_MODES:
@@ -284,6 +287,8 @@ class MemoryConfig:
             raise ConfigError("--memory-ram must be at least 1 (MB)")
         if self.bits not in (8, 16):
             raise ConfigError(f"--memory-bits must be 8 or 16, not {self.bits!r}")
+        if not 0 <= self.reread <= 9:
+            raise ConfigError("--memory-reread must be between 0 and 9 (blocks)")
 
     @property
     def on(self) -> bool:
@@ -368,6 +373,7 @@ def _env_settings() -> Settings:
             topk=env("SINKCHAT_MEMORY_TOPK", int),
             ram_mb=env("SINKCHAT_MEMORY_RAM", int),
             bits=env("SINKCHAT_MEMORY_BITS", int),
+            reread=env("SINKCHAT_MEMORY_REREAD", int),
         ),
     )
 

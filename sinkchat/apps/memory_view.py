@@ -155,14 +155,19 @@ def ages(recalled: Sequence[Recalled], now: float | None = None) -> str:
 
 
 def recalled_line(recalled: Sequence[Recalled], now: float | None = None) -> str:
-    """After a reply: what it read from the memory. `↺ recalled 3 blocks: tokens 3,100–3,483, 41 min ago`."""
-    return f"↺ recalled {plural(len(recalled), 'block')}: tokens {token_ranges(recalled)}, {ages(recalled, now)}"
+    """After a reply: what it read from the memory. `↺ recalled 3 blocks: tokens 3,100–3,483, 41 min ago`, and
+    `; read again: 3,100–3,291` when the message named some of them (`Engine.feed_query`: fed again as text)."""
+    again = [r for r in recalled if r.reread]
+    tail = f"; read again: {token_ranges(again)}" if again else ""
+    return f"↺ recalled {plural(len(recalled), 'block')}: tokens {token_ranges(recalled)}, {ages(recalled, now)}{tail}"
 
 
 def recall_header(r: Recalled, now: float | None = None) -> str:
-    """One block in /recall: `block 12 · tokens 3,100–3,163 · 41 min ago · in 27/30 layers`."""
+    """One block in /recall: `block 12 · tokens 3,100–3,163 · 41 min ago · in 27/30 layers`, and `· read again as
+    text` for a block the message named (`Engine.feed_query`)."""
     age = age_text(r.age(time.time() if now is None else now))
-    return f"block {r.bid} · tokens {span(r.first, r.last)} · {age} · in {r.layers}/{r.of} layers"
+    again = " · read again as text" if r.reread else ""
+    return f"block {r.bid} · tokens {span(r.first, r.last)} · {age} · in {r.layers}/{r.of} layers{again}"
 
 
 # ------------------------------------------------------------------------------------------------- /stats, /memory
@@ -176,7 +181,9 @@ def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last:
     rows = [
         ("recall memory", f"{plural(mem.blocks, 'block')}, {plural(mem.tokens, 'token')}, "
                           f"{human_bytes(mem.disk_bytes)} on disk (budget {human_bytes(mem.budget)})"),
-        ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, or /forget)"),
+        ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, or /forget)" if not mem.copies
+         else f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
+              f"holds those), the rest over the budget, unreadable, or /forget"),
         ("memory RAM", f"index {human_bytes(mem.index_bytes)}, recalled blocks {human_bytes(mem.ram_bytes)}"),
     ]
     if isinstance(mem, MemoryFigures) and mem.region_bytes:

@@ -119,9 +119,17 @@ class Ledger:
     cleared: int = 0
     start: int = 0
     pinned: int = 0
+    # transient, not state: the lowest `seen` a truncate left since `take_low_water` (stream indices from it on were
+    # taken back, and the next tokens fed reuse them)
+    low_water: int | None = field(default=None, compare=False)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def take_low_water(self) -> int | None:
+        """Where the stream was taken back to since the last call (None: nowhere); starts over."""
+        low, self.low_water = self.low_water, None
+        return low
 
     def append(self, token_ids: list[int]) -> None:
         self.ids.extend(token_ids)
@@ -151,6 +159,8 @@ class Ledger:
         del self.ids[length:]
         del self.abs_index[length:]
         self.seen -= removed
+        if removed:
+            self.low_water = self.seen if self.low_water is None else min(self.low_water, self.seen)
         self.pinned = min(self.pinned, length)
 
     def clear(self) -> None:

@@ -97,6 +97,7 @@ class Engine(Remembering):
         self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
         self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
         self.unkept: list[tuple[int, int]] = []  # stream ranges the recall memory lets go (`keep_out`)
+        self.copies: list[tuple[int, int]] = []  # those of them that are blocks read again (`reread`)
         self._forgotten: list[ForgottenEvent] = []  # what the memory forgot, yielded after the eviction that caused it
         self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
         messages.pinned_prefix(self)  # a system prompt too large to pin: one line now, not at the first message
@@ -323,7 +324,7 @@ class Engine(Remembering):
             self.ledger.clear()
             self.conv.reset()
             self.last_logits = None
-            self.unkept = []
+            self.unkept, self.copies = [], []
             if self.memory is not None:
                 self.memory.clear(self.cache)
 

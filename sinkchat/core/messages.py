@@ -67,7 +67,8 @@ def taken_back(eng: Engine) -> Iterator[None]:
 
 def add_message(eng: Engine, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
     """Template only the new message (plus the assistant header) and feed it; the system block first and on its
-    own where it is to be pinned (`pinned_prefix`)."""
+    own where it is to be pinned (`pinned_prefix`); before a user's message, the memory's blocks it names read
+    again (`Engine.feed_query`)."""
     eng.message_taken_back = False
     prefix = pinned_prefix(eng)  # a ConfigError here: nothing fed, nothing to take back
     with taken_back(eng):
@@ -76,7 +77,10 @@ def add_message(eng: Engine, role: str, content: str, add_generation_prompt: boo
             yield from eng.feed(prefix)
             eng.ledger.pinned = eng.cache.length
             delta = delta[len(prefix) :]
-        yield from eng.feed(delta)
+        if role == "user":  # what the memory holds that the message names, read again just before it
+            yield from eng.feed_query(eng.encode(delta))
+        else:
+            yield from eng.feed(delta)
         eng.reply_turn = add_generation_prompt
 
 

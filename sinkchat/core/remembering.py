@@ -1,5 +1,6 @@
 """The recall memory's side of eviction, as a mixin of the Engine: an agent's finished task set aside into the
-memory, and stream ranges the memory lets go instead of keeping (an agent's example turns).
+memory, stream ranges the memory lets go instead of keeping (an agent's example turns, copies of blocks read again),
+and a query fed after the blocks it names, read again as text (`feed_query`).
 
 Split from engine.py to keep it about model calls and the cache; these methods use the Engine's cache, ledger and
 memory and its `_evict`.
@@ -14,7 +15,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from sinkchat.core.cache_policy import Eviction, Ledger, kept_parts
-from sinkchat.core.events import EvictionEvent, ForgottenEvent
+from sinkchat.core.events import Event, EvictionEvent, ForgottenEvent
 
 if TYPE_CHECKING:
     from sinkchat.memory.recall import RecallMemory
@@ -27,6 +28,7 @@ class Remembering:
     ledger: Ledger
     cache: Any
     unkept: list[tuple[int, int]]
+    copies: list[tuple[int, int]]  # the unkept ranges that are blocks read again (`reread`): "re-read" when they go
     _forgotten: list[ForgottenEvent]
 
     def _evict(self, ev: Eviction) -> list[EvictionEvent | ForgottenEvent]:  # the Engine's
@@ -34,6 +36,37 @@ class Remembering:
 
     def pinned_slots(self) -> int:  # the Engine's
         raise NotImplementedError
+
+    def feed_ids(self, ids: list[int]) -> Iterator[Any]:  # the Engine's
+        raise NotImplementedError
+
+    def feed_query(self, query: list[int]) -> Iterator[Event]:
+        """Feed `query` (a message, a question) after the memory's blocks its words single out, read again as text
+        (`memory.reread`, the `reread` setting's number of blocks; nothing else when the memory is off or the query
+        names no block). The copies and the query go in one feed (passkey at 4k, 20 trials, one block read again:
+        17/20 in one feed, 16/20 fed apart); the memory does not keep them a second time
+        (they go as "re-read" when they leave the window), and they count in what the reply recalled."""
+        mem = self.memory
+        got = []
+        if mem is not None and mem.cfg.reread > 0 and not any(b == sys.maxsize for _, b in self.unkept):
+            from sinkchat.memory.reread import to_reread  # not inside scaffolding the memory does not keep
+
+            got = to_reread(mem, query, mem.cfg.reread)
+        if not got:
+            yield from self.feed_ids(query)
+            return
+        again = [t for _, ids in got for t in ids]
+        first = self.ledger.seen
+        self.keep_out(first, first + len(again))
+        self.copies = [c for c in self.copies if c in self.unkept] + [(first, first + len(again))]
+        try:
+            yield from self.feed_ids(again + list(query))
+        finally:
+            if self.ledger.seen < first + len(again):  # interrupted inside the copy: the rest was never fed
+                self._cut_ranges(self.ledger.seen)
+        assert mem is not None
+        for bid, _ in got:
+            mem.reread[bid] = first
 
     def set_aside(self, length: int) -> list[EvictionEvent | ForgottenEvent]:
         """Take slots >= `length` out of the window into the recall memory (an agent's finished task, before the
@@ -46,10 +79,26 @@ class Remembering:
         self.memory.hold_queue()
         return events
 
+    def _taken_back(self) -> None:
+        """Cut the ranges (`keep_out`, `reread`'s copies) at where the stream was last taken back to (an interrupted
+        message, a soak probe, an agent's task checkpoint): the stream indices past it were never kept in the
+        stream, and the tokens fed next reuse them (a probe's copy would otherwise mark the next real tokens as
+        copies the memory holds, and let them go)."""
+        low = self.ledger.take_low_water()
+        if low is not None:
+            self._cut_ranges(low)
+
+    def _cut_ranges(self, low: int) -> None:
+        """No range reaches past stream index `low` any more (indices from it on are fed anew)."""
+        cut = [(a, min(b, low)) for a, b in self.unkept if a < low]
+        self.copies = [(a, min(b, low)) for a, b in self.copies if a < low]
+        self.unkept = cut
+
     def _remember(self, ev: Eviction) -> bool:
         """The slots of `ev` into the recall memory, but for the stream ranges marked not to be kept (`keep_out`):
         the memory lets those go at once, counted and reported as forgotten ("not kept"). True if any was kept."""
         assert self.memory is not None
+        self._taken_back()
         ab, any_kept = self.ledger.abs_index, False
         for part, keep in kept_parts(ab, ev, self.unkept):
             end = part.start + part.count
@@ -60,7 +109,11 @@ class Remembering:
                                                       self.pinned_slots())
             else:
                 self.memory.forgotten += part.count
-                self._forgotten.append(ForgottenEvent(part.count, ab[part.start], ab[end - 1] + 1, "not kept"))
+                a = ab[part.start]
+                why = "re-read" if any(f <= a < b for f, b in self.copies) else "not kept"
+                if why == "re-read":  # a copy of tokens the memory holds: forgotten, but nothing is lost
+                    self.memory.copies += part.count
+                self._forgotten.append(ForgottenEvent(part.count, a, ab[end - 1] + 1, why))
         return any_kept
 
     def keep_out(self, first: int, last: int | None = None) -> None:
@@ -73,6 +126,7 @@ class Remembering:
         `finally`) to close the range."""
         if self.memory is None:
             return
+        self._taken_back()
         ab = self.ledger.abs_index  # ascending: stream order
         kept = [(a, b) for a, b in self.unkept if a < first and _holds(ab, a, b)]  # past ranges still in the cache
         if last is None or last > first:

@@ -55,7 +55,7 @@ def save(memory: Any, folder: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
             _copy(src, dst, size)
     head = {
         "version": VERSION, "block": memory.B, "topk": memory.topk, "layers": memory.layers,
-        "next_id": memory.next_id, "forgotten": memory.forgotten, "since": memory.since,
+        "next_id": memory.next_id, "forgotten": memory.forgotten, "copies": memory.copies, "since": memory.since,
         "after_chunk": memory.after_chunk, "q_pos": memory.q_pos, "chosen": memory.chosen, "held": memory.held,
         "lexical": memory.lexical,
         "born": {str(b): t for b, t in memory.born.items()},
@@ -234,6 +234,7 @@ def commit(memory: Any, r: Restored, cache: Any) -> None:
     memory.store, memory.index, memory.queue, memory.queries = r.store, r.index, r.queue, r.queries
     memory.slices.clear()
     memory.next_id, memory.forgotten, memory.q_pos = int(h["next_id"]), int(h["forgotten"]), int(h["q_pos"])
+    memory.copies = int(h.get("copies", 0))  # saved before blocks were read again: none
     memory.since, memory.after_chunk, memory.held = int(h["since"]), bool(h["after_chunk"]), int(h.get("held", 0))
     memory.chosen = [[int(b) for b in c] for c in h["chosen"]]
     memory.lexicon = r.lexicon

@@ -92,9 +92,11 @@ class RecallMemory:
         self.since = 0  # single-token calls since the last choice
         self.after_chunk = False  # the last call was a chunk: the next single token chooses with its queries
         self.forgotten = 0  # tokens reported forgotten, all reasons
+        self.copies = 0  # of them: copies of stored blocks read again (`Engine.feed_query`) let go, nothing lost
         self.held = 0  # queued tokens at the queue's front not attended: set aside (`hold_queue`), not the window's
         self.born: dict[int, float] = {}  # block id -> wall time it was stored (its tokens' age)
         self.recalled: dict[int, int] = {}  # block id -> most layers it was in at one call, since `take_recalled`
+        self.reread: dict[int, int] = {}  # block id -> the stream index its copy starts at (`Engine.feed_query`)
 
     @classmethod
     def for_spec(cls, cfg: MemoryConfig, spec: ModelSpec, root: Path, rule: str | None = None,
@@ -392,7 +394,7 @@ class RecallMemory:
         self.lexical = None
         self.slices.clear()
         self.queue, self.queries = [], None
-        self.born, self.recalled, self.held = {}, {}, 0
+        self.born, self.recalled, self.reread, self.held = {}, {}, {}, 0
         self.placed = [() for _ in self.layers]
         self.queue_placed = ()
         self.chosen = [[] for _ in self.layers]

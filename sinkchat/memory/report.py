@@ -27,12 +27,14 @@ class MemoryStats:
     budget: int
     index_bytes: int
     ram_bytes: int
+    copies: int = 0  # of `forgotten`: copies of blocks read again as text, let go (the memory holds the originals)
 
 
 @dataclass(frozen=True)
 class Recalled:
-    """A block a reply read: its id, the stream range [first, last) it holds, the wall time it was stored, and in
-    how many of the memory's layers it was chosen (at most `of`) at one call."""
+    """A block a reply read: its id, the stream range [first, last) it holds, the wall time it was stored, in how
+    many of the memory's layers it was chosen (at most `of`) at one call, and whether it was also read again as
+    text before the message (`Engine.feed_query`)."""
 
     bid: int
     first: int
@@ -40,6 +42,7 @@ class Recalled:
     born: float
     layers: int
     of: int
+    reread: bool = False
 
     def age(self, now: float | None = None) -> float:
         """Seconds since the block was stored."""
@@ -48,18 +51,20 @@ class Recalled:
 
 def stats(memory: Any) -> MemoryStats:
     return MemoryStats(memory.blocks, memory.tokens, memory.forgotten, memory.disk_bytes, memory.store.budget,
-                       memory.index_bytes, memory.lru_bytes)
+                       memory.index_bytes, memory.lru_bytes, getattr(memory, "copies", 0))
 
 
 def take_recalled(memory: Any) -> list[Recalled]:
     """The blocks recalled since the last take (a reply's), in stream order; the tally starts again. A block
     forgotten since (budget, damage) is not listed."""
     out = []
-    for bid, n in sorted(memory.recalled.items()):
+    again = getattr(memory, "reread", {})
+    for bid in sorted(set(memory.recalled) | set(again)):
         w = memory.store.where.get(bid)
         if w is not None:
-            out.append(Recalled(bid, w.first, w.last, memory.born.get(bid, time.time()), n, len(memory.layers)))
-    memory.recalled = {}
+            out.append(Recalled(bid, w.first, w.last, memory.born.get(bid, time.time()), memory.recalled.get(bid, 0),
+                                len(memory.layers), bid in again))
+    memory.recalled, memory.reread = {}, {}
     return out
 
 

@@ -335,6 +335,7 @@ def _commit(engine: Any, st: _Restored) -> None:
     engine.sampling, engine.generator = st.sampling, st.generator
     if hasattr(engine, "unkept"):
         engine.unkept = []  # ranges of the stream that was here (`Engine.keep_out`), not of the loaded one
+        engine.copies = []
     memory = getattr(engine, "memory", None)
     if memory is not None and st.memory is not None:
         persist.commit(memory, st.memory, engine.cache)

@@ -54,7 +54,7 @@ def show_after_reply(loop: ChatHost) -> list[dict[str, Any]] | None:
     loop.r.info(line, style="dim cyan")
     loop.slog.event("recalled", line.removeprefix("↺ recalled "), None, sum(r.last - r.first for r in got))
     return [{"block": r.bid, "first": r.first, "last": r.last, "age_seconds": round(r.age(now), 1),
-             "layers": r.layers, "of": r.of} for r in got]
+             "layers": r.layers, "of": r.of, "reread": r.reread} for r in got]
 
 
 def stats_rows(loop: ChatHost) -> list[tuple[str, str]]:

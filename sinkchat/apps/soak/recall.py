@@ -267,8 +267,9 @@ class RecallProbe:
         take_recalled(engine.memory)  # what this probe recalls, from here
         try:
             start = f"The code word for the {f.topic} is"
-            if self.style == "text":
-                yield from self._feed(engine, f"\n\nQuestion: {question}\nAnswer: {start}")
+            if self.style == "text":  # what the memory holds that the question names read again first, as a
+                ask = f"\n\nQuestion: {question}\nAnswer: {start}"  # chat message gets it (`Engine.feed_query`)
+                yield from logged(engine.feed_query(engine.encode(ask)), self.slog() or _null())
             else:  # logged as an event by the runner, not as turns: it is taken back
                 yield from logged(engine.add_message("user", question), self.slog() or _null())
                 yield from self._feed(engine, start)  # the reply's first words

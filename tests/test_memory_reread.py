@@ -1,0 +1,190 @@
+"""Blocks read again as text before a message (`Engine.feed_query`, `memory/reread.py`): exactly the stored tokens of
+the block the message names and its neighbours, fed once before the message; copies the memory lets go (reported
+"re-read", counted apart from what was lost); nothing at all when the memory is off, `reread` is 0, the message
+names no block, or the message is scaffolding the memory does not keep.
+
+A tiny random llama and a one-character-a-token tokenizer: a block of 8 tokens is 8 characters, so a message can
+name one block's words exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fakes import CharTokenizer, tiny_model
+from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
+from sinkchat.core.engine import Engine
+from sinkchat.memory import report
+from sinkchat.memory.recall import RecallMemory
+from sinkchat.memory.reread import neighbours
+from sinkchat.memory.store import Where
+from sinkchat.model.spec import ModelSpec
+
+torch.set_num_threads(1)
+
+
+def w(first: int, last: int) -> Where:
+    return Where(0, 0, 0, first, last, last - first)
+
+
+def test_neighbours_take_the_pick_then_next_then_previous_and_stop_at_gaps():
+    where = {1: w(0, 8), 2: w(8, 16), 3: w(16, 24), 4: w(40, 48), 5: w(48, 56)}
+    ids = [1, 2, 3, 4, 5]
+    assert neighbours(where, ids, 2, 1) == [2]
+    assert neighbours(where, ids, 2, 2) == [2, 3]  # the next block first: a fact cut at the pick's end
+    assert neighbours(where, ids, 2, 3) == [1, 2, 3]
+    assert neighbours(where, ids, 2, 9) == [1, 2, 3]  # no block past a gap in the stream
+    assert neighbours(where, ids, 3, 3) == [1, 2, 3]  # 4 holds [40, 48): not next to 3
+    assert neighbours(where, ids, 4, 3) == [4, 5]
+    assert neighbours(where, ids, 4, 0) == [] and neighbours(where, ids, 9, 3) == []
+
+
+WORDS = ["apple", "brick", "cloud", "delta", "ember", "frost", "grove", "haven", "ivory", "jolly", "kite", "lemon"]
+
+
+def engine(root: Path | None, reread: int = 1) -> Engine:
+    model = tiny_model("llama", layers=2, max_pos=2048)
+    mem = None
+    if root is not None:
+        cfg = MemoryConfig("on", 64, 8, 2, 64, reread=reread)
+        mem = RecallMemory.for_spec(cfg, ModelSpec.from_model(model), root)
+    return Engine(model, CharTokenizer(), CacheConfig(policy="sink", n_sink=4, capacity=96),
+                  SamplingConfig(temperature=0, max_tokens=4, repetition_penalty=1.0), memory=mem)
+
+
+def stream(seed: int = 0) -> str:
+    """~600 characters of lower-case words, with one block-sized fact only it holds ("zq7x!") in the middle."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(50)]
+    return " ".join(words[:25]) + " zq7x! " + " ".join(words[25:]) + " "
+
+
+def fed_after(eng: Engine, since: int) -> list[int]:
+    return [t for t, a in zip(eng.ledger.ids, eng.ledger.abs_index) if a >= since]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_a_named_block_and_its_neighbours_are_fed_again_exactly(tmp_path, n):
+    eng = engine(tmp_path / "m", reread=n)
+    for _ in eng.feed(stream()):
+        pass
+    mem = eng.memory
+    assert mem.blocks >= 8
+    query = eng.encode("what was zq7x! about")
+    pick = mem.lexicon.pick(query)
+    assert pick is not None and "zq7x" in "".join(eng.tokenizer.decode(mem.store.token_ids(pick).tolist()))
+    ids = mem.index.ids
+    want = neighbours(mem.store.where, ids, pick, n)
+    assert len(want) == n and pick in want
+    since = eng.ledger.seen
+    for _ in eng.feed_query(query):
+        pass
+    again = [t for b in want for t in mem.store.token_ids(b).tolist()]
+    assert fed_after(eng, since) == again + query  # the blocks' own tokens in stream order, then the query
+    assert sorted(mem.reread) == sorted(want)
+    got = report.take_recalled(mem)
+    assert {r.bid for r in got if r.reread} == set(want)
+    # the copies leave the window as the stream goes on: let go as "re-read", never stored a second time
+    events = [e for e in eng.feed(stream(1)) if type(e).__name__ == "ForgottenEvent"]
+    copies = [e for e in events if e.reason == "re-read"]
+    assert sum(e.count for e in copies) == len(again) == mem.copies
+    assert all(since <= e.first and e.last <= since + len(again) for e in copies)
+    assert eng.ledger.evicted == mem.tokens + mem.forgotten
+    stored = {int(a) for b in mem.index.ids for a in mem.store.read(b).abs_index}
+    assert not stored & set(range(since, since + len(again)))  # no copy stored (a block may span them: a gap)
+    mem.close()
+
+
+def test_nothing_is_read_again_when_off_zero_unnamed_or_scaffolding(tmp_path):
+    for eng in (engine(None), engine(tmp_path / "z", reread=0), engine(tmp_path / "u")):
+        for _ in eng.feed(stream()):
+            pass
+        seen = eng.ledger.seen
+        named = eng.encode("what was about" if eng.memory is not None and eng.memory.cfg.reread else "zq7x!")
+        for _ in eng.feed_query(named):
+            pass
+        assert fed_after(eng, seen) == named  # the query alone
+    eng = engine(tmp_path / "s")
+    for _ in eng.feed(stream()):
+        pass
+    seen = eng.ledger.seen
+    q = eng.encode("zq7x!")
+    with eng.not_kept():  # an agent's example turns: no recall fed into them
+        for _ in eng.feed_query(q):
+            pass
+    assert fed_after(eng, seen) == q
+    for _ in eng.feed_query(q):
+        pass
+    assert eng.ledger.seen > seen + 2 * len(q)
+
+
+def test_a_chat_message_reads_again_before_itself_and_off_is_bit_identical(tmp_path):
+    a, b = engine(tmp_path / "a"), engine(tmp_path / "b", reread=0)
+    for eng in (a, b):
+        for _ in eng.feed(stream()):
+            pass
+    for eng in (a, b):
+        since = eng.ledger.seen
+        for _ in eng.add_message("user", "zq7x!"):
+            pass
+        eng.fed = fed_after(eng, since)
+    msg = b.fed  # with reread 0, the templated message alone
+    assert a.fed[-len(msg):] == msg and len(a.fed) > len(msg)
+    assert a.fed[: -len(msg)] == [t for bid in sorted(a.memory.reread) for t in a.memory.store.token_ids(bid).tolist()]
+    # a message that names no block: the same cache, bit for bit, as with reread 0
+    c, d = engine(tmp_path / "c"), engine(tmp_path / "d", reread=0)
+    for eng in (c, d):
+        for _ in eng.feed(stream()):
+            pass
+        for _ in eng.add_message("user", "tell me more"):
+            pass
+    assert not c.memory.reread and c.ledger.ids == d.ledger.ids
+    sc, sd = c.cache.state(), d.cache.state()
+    assert all(torch.equal(sc[k], sd[k]) for k in sc)
+    for e in (a, b, c, d):
+        e.memory.close()
+
+
+def test_a_copy_taken_back_does_not_mark_the_tokens_fed_after_it(tmp_path):
+    """A soak probe (or an interrupted message) takes back what it fed, its copy included; the next tokens reuse
+    those stream indices and must be kept like any others, not let go as copies."""
+    eng = engine(tmp_path / "m")
+    for _ in eng.feed(stream()):
+        pass
+    seen = eng.ledger.seen
+    for _ in eng.feed_query(eng.encode("zq7x!")):
+        pass
+    assert eng.ledger.seen > seen + 5 and eng.copies
+    k = eng.ledger.abs_index.index(seen)  # taken back, as `soak.recall.take_back` does
+    eng.cache.truncate(k)
+    eng.ledger.truncate(k)
+    assert eng.ledger.seen == seen
+    events = [e for e in eng.feed(stream(2) + stream(3)) if type(e).__name__ == "ForgottenEvent"]
+    assert not events and eng.memory.copies == 0
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+    eng.memory.close()
+
+
+def test_a_copy_cut_short_marks_only_what_it_fed(tmp_path):
+    eng = engine(tmp_path / "m", reread=2)
+    for _ in eng.feed(stream()):
+        pass
+    eng.prefill_chunk = 4
+    seen = eng.ledger.seen
+    gen = eng.feed_query(eng.encode("zq7x!"))
+    for ev in gen:
+        if type(ev).__name__ == "PrefillEvent":
+            break
+    gen.close()  # Ctrl-C after the first 4 tokens of a 16-token copy
+    assert eng.ledger.seen == seen + 4 and eng.copies == [(seen, seen + 4)]
+    assert eng.unkept == [(seen, seen + 4)]
+    eng.prefill_chunk = 256
+    events = [e for e in eng.feed(stream(2) + stream(3)) if type(e).__name__ == "ForgottenEvent"]
+    assert [(e.first, e.last, e.reason) for e in events] == [(seen, seen + 4, "re-read")]
+    assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
+    eng.memory.close()
