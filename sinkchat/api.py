@@ -51,13 +51,16 @@ class EngineState:
     reply_turn: bool = False
     generator: Any = None
     memory: Any = None  # the conversation's own recall memory (None: the engine runs without one)
+    unkept: list[tuple[int, int]] = field(default_factory=list)  # its stream ranges the memory lets go (keep_out)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # of them, copies of blocks read again
 
 
 def capture(engine: Any) -> EngineState:
     """The engine's current conversation as a state (the engine keeps using the same objects until `install`)."""
     led = {f.name: getattr(engine.ledger, f.name) for f in fields(engine.ledger)}
     return EngineState(engine.cache, engine.cache_cfg, led, engine.conv, engine.last_logits,
-                       list(engine.last_reply_ids), engine.reply_turn, engine.generator, engine.memory)
+                       list(engine.last_reply_ids), engine.reply_turn, engine.generator, engine.memory,
+                       list(getattr(engine, "unkept", [])), list(getattr(engine, "copies", [])))
 
 
 def install(engine: Any, state: EngineState) -> None:
@@ -69,6 +72,7 @@ def install(engine: Any, state: EngineState) -> None:
     engine.last_logits, engine.last_reply_ids = state.last_logits, list(state.last_reply_ids)
     engine.reply_turn, engine.generator = state.reply_turn, state.generator
     engine.memory = state.memory
+    engine.unkept, engine.copies = list(state.unkept), list(state.copies)
 
 
 def fresh_state(engine: Any, system: str | None) -> EngineState:
@@ -114,7 +118,7 @@ class Session:
     def stream(self, text: str, role: str = "user", **sampling: Any) -> Iterator[str]:
         """Send one message and yield the reply as it is generated. Closing the iterator early stops the reply;
         what was generated stays in the cache and the conversation, as after a Ctrl-C in the chat REPL."""
-        self._drain(self.engine.add_message(role, text))
+        self._drain(self.engine.add_message(role, text, recall=role == "user"))
         yield from self._reply(**sampling)
 
     def feed(self, text: str) -> int:

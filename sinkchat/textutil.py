@@ -18,3 +18,13 @@ def utf8_safe(text: str) -> str:
     if is_utf8(text):
         return text
     return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def count(n: int) -> str:
+    """A figure with thousands separators: 52,123."""
+    return f"{n:,}"
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 block`, `2 blocks`, `0 replies` (`many`: the plural when it is not `word` + s), figure separated."""
+    return f"{count(n)} {word if n == 1 else many or word + 's'}"

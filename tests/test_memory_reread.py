@@ -21,7 +21,7 @@ from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.memory import report
 from sinkchat.memory.recall import RecallMemory
-from sinkchat.memory.reread import neighbours
+from sinkchat.memory.reread import neighbours, to_reread
 from sinkchat.memory.store import Where
 from sinkchat.model.spec import ModelSpec
 
@@ -130,7 +130,7 @@ def test_a_chat_message_reads_again_before_itself_and_off_is_bit_identical(tmp_p
             pass
     for eng in (a, b):
         since = eng.ledger.seen
-        for _ in eng.add_message("user", "zq7x!"):
+        for _ in eng.add_message("user", "zq7x!", recall=True):
             pass
         eng.fed = fed_after(eng, since)
     msg = b.fed  # with reread 0, the templated message alone
@@ -141,7 +141,7 @@ def test_a_chat_message_reads_again_before_itself_and_off_is_bit_identical(tmp_p
     for eng in (c, d):
         for _ in eng.feed(stream()):
             pass
-        for _ in eng.add_message("user", "tell me more"):
+        for _ in eng.add_message("user", "tell me more", recall=True):
             pass
     assert not c.memory.reread and c.ledger.ids == d.ledger.ids
     sc, sd = c.cache.state(), d.cache.state()
@@ -188,3 +188,88 @@ def test_a_copy_cut_short_marks_only_what_it_fed(tmp_path):
     assert [(e.first, e.last, e.reason) for e in events] == [(seen, seen + 4, "re-read")]
     assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
     eng.memory.close()
+
+
+def test_only_a_persons_message_reads_again(tmp_path):
+    """Log chunks, an agent's tasks and tool results, history fed again: `add_message` without `recall`."""
+    a, b = engine(tmp_path / "a", reread=3), engine(tmp_path / "b", reread=0)
+    for eng in (a, b):
+        for _ in eng.feed(stream()):
+            pass
+        since = eng.ledger.seen
+        for _ in eng.add_message("user", "zq7x!"):
+            pass
+        eng.fed = fed_after(eng, since)
+    assert not a.memory.reread and a.fed == b.fed
+    for _ in a.add_message("user", "zq7x!", recall=True):
+        pass
+    assert a.memory.reread
+    for e in (a, b):
+        e.memory.close()
+
+
+def test_the_copies_fit_half_the_window_beside_the_query(tmp_path):
+    """Copies evicted in the same feed would be read by nothing and push the recent context out: the neighbours
+    farthest from the pick go first, then the pick; a long paste reads nothing again."""
+    eng = engine(tmp_path / "m")
+    for _ in eng.feed(stream()):
+        pass
+    mem, q = eng.memory, eng.encode("zq7x!")
+    pick, where = mem.lexicon.pick(q), mem.store.where
+    three = [b for b, _ in to_reread(mem, q, 3, 10_000)]
+    assert len(three) == 3 and pick in three
+    two = [b for b, _ in to_reread(mem, q, 3, sum(where[b].n for b in three) - 1)]
+    assert len(two) == 2 and pick in two and set(two) < set(three)
+    assert [b for b, _ in to_reread(mem, q, 3, where[pick].n)] == [pick]
+    assert to_reread(mem, q, 3, where[pick].n - 1) == []
+    long = eng.encode("zq7x! " * 10)  # 60 tokens: more than half the 92-token window
+    since = eng.ledger.seen
+    for _ in eng.feed_query(long):
+        pass
+    assert fed_after(eng, since) == long and not mem.reread
+    mem.close()
+
+
+def test_a_served_conversation_keeps_its_own_ranges(tmp_path):
+    """Serve swaps conversations on one engine: a copy range of one must not mark another's tokens."""
+    from sinkchat.api import capture, fresh_state, install
+
+    eng = engine(tmp_path / "m")
+    for _ in eng.feed(stream()):
+        pass
+    for _ in eng.feed_query(eng.encode("zq7x!")):
+        pass
+    a = capture(eng)
+    assert a.copies and a.unkept
+    install(eng, fresh_state(eng, None))
+    assert eng.copies == [] and eng.unkept == []
+    events = [e for e in eng.feed(stream(2) + stream(3)) if type(e).__name__ == "ForgottenEvent"]
+    assert not events and eng.memory.copies == 0
+    b_mem = eng.memory
+    install(eng, a)
+    assert eng.copies == a.copies
+    events = [e for e in eng.feed(stream(4)) if type(e).__name__ == "ForgottenEvent"]
+    assert events and all(e.reason == "re-read" for e in events)
+    for m in (eng.memory, b_mem):
+        m.close()
+
+
+def test_a_saved_session_keeps_its_ranges(tmp_path):
+    """/save then --resume: copies still in the window leave it as copies, not stored a second time."""
+    from sinkchat.store.snapshot import load_snapshot, save_snapshot
+
+    eng = engine(tmp_path / "m")
+    for _ in eng.feed(stream()):
+        pass
+    for _ in eng.feed_query(eng.encode("zq7x!")):
+        pass
+    path = save_snapshot(eng, tmp_path / "s.safetensors")
+    other = engine(tmp_path / "o")
+    load_snapshot(other, path)
+    assert other.copies == eng.copies and other.unkept == eng.unkept
+    for e in (eng, other):
+        e.got = [(x.first, x.last, x.reason) for x in e.feed(stream(2)) if type(x).__name__ == "ForgottenEvent"]
+    assert eng.got and other.got == eng.got
+    assert other.memory.tokens == eng.memory.tokens
+    for e in (eng, other):
+        e.memory.close()

@@ -2,7 +2,7 @@
 /recall's block headers, and the KV the memory's region takes in the cache, apart from the window's.
 
 Kept apart from `render` (which imports this module, never the other way) so the renderer stays about drawing. The
-figure spelling shared by both (`count`, `compact`, `plural`, `span`) lives here for that reason.
+figure spelling shared by both (`compact`, `span`; `count` and `plural` from textutil) lives here for that reason.
 
 One notation for stream ranges everywhere the chat shows one: inclusive, with thousands separators (`3,100–3,163`,
 the tokens a person would count), turned from the engine's half-open [first, last) at the last moment (`span`).
@@ -21,22 +21,13 @@ from typing import Any, Sequence
 
 from sinkchat.core.metrics import Stats, fit_fields, human_bytes
 from sinkchat.memory.report import MemoryStats, Recalled
+from sinkchat.textutil import count, plural  # noqa: F401 - re-exported: the apps' figure spelling
 
 
 # ------------------------------------------------------------------------------------------------- figures, words
-def count(n: int) -> str:
-    """A figure with thousands separators: 52,123."""
-    return f"{n:,}"
-
-
 def compact(n: int) -> str:
     """A figure for a narrow line: 3,840 below ten thousand, then 52k, 1.2M."""
     return count(n) if n < 10_000 else f"{n / 1000:.0f}k" if n < 1_000_000 else f"{n / 1e6:.1f}M"
-
-
-def plural(n: int, word: str, many: str | None = None) -> str:
-    """`1 block`, `2 blocks`, `0 replies` (`many`: the plural when it is not `word` + s), figure separated."""
-    return f"{count(n)} {word if n == 1 else many or word + 's'}"
 
 
 def span(first: int, last: int) -> str:
@@ -183,7 +174,8 @@ def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last:
                           f"{human_bytes(mem.disk_bytes)} on disk (budget {human_bytes(mem.budget)})"),
         ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, or /forget)" if not mem.copies
          else f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
-              f"holds those), the rest over the budget, unreadable, or /forget"),
+              "holds those)" + ("" if mem.copies == mem.forgotten else
+                                ", the rest over the budget, unreadable, or /forget")),
         ("memory RAM", f"index {human_bytes(mem.index_bytes)}, recalled blocks {human_bytes(mem.ram_bytes)}"),
     ]
     if isinstance(mem, MemoryFigures) and mem.region_bytes:

@@ -232,14 +232,15 @@ class Engine(Remembering):
         """Feed raw text (no template) into the cache."""
         yield from self.feed_ids(self.encode(text))  # type: ignore[misc]
 
-    def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
+    def add_message(self, role: str, content: str, add_generation_prompt: bool = True, recall: bool = False
+                    ) -> Iterator[Event]:
         """Template only the new message (plus assistant header) and feed it (`core/messages.py`).
 
         Interrupted (Ctrl-C, or the generator closed) before the whole message is in: if nothing was evicted
         meanwhile, the message is taken back entirely (cache, ledger and conversation as before it), so a cut
         prompt never leaves half a message in the model's context. Once feeding it has evicted, the evicted
         tokens cannot come back, so what was fed stays and the conversation keeps the message."""
-        yield from messages.add_message(self, role, content, add_generation_prompt)
+        yield from messages.add_message(self, role, content, add_generation_prompt, recall)
 
     def feed_system(self) -> Iterator[Event]:
         """Feed the system prompt alone into a fresh conversation, pinned where `--pin system` pins it, so a caller
@@ -306,7 +307,7 @@ class Engine(Remembering):
 
     def chat(self, content: str, role: str = "user", max_tokens: int | None = None) -> Iterator[Event]:
         """One chat turn: feed the templated user message, generate the reply, record it in the conversation."""
-        yield from self.add_message(role, content)
+        yield from self.add_message(role, content, recall=True)
         try:
             yield from self.generate(max_tokens)
         finally:

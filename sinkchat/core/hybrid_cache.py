@@ -32,6 +32,7 @@ import torch
 from sinkchat.core.kv_cache import LAYER_CLASSES, Scratch, SinkKVCache, SinkLayer, TransformersBase
 from sinkchat.model.rope import Rope
 from sinkchat.model.spec import ModelSpec
+from sinkchat.textutil import plural
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class HybridKVCache(SinkKVCache):
         `stream` (tokens in the cache / fed since the stream began) from a ledger reading: the layers' own lengths
         run ahead of the ledger while a chunk is computed, one layer after another."""
         def layers(n: int) -> str:
-            return f"{n} layer{'s' if n != 1 else ''}"
+            return plural(n, 'layer')
 
         length = self.length if length is None else length
         g = f"global {layers(len(self.global_idx))} {length}/{self.capacity}"

@@ -65,20 +65,24 @@ def taken_back(eng: Engine) -> Iterator[None]:
         raise
 
 
-def add_message(eng: Engine, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Event]:
+def add_message(eng: Engine, role: str, content: str, add_generation_prompt: bool = True, recall: bool = False
+                ) -> Iterator[Event]:
     """Template only the new message (plus the assistant header) and feed it; the system block first and on its
-    own where it is to be pinned (`pinned_prefix`); before a user's message, the memory's blocks it names read
-    again (`Engine.feed_query`)."""
+    own where it is to be pinned (`pinned_prefix`). `recall`: a person's message (the chat, a served request's
+    new message, the API's): the memory's blocks it names are read again before it (`Engine.feed_query`); not for
+    log chunks, an agent's tasks and tool results, or history fed again."""
     eng.message_taken_back = False
     prefix = pinned_prefix(eng)  # a ConfigError here: nothing fed, nothing to take back
     with taken_back(eng):
+        close = eng.conv.closing() or ""  # what ends the last turn ("<|im_end|>\n" after a cut reply, "\n" after one)
         delta = eng.conv.delta_for(role, content, add_generation_prompt)
         if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
             yield from eng.feed(prefix)
             eng.ledger.pinned = eng.cache.length
             delta = delta[len(prefix) :]
-        if role == "user":  # what the memory holds that the message names, read again just before it
-            yield from eng.feed_query(eng.encode(delta))
+        if recall and role == "user":  # what the memory holds that the message names, read again before it, at
+            head = close if close and delta.startswith(close) else ""  # a turn boundary: after the last turn's
+            yield from eng.feed_query(eng.encode(delta[len(head) :]), eng.encode(head))  # close, not inside it
         else:
             yield from eng.feed(delta)
         eng.reply_turn = add_generation_prompt

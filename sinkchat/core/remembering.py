@@ -25,6 +25,7 @@ class Remembering:
     """`set_aside`, `keep_out` and `_remember` (what `Engine._evict_run` calls for each eviction with a memory)."""
 
     memory: RecallMemory | None
+    cache_cfg: Any
     ledger: Ledger
     cache: Any
     unkept: list[tuple[int, int]]
@@ -40,30 +41,32 @@ class Remembering:
     def feed_ids(self, ids: list[int]) -> Iterator[Any]:  # the Engine's
         raise NotImplementedError
 
-    def feed_query(self, query: list[int]) -> Iterator[Event]:
+    def feed_query(self, query: list[int], before: list[int] | tuple[int, ...] = ()) -> Iterator[Event]:
         """Feed `query` (a message, a question) after the memory's blocks its words single out, read again as text
-        (`memory.reread`, the `reread` setting's number of blocks; nothing else when the memory is off or the query
-        names no block). The copies and the query go in one feed (passkey at 4k, 20 trials, one block read again:
-        17/20 in one feed, 16/20 fed apart); the memory does not keep them a second time
-        (they go as "re-read" when they leave the window), and they count in what the reply recalled."""
+        (`memory.reread`, the `reread` setting's number of blocks, within half the window; nothing else when the
+        memory is off or the query names no block). `before` (what closes the last turn), the copies and the query
+        go in one feed (passkey at 4k, 20 trials, one block read again: 17/20 in one feed, 16/20 fed apart). The
+        memory does not keep the copies a second time (they go as "re-read" when they leave the window), and they
+        count in what the reply recalled."""
         mem = self.memory
         got = []
         if mem is not None and mem.cfg.reread > 0 and not any(b == sys.maxsize for _, b in self.unkept):
             from sinkchat.memory.reread import to_reread  # not inside scaffolding the memory does not keep
 
-            got = to_reread(mem, query, mem.cfg.reread)
+            room = (self.cache_cfg.capacity - self.pinned_slots()) // 2 - len(query) - len(before)
+            got = to_reread(mem, query, mem.cfg.reread, room)
         if not got:
-            yield from self.feed_ids(query)
+            yield from self.feed_ids(list(before) + list(query))
             return
         again = [t for _, ids in got for t in ids]
-        first = self.ledger.seen
+        first = self.ledger.seen + len(before)
         self.keep_out(first, first + len(again))
         self.copies = [c for c in self.copies if c in self.unkept] + [(first, first + len(again))]
         try:
-            yield from self.feed_ids(again + list(query))
+            yield from self.feed_ids(list(before) + again + list(query))
         finally:
-            if self.ledger.seen < first + len(again):  # interrupted inside the copy: the rest was never fed
-                self._cut_ranges(self.ledger.seen)
+            if self.ledger.seen < first + len(again):  # interrupted before the copy's end: the rest never fed
+                self._cut_ranges(max(first, self.ledger.seen))
         assert mem is not None
         for bid, _ in got:
             mem.reread[bid] = first
@@ -108,13 +111,24 @@ class Remembering:
                 self._forgotten += self.memory.absorb(self.cache, part.start, part.count, ids, ab[part.start : end],
                                                       self.pinned_slots())
             else:
-                self.memory.forgotten += part.count
-                a = ab[part.start]
-                why = "re-read" if any(f <= a < b for f, b in self.copies) else "not kept"
-                if why == "re-read":  # a copy of tokens the memory holds: forgotten, but nothing is lost
-                    self.memory.copies += part.count
-                self._forgotten.append(ForgottenEvent(part.count, a, ab[end - 1] + 1, why))
+                self._let_go(ab[part.start : end])
         return any_kept
+
+    def _let_go(self, abs_index: list[int]) -> None:
+        """Stream indices the memory lets go: one "forgotten" event a run of copies of blocks read again ("re-read":
+        the memory holds the originals, counted in `copies`) or of other scaffolding ("not kept")."""
+        assert self.memory is not None
+        self.memory.forgotten += len(abs_index)
+        runs: list[list[Any]] = []  # [why, first, last, count]
+        for a in abs_index:
+            why = "re-read" if any(f <= a < b for f, b in self.copies) else "not kept"
+            if runs and runs[-1][0] == why:
+                runs[-1][2:] = [a + 1, runs[-1][3] + 1]
+            else:
+                runs.append([why, a, a + 1, 1])
+        for why, first, last, n in runs:
+            self.memory.copies += n if why == "re-read" else 0
+            self._forgotten.append(ForgottenEvent(n, first, last, why))
 
     def keep_out(self, first: int, last: int | None = None) -> None:
         """Stream indices [first, last) are scaffolding the recall memory should not keep: an agent's example turns,

@@ -47,18 +47,25 @@ def neighbours(where: dict[int, Any], ids: list[int], pick: int, n: int) -> list
     return sorted(out, key=lambda b: where[b].first)
 
 
-def to_reread(memory: Any, query: Sequence[int], n: int) -> list[tuple[int, list[int]]]:
+def to_reread(memory: Any, query: Sequence[int], n: int, room: int) -> list[tuple[int, list[int]]]:
     """(block id, its token ids) of the blocks to read again before `query` (the token ids about to be fed): the
-    block the lexical prior singles out for them and its neighbours, `n` blocks at most, in stream order; [] when
-    it singles out none. A block that cannot be read back is left out (the next model call reports it forgotten
+    block the lexical prior singles out for them and its neighbours, `n` blocks at most and `room` tokens at most
+    (the neighbours farthest from it go first; nothing when it alone is more), in stream order; [] when it singles
+    out none. `room`: what the copies may take of the window beside the query, so that they are still in the window
+    when the query's last token reads them (half the window less the query, `Engine.feed_query`): a long paste
+    reads nothing again. A block that cannot be read back is left out (the next model call reports it forgotten
     when it fails there too)."""
     if n <= 0 or not query:
         return []
     pick = memory.lexicon.pick(list(query))
     if pick is None:
         return []
+    where = memory.store.where
+    chosen = neighbours(where, memory.index.ids, pick, n)
+    while chosen and sum(where[b].n for b in chosen) > room:  # the farthest from the pick first, the pick last
+        chosen.remove(max(chosen, key=lambda b: (abs(where[b].first - where[pick].first), b == pick)))
     out = []
-    for bid in neighbours(memory.store.where, memory.index.ids, pick, n):
+    for bid in chosen:
         try:
             out.append((bid, [int(t) for t in memory.store.token_ids(bid)]))
         except StoreError:

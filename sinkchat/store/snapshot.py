@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,9 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
         "cache": asdict(engine.cache_cfg), "cache_len": engine.cache.length, "sampling": asdict(engine.sampling),
         "ledger": {k: v for k, v in led.state().items() if k not in ("ids", "abs_index")},  # seen, evicted, ...
         "conv": {"system": engine.conv.system, "messages": engine.conv.messages, "fed": engine.conv.fed},
+        # stream ranges the memory lets go (`Engine.keep_out`) and, of them, copies of blocks read again
+        "unkept": [list(r) for r in getattr(engine, "unkept", [])],
+        "copies": [list(r) for r in getattr(engine, "copies", [])],
         "extra": extra or {},
     }
     try:
@@ -261,6 +264,8 @@ class _Restored:
     sampling: SamplingConfig
     generator: torch.Generator | None
     memory: Any = None  # persist.Restored: the saved recall memory, copied into a new store folder
+    unkept: list[tuple[int, int]] = field(default_factory=list)  # the saved stream's ranges (older files: none)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _prepare_memory(engine: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path) -> Any:
@@ -314,7 +319,9 @@ def _decode(engine: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor],
             type(engine.ledger).from_state({**head["ledger"], "ids": ids, "abs_index": abs_index}),
             conv["system"], [{"role": str(m["role"]), "content": str(m["content"])} for m in conv["messages"]],
             str(conv["fed"]), tensors["last_logits"].to(dev) if "last_logits" in tensors else None,
-            tensors["last_reply_ids"].tolist(), SamplingConfig(**head["sampling"]), gen)
+            tensors["last_reply_ids"].tolist(), SamplingConfig(**head["sampling"]), gen,
+            unkept=[(int(a), int(b)) for a, b in head.get("unkept", [])],
+            copies=[(int(a), int(b)) for a, b in head.get("copies", [])])
     except SnapshotError:
         raise
     except Exception as e:  # noqa: BLE001 - anything odd in a checksummed file means it is not ours
@@ -334,8 +341,7 @@ def _commit(engine: Any, st: _Restored) -> None:
     engine.last_logits, engine.last_reply_ids = st.logits, st.reply_ids
     engine.sampling, engine.generator = st.sampling, st.generator
     if hasattr(engine, "unkept"):
-        engine.unkept = []  # ranges of the stream that was here (`Engine.keep_out`), not of the loaded one
-        engine.copies = []
+        engine.unkept, engine.copies = st.unkept, st.copies  # the loaded stream's (`Engine.keep_out`), not the old
     memory = getattr(engine, "memory", None)
     if memory is not None and st.memory is not None:
         persist.commit(memory, st.memory, engine.cache)

@@ -151,7 +151,7 @@ class ChatLoop:
         """Feed the user message, timing it: the time to prefill a long paste is the user turn's time in the log."""
         eng = self.engine
         seen0, t0 = eng.ledger.seen, time.perf_counter()
-        feed = eng.add_message("user", res.question)
+        feed = eng.add_message("user", res.question, recall=True)
         try:
             for ev in feed:
                 self.on_event(ev)

@@ -156,7 +156,8 @@ class Runner:
         for i, m in enumerate(req.messages[k:], start=k):
             role, text = feed_as(m)
             before, t0 = eng.ledger.seen, time.perf_counter()
-            for ev in eng.add_message(role, text, add_generation_prompt=i == len(req.messages) - 1):
+            last = i == len(req.messages) - 1  # the request's new message (not history, not a tool result)
+            for ev in eng.add_message(role, text, add_generation_prompt=last, recall=last and m.role == "user"):
                 sess.evictions += type(ev).__name__ == "EvictionEvent"
             sess.history.append(m)
             sess.marks[i + 1] = mark(eng)

@@ -271,7 +271,7 @@ class RecallProbe:
                 ask = f"\n\nQuestion: {question}\nAnswer: {start}"  # chat message gets it (`Engine.feed_query`)
                 yield from logged(engine.feed_query(engine.encode(ask)), self.slog() or _null())
             else:  # logged as an event by the runner, not as turns: it is taken back
-                yield from logged(engine.add_message("user", question), self.slog() or _null())
+                yield from logged(engine.add_message("user", question, recall=True), self.slog() or _null())
                 yield from self._feed(engine, start)  # the reply's first words
                 engine.reply_turn = True  # still the reply to the question (a model without a chat template)
             done = yield from self._generate(engine, greedy)

@@ -13,6 +13,7 @@ import click
 from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ToolCall, finite, recover
 from sinkchat.core.events import TokenEvent
 from sinkchat.store.sessionlog import NullLog
+from sinkchat.textutil import plural
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ def no_final_reason(done: Any) -> str:
         return "the agent loop ended without a TaskDoneEvent"
     if done.reason == "max_steps":
         return f"max steps: {done.steps}"
-    return f"{done.reason.replace('_', ' ')} after {done.steps} step{'s' if done.steps != 1 else ''}"
+    return f"{done.reason.replace('_', ' ')} after {plural(done.steps, 'step')}"
 
 
 class AgentScenario:

@@ -77,7 +77,7 @@ def ask(engine: Any, text: str, slog: Any) -> Iterator[Any]:
     """Feed `text` as a user message (with the reply's header), its events logged, then log it as the user turn
     with the tokens and seconds feeding it took, before any reply: `logs show` tells the story in order."""
     fed, seconds = 0, 0.0
-    for ev in logged(engine.add_message("user", text), slog):
+    for ev in logged(engine.add_message("user", text, recall=True), slog):
         if isinstance(ev, PrefillEvent):
             fed, seconds = fed + ev.tokens, seconds + ev.seconds
         yield ev

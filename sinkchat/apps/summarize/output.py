@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, TextIO
 
+from sinkchat.textutil import plural
 
 FORMATS = ("text", "jsonl", "markdown")
 SHOWN_WORDS = 8  # unsupported words named under a summary (the record keeps them all)
@@ -59,7 +60,7 @@ def summary_text(b: dict[str, Any]) -> str:
         shown = ", ".join(words[:SHOWN_WORDS]) + (f" and {len(words) - SHOWN_WORDS} more" if len(words) >
                                                   SHOWN_WORDS else "")
         why = ([f"unsupported by the log: {shown}"] if words else []) + list(b.get("why") or [])
-        notes.append(f"dropped {n} sentence{'s' if n != 1 else ''} of the model's summary: "
+        notes.append(f"dropped {plural(n, 'sentence')} of the model's summary: "
                      + ("; ".join(why) if why else "unfinished"))  # records from before `why` held "unfinished"
     elif b.get("unsupported"):
         notes.append("unsupported by the log: " + ", ".join(b["unsupported"]))
@@ -83,7 +84,7 @@ def render_block(b: dict[str, Any], fmt: str) -> str:
     final = " (final)" if b["final"] else ""
     if b["final"] and b.get("stopped_by"):  # a stop's skips, told apart from back-pressure drops
         n = b.get("skipped_by_stop", 0)
-        final = f" (final; stopped by {b['stopped_by']}: {n} line{'s' if n != 1 else ''} read but not summarized)"
+        final = f" (final; stopped by {b['stopped_by']}: {plural(n, 'line')} read but not summarized)"
     if fmt == "markdown":
         return (f"### {b['time']} · lines {b['first_line']}–{b['last_line']}{final}\n\n"
                 f"_{counts_text(b)} · {b['tokens_fed']} tokens fed, {b['tokens_evicted']} evicted_\n\n{summary}\n\n")

@@ -34,6 +34,7 @@ from sinkchat.apps.summarize.output import Output
 from sinkchat.apps.summarize.reader import End, Item, Notice
 from sinkchat.apps.summarize.status import Status
 from sinkchat.apps.summarize.stop import ChunkSizer, OutOfTime, StopClock, final_ask, skip_queued
+from sinkchat.textutil import plural
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +341,7 @@ class Summarizer:
                  self.batcher.period.skipped, dropped)
         n = self.batcher.period.skipped - self.skipped_at_stop
         self.finish()
-        self.status.notice(f"stopped by {by}: {n} line{'s' if n != 1 else ''} read but not summarized"
+        self.status.notice(f"stopped by {by}: {plural(n, 'line')} read but not summarized"
                            + (" (counted as skipped in the final record)" if n else ""))
 
     def finish(self) -> None:

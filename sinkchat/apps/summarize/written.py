@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, ROUTINE_CHANGES, ROUTINE_TRIGGERS
+from sinkchat.textutil import plural
 
 TOP_TEMPLATES = 3  # templates named in a summary written from the digest
 MAX_INCIDENT_SENTENCES = 6  # severity / state-change sentences appended; the rest are counted in one more sentence
@@ -175,7 +176,7 @@ def _rare(temps: list[dict[str, Any]], named: list[dict[str, Any]], quiet: froze
         return None
     text = "Also seen: " + "; ".join(f"{t['count']} x \"{filled(t)}\"" for t in rare[:RARE_SHOWN])
     more = len(rare) - RARE_SHOWN
-    return text + (f"; and {more} more kind{'s' if more != 1 else ''}." if more > 0 else ".")
+    return text + (f"; and {more} more {'kind' if more == 1 else 'kinds'}." if more > 0 else ".")
 
 
 def digest_summary(digest: dict[str, Any]) -> list[str]:
@@ -185,7 +186,7 @@ def digest_summary(digest: dict[str, Any]) -> list[str]:
     line shows a severity word.")."""
     n = digest.get("lines", 0)
     temps = digest.get("templates") or []
-    head = f"{n} line{'s' if n != 1 else ''}"
+    head = plural(n, 'line')
     if digest.get("first_ts"):
         head += f" from {digest['first_ts']} to {digest['last_ts']}"
     if len(temps) > 1:
