@@ -21,7 +21,7 @@ from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.memory import report
 from sinkchat.memory.recall import RecallMemory
-from sinkchat.memory.reread import neighbours, to_reread
+from sinkchat.memory.reread import named, neighbours, to_reread
 from sinkchat.memory.store import Where
 from sinkchat.model.spec import ModelSpec
 
@@ -76,7 +76,7 @@ def test_a_named_block_and_its_neighbours_are_fed_again_exactly(tmp_path, n):
     mem = eng.memory
     assert mem.blocks >= 8
     query = eng.encode("what was zq7x! about")
-    pick = mem.lexicon.pick(query)
+    pick = named(mem, query)
     assert pick is not None and "zq7x" in "".join(eng.tokenizer.decode(mem.store.token_ids(pick).tolist()))
     ids = mem.index.ids
     want = neighbours(mem.store.where, ids, pick, n)
@@ -215,7 +215,7 @@ def test_the_copies_fit_half_the_window_beside_the_query(tmp_path):
     for _ in eng.feed(stream()):
         pass
     mem, q = eng.memory, eng.encode("zq7x!")
-    pick, where = mem.lexicon.pick(q), mem.store.where
+    pick, where = named(mem, q), mem.store.where
     three = [b for b, _ in to_reread(mem, q, 3, 10_000)]
     assert len(three) == 3 and pick in three
     two = [b for b, _ in to_reread(mem, q, 3, sum(where[b].n for b in three) - 1)]
@@ -273,3 +273,28 @@ def test_a_saved_session_keeps_its_ranges(tmp_path):
     assert other.memory.tokens == eng.memory.tokens
     for e in (eng, other):
         e.memory.close()
+
+
+class _Mem:
+    """What `named` reads of a memory: a lexicon over blocks and where each block sits in the stream."""
+
+    def __init__(self, blocks: dict[int, list[int]], where: dict[int, Where]) -> None:
+        from sinkchat.memory.lexical import Lexicon
+
+        self.lexicon, self.store = Lexicon(), type("S", (), {"where": where})()
+        for bid, ids in blocks.items():
+            self.lexicon.add(bid, ids)
+
+
+def test_a_block_is_named_past_its_neighbour_but_not_past_a_block_elsewhere():
+    """A fact and the reply that repeats its words, in two adjacent blocks: named (the neighbour comes along);
+    the same words in a block elsewhere in the stream: nothing stands out, nothing is read again."""
+    filler = {b: [1000 + 10 * b + i for i in range(8)] for b in range(12)}  # words of their own
+    fact, reply = [7, 8, 9, 5, 6], [7, 8, 9, 4]  # "my locker code is 4417" / "your locker code"
+    where = {b: w(8 * b, 8 * b + 8) for b in range(12)}
+    near = dict(filler) | {3: filler[3] + fact, 4: filler[4] + reply}
+    assert named(_Mem(near, where), [7, 8, 9]) in (3, 4)  # a tie: the newer; the other comes along as neighbour
+    far = dict(filler) | {3: filler[3] + fact, 9: filler[9] + reply}
+    assert named(_Mem(far, where), [7, 8, 9]) is None
+    one = dict(filler) | {3: filler[3] + fact}
+    assert named(_Mem(one, where), [7, 8, 9]) == 3

@@ -74,18 +74,32 @@ def add_message(eng: Engine, role: str, content: str, add_generation_prompt: boo
     eng.message_taken_back = False
     prefix = pinned_prefix(eng)  # a ConfigError here: nothing fed, nothing to take back
     with taken_back(eng):
-        close = eng.conv.closing() or ""  # what ends the last turn ("<|im_end|>\n" after a cut reply, "\n" after one)
+        close = closing(eng) if recall and role == "user" else ""
         delta = eng.conv.delta_for(role, content, add_generation_prompt)
         if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
             yield from eng.feed(prefix)
             eng.ledger.pinned = eng.cache.length
             delta = delta[len(prefix) :]
         if recall and role == "user":  # what the memory holds that the message names, read again before it, at
-            head = close if close and delta.startswith(close) else ""  # a turn boundary: after the last turn's
-            yield from eng.feed_query(eng.encode(delta[len(head) :]), eng.encode(head))  # close, not inside it
+            ids, head = eng.encode(delta), eng.encode(close) if close and delta.startswith(close) else []
+            if head and head + eng.encode(delta[len(close) :]) != ids:  # a turn boundary: after the last turn's
+                head = []  # close (not inside it), where the text splits there into the same tokens
+            yield from eng.feed_query(ids[len(head) :], head)
         else:
             yield from eng.feed(delta)
         eng.reply_turn = add_generation_prompt
+
+
+def closing(eng: Engine) -> str:
+    """What ends the last turn ("<|im_end|>\n" after a cut reply, "\n" after a whole one), where a block read again
+    goes before the next message; "" before the first message, or where the template cannot say."""
+    if not eng.conv.messages:
+        return ""
+    try:
+        return eng.conv.closing() or ""
+    except Exception:  # noqa: BLE001 - a template that cannot render the history alone: the copy goes first
+        log.debug("chat template cannot render the history alone", exc_info=True)
+        return ""
 
 
 def feed_system(eng: Engine) -> Iterator[Event]:

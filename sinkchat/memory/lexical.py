@@ -93,10 +93,12 @@ class Lexicon:
         df = len(self.postings.get(term, ()))
         return math.log(len(self.blocks) / df) if df else 0.0
 
-    def scores(self, ids: Sequence[int]) -> dict[int, float]:
+    def scores(self, ids: Sequence[int], least: float = 1.0) -> dict[int, float]:
         """Per block holding any scored term of `ids`, the sum of those terms' IDF (terms in order, so the sums are
-        the same however the lexicon was built: a loaded session scores as the saved one did)."""
-        n, most = len(self.blocks), max(1.0, MAX_DF * len(self.blocks))  # a term of one block always counts
+        the same however the lexicon was built: a loaded session scores as the saved one did). A term in more than
+        MAX_DF of the blocks is not scored, unless it is in at most `least` blocks (a term of one block always
+        counts)."""
+        n, most = len(self.blocks), max(least, MAX_DF * len(self.blocks))
         out: dict[int, float] = {}
         for t in sorted(terms(list(ids), self.bigrams)):
             held = self.postings.get(t)
@@ -107,11 +109,12 @@ class Lexicon:
                 out[bid] = out.get(bid, 0.0) + w
         return out
 
-    def pick(self, ids: Sequence[int]) -> int | None:
-        """The block that stands out for the last QUERY_TOKENS of `ids` (see the module's rule), or None."""
+    def pick(self, ids: Sequence[int], least: float = 1.0) -> int | None:
+        """The block that stands out for the last QUERY_TOKENS of `ids` (see the module's rule; `least`: `scores`),
+        or None."""
         if len(self.blocks) < MIN_BLOCKS or not ids:
             return None
-        return standout(self.scores(list(ids)[-QUERY_TOKENS:]))
+        return standout(self.scores(list(ids)[-QUERY_TOKENS:], least))
 
 
 def standout(scores: dict[int, float]) -> int | None:

@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from sinkchat.memory import lexical
 from sinkchat.memory.store import StoreError
 
 log = logging.getLogger(__name__)
+
+LEAST_DF = 2  # a term in this many blocks is scored however few blocks there are (lexical.MAX_DF: 10% of them)
 
 
 def neighbours(where: dict[int, Any], ids: list[int], pick: int, n: int) -> list[int]:
@@ -47,6 +50,27 @@ def neighbours(where: dict[int, Any], ids: list[int], pick: int, n: int) -> list
     return sorted(out, key=lambda b: where[b].first)
 
 
+def named(memory: Any, query: Sequence[int]) -> int | None:
+    """The block `query` names: the lexical prior's scores (lexical.py: IDF of the rare tokens and token pairs the
+    query's last QUERY_TOKENS share with a block), with two changes for a copy that brings its neighbours along: a
+    term in two blocks still counts (`LEAST_DF`: a fact and the reply that repeats its words, "my locker code" in
+    both, would otherwise score nothing at 14 blocks), and the runner-up it must clearly beat is the best block that
+    is not right next to it in the stream (that one comes along as a neighbour)."""
+    if len(memory.lexicon) < lexical.MIN_BLOCKS or not query:
+        return None
+    scores = memory.lexicon.scores(list(query)[-lexical.QUERY_TOKENS :], LEAST_DF)
+    if not scores:
+        return None
+    where = memory.store.where
+    best = max(scores, key=lambda b: (scores[b], b))
+    if best not in where:
+        return None
+    w = where[best]
+    apart = {b: v for b, v in scores.items() if b == best or b not in where
+             or not (where[b].first == w.last or where[b].last == w.first)}
+    return lexical.standout(apart)
+
+
 def to_reread(memory: Any, query: Sequence[int], n: int, room: int) -> list[tuple[int, list[int]]]:
     """(block id, its token ids) of the blocks to read again before `query` (the token ids about to be fed): the
     block the lexical prior singles out for them and its neighbours, `n` blocks at most and `room` tokens at most
@@ -57,7 +81,7 @@ def to_reread(memory: Any, query: Sequence[int], n: int, room: int) -> list[tupl
     when it fails there too)."""
     if n <= 0 or not query:
         return []
-    pick = memory.lexicon.pick(list(query))
+    pick = named(memory, query)
     if pick is None:
         return []
     where = memory.store.where
