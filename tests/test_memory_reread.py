@@ -68,6 +68,15 @@ def fed_after(eng: Engine, since: int) -> list[int]:
     return [t for t, a in zip(eng.ledger.ids, eng.ledger.abs_index) if a >= since]
 
 
+def with_copy(eng: Engine) -> Engine:
+    """`eng` after the stream and a query that names the fact's block (so a copy of it is in the window)."""
+    for _ in eng.feed(stream()):
+        pass
+    for _ in eng.feed_query(eng.encode("zq7x!")):
+        pass
+    return eng
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_a_named_block_and_its_neighbours_are_fed_again_exactly(tmp_path, n):
     eng = engine(tmp_path / "m", reread=n)
@@ -234,11 +243,7 @@ def test_a_served_conversation_keeps_its_own_ranges(tmp_path):
     """Serve swaps conversations on one engine: a copy range of one must not mark another's tokens."""
     from sinkchat.api import capture, fresh_state, install
 
-    eng = engine(tmp_path / "m")
-    for _ in eng.feed(stream()):
-        pass
-    for _ in eng.feed_query(eng.encode("zq7x!")):
-        pass
+    eng = with_copy(engine(tmp_path / "m"))
     a = capture(eng)
     assert a.copies and a.unkept
     install(eng, fresh_state(eng, None))
@@ -258,11 +263,7 @@ def test_a_saved_session_keeps_its_ranges(tmp_path):
     """/save then --resume: copies still in the window leave it as copies, not stored a second time."""
     from sinkchat.store.snapshot import load_snapshot, save_snapshot
 
-    eng = engine(tmp_path / "m")
-    for _ in eng.feed(stream()):
-        pass
-    for _ in eng.feed_query(eng.encode("zq7x!")):
-        pass
+    eng = with_copy(engine(tmp_path / "m"))
     path = save_snapshot(eng, tmp_path / "s.safetensors")
     other = engine(tmp_path / "o")
     load_snapshot(other, path)
