@@ -97,7 +97,7 @@ class Engine(Remembering):
         self.reply_turn = False  # the last thing fed was a message with its generation prompt: a reply answers it
         self.processed = 0  # every token a model call completed (fed or generated): `_forward` counts them
         self.unkept: list[tuple[int, int]] = []  # stream ranges the recall memory lets go (`keep_out`)
-        self.copies: list[tuple[int, int]] = []  # those of them that are blocks read again (`reread`)
+        self.copies: list[tuple[int, int]] = []  # those of them that are copies of blocks read again (`feed_query`)
         self._forgotten: list[ForgottenEvent] = []  # what the memory forgot, yielded after the eviction that caused it
         self._peak = 0  # the longest the cache was right after a model call, since the last `take_peak`
         messages.pinned_prefix(self)  # a system prompt too large to pin: one line now, not at the first message
