@@ -60,9 +60,9 @@ class Remembering:
             return
         again = [t for _, ids in got for t in ids]
         first = self.ledger.seen + len(before)
-        self.keep_out(first, first + len(again))
-        self.copies = [c for c in self.copies if c in self.unkept] + [(first, first + len(again))]
         try:
+            self.keep_out(first, first + len(again))
+            self.copies = [c for c in self.copies if c in self.unkept] + [(first, first + len(again))]
             yield from self.feed_ids(list(before) + again + list(query))
         finally:
             if self.ledger.seen < first + len(again):  # interrupted before the copy's end: the rest never fed

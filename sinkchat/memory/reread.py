@@ -62,13 +62,14 @@ def named(memory: Any, query: Sequence[int]) -> int | None:
     if not scores:
         return None
     where = memory.store.where
-    best = max(scores, key=lambda b: (scores[b], b))
+    best = max(scores, key=lambda b: (scores[b], -b))  # a tie: the older block (the fact, before its reply)
     if best not in where:
         return None
     w = where[best]
-    apart = {b: v for b, v in scores.items() if b == best or b not in where
-             or not (where[b].first == w.last or where[b].last == w.first)}
-    return lexical.standout(apart)
+    rest = [v for b, v in scores.items() if b != best and (b not in where or not (where[b].first == w.last
+                                                                                   or where[b].last == w.first))]
+    top, second = scores[best], max(rest, default=0.0)
+    return best if top >= lexical.MIN_SCORE and top >= lexical.RATIO * second else None
 
 
 def to_reread(memory: Any, query: Sequence[int], n: int, room: int) -> list[tuple[int, list[int]]]:

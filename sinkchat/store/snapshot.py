@@ -111,6 +111,8 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
     if engine.generator is not None:
         tensors["rng"] = engine.generator.get_state()
     loaded = getattr(engine, "loaded", None)
+    if hasattr(engine, "_taken_back"):
+        engine._taken_back()  # the ranges cut where the stream was taken back: saved as they apply from here
     head = {
         "version": FORMAT_VERSION, "created": time.time(), "fingerprint": model_fingerprint(engine),
         "quant": getattr(loaded, "quant", None), "n_layers": engine.n_layers, "kv_shape": list(_kv_shape(engine)),
