@@ -95,10 +95,11 @@ class ScriptedEngine:
         self.reply = ""
         self.last_reply_ids: list[int] = []
 
-    def add_message(self, role: str, content: str, add_generation_prompt: bool = True) -> Iterator[Any]:
+    def add_message(self, role: str, content: str, add_generation_prompt: bool = True, recall: bool = False
+                    ) -> Iterator[Any]:
         from sinkchat.core.events import PrefillEvent
 
-        self.fed.append((role, content, add_generation_prompt))
+        self.fed.append((role, content, add_generation_prompt))  # `recall`: no memory here to read again
         delta = self.conv.delta_for(role, content, add_generation_prompt)
         yield PrefillEvent(len(delta), 0.0, 0)
 
