@@ -163,8 +163,8 @@ def test_the_collector_is_paused_then_frozen_once():
         collector.resume()
         assert gc.isenabled() and gc.get_freeze_count() > before and not collector.paused()
         frozen = gc.get_freeze_count()
-        collector.resume()  # a later load: nothing
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        collector.resume()  # a later load: nothing (frozen objects may be freed meanwhile: the count only falls)
+        assert gc.isenabled() and gc.get_freeze_count() <= frozen
         gc.disable()
         collector.pause()
         collector.resume()
@@ -172,7 +172,7 @@ def test_the_collector_is_paused_then_frozen_once():
         gc.enable()
         collector.pause()
         collector.resume(freeze=False)
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        assert gc.isenabled() and gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
         gc.enable()
