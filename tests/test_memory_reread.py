@@ -68,6 +68,22 @@ def fed_after(eng: Engine, since: int) -> list[int]:
     return [t for t, a in zip(eng.ledger.ids, eng.ledger.abs_index) if a >= since]
 
 
+def copy_taken_back(eng: Engine) -> Engine:
+    """`eng` after the stream, then a query that reads a block again, then all of that query taken back (as
+    `soak.recall.take_back` does): the copy's stream indices are free again."""
+    for _ in eng.feed(stream()):
+        pass
+    seen = eng.ledger.seen
+    for _ in eng.feed_query(eng.encode("zq7x!")):
+        pass
+    assert eng.ledger.seen > seen + 5 and eng.copies
+    k = eng.ledger.abs_index.index(seen)
+    eng.cache.truncate(k)
+    eng.ledger.truncate(k)
+    assert eng.ledger.seen == seen
+    return eng
+
+
 def with_copy(eng: Engine) -> Engine:
     """`eng` after the stream and a query that names the fact's block (so a copy of it is in the window)."""
     for _ in eng.feed(stream()):
@@ -162,17 +178,7 @@ def test_a_chat_message_reads_again_before_itself_and_off_is_bit_identical(tmp_p
 def test_a_copy_taken_back_does_not_mark_the_tokens_fed_after_it(tmp_path):
     """A soak probe (or an interrupted message) takes back what it fed, its copy included; the next tokens reuse
     those stream indices and must be kept like any others, not let go as copies."""
-    eng = engine(tmp_path / "m")
-    for _ in eng.feed(stream()):
-        pass
-    seen = eng.ledger.seen
-    for _ in eng.feed_query(eng.encode("zq7x!")):
-        pass
-    assert eng.ledger.seen > seen + 5 and eng.copies
-    k = eng.ledger.abs_index.index(seen)  # taken back, as `soak.recall.take_back` does
-    eng.cache.truncate(k)
-    eng.ledger.truncate(k)
-    assert eng.ledger.seen == seen
+    eng = copy_taken_back(engine(tmp_path / "m"))
     events = [e for e in eng.feed(stream(2) + stream(3)) if type(e).__name__ == "ForgottenEvent"]
     assert not events and eng.memory.copies == 0
     assert eng.ledger.evicted == eng.memory.tokens + eng.memory.forgotten
@@ -305,15 +311,7 @@ def test_a_copy_taken_back_before_a_save_is_not_saved(tmp_path):
     """Taken back, then saved and loaded: the loaded session keeps the next tokens like the live one does."""
     from sinkchat.store.snapshot import load_snapshot, save_snapshot
 
-    eng = engine(tmp_path / "m")
-    for _ in eng.feed(stream()):
-        pass
-    seen = eng.ledger.seen
-    for _ in eng.feed_query(eng.encode("zq7x!")):
-        pass
-    k = eng.ledger.abs_index.index(seen)
-    eng.cache.truncate(k)
-    eng.ledger.truncate(k)
+    eng = copy_taken_back(engine(tmp_path / "m"))
     path = save_snapshot(eng, tmp_path / "s.safetensors")
     other = engine(tmp_path / "o")
     load_snapshot(other, path)
