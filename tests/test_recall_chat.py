@@ -62,11 +62,11 @@ def scripted_chat(eng: Engine, conv: dict[str, Any]) -> Any:
         kind = kinds.get(text)
         if kind == "code":
             eng.memory.recalled = {block_of(eng.memory, conv["spans"]["code"][0], True): 2}
-            eng.memory.reread = {}  # scripted: what the reply recalled is only the above
+            eng.memory.reread = set()  # scripted: what the reply recalled is only the above
             return f"Your code is {conv['facts']['code'].lower()}."
         if kind == "name":
             eng.memory.recalled = {block_of(eng.memory, conv["spans"]["name"][0], False): 5}
-            eng.memory.reread = {}
+            eng.memory.reread = set()
             return "I do not remember your name."
         return reply
 

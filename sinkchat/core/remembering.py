@@ -29,7 +29,7 @@ class Remembering:
     ledger: Ledger
     cache: Any
     unkept: list[tuple[int, int]]
-    copies: list[tuple[int, int]]  # the unkept ranges that are blocks read again (`reread`): "re-read" when they go
+    copies: list[tuple[int, int]]  # the unkept ranges that are copies of blocks read again (`feed_query`)
     _forgotten: list[ForgottenEvent]
 
     def _evict(self, ev: Eviction) -> list[EvictionEvent | ForgottenEvent]:  # the Engine's
@@ -68,8 +68,7 @@ class Remembering:
             if self.ledger.seen < first + len(again):  # interrupted before the copy's end: the rest never fed
                 self._cut_ranges(max(first, self.ledger.seen))
         assert mem is not None
-        for bid, _ in got:
-            mem.reread[bid] = first
+        mem.reread.update(bid for bid, _ in got)
 
     def set_aside(self, length: int) -> list[EvictionEvent | ForgottenEvent]:
         """Take slots >= `length` out of the window into the recall memory (an agent's finished task, before the

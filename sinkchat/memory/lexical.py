@@ -123,10 +123,12 @@ def standout(scores: dict[int, float]) -> int | None:
     if not scores:
         return None
     ranked = sorted(scores.items(), key=lambda kv: (kv[1], kv[0]), reverse=True)
-    best, second = ranked[0][1], (ranked[1][1] if len(ranked) > 1 else 0.0)
-    if best >= MIN_SCORE and best >= RATIO * second:
-        return ranked[0][0]
-    return None
+    return ranked[0][0] if clearly_first(ranked[0][1], ranked[1][1] if len(ranked) > 1 else 0.0) else None
+
+
+def clearly_first(best: float, second: float) -> bool:
+    """A block's score stands out: at least MIN_SCORE and at least RATIO times the runner-up's."""
+    return best >= MIN_SCORE and best >= RATIO * second
 
 
 def rebuild(lexicon: Lexicon, blocks: Iterable[tuple[int, Sequence[int]]]) -> Lexicon:

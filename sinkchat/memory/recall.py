@@ -96,7 +96,7 @@ class RecallMemory:
         self.held = 0  # queued tokens at the queue's front not attended: set aside (`hold_queue`), not the window's
         self.born: dict[int, float] = {}  # block id -> wall time it was stored (its tokens' age)
         self.recalled: dict[int, int] = {}  # block id -> most layers it was in at one call, since `take_recalled`
-        self.reread: dict[int, int] = {}  # block id -> the stream index its copy starts at (`Engine.feed_query`)
+        self.reread: set[int] = set()  # blocks read again as text since `take_recalled` (`Engine.feed_query`)
 
     @classmethod
     def for_spec(cls, cfg: MemoryConfig, spec: ModelSpec, root: Path, rule: str | None = None,
@@ -394,7 +394,7 @@ class RecallMemory:
         self.lexical = None
         self.slices.clear()
         self.queue, self.queries = [], None
-        self.born, self.recalled, self.reread, self.held = {}, {}, {}, 0
+        self.born, self.recalled, self.reread, self.held = {}, {}, set(), 0
         self.placed = [() for _ in self.layers]
         self.queue_placed = ()
         self.chosen = [[] for _ in self.layers]

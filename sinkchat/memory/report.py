@@ -58,13 +58,13 @@ def take_recalled(memory: Any) -> list[Recalled]:
     """The blocks recalled since the last take (a reply's), in stream order; the tally starts again. A block
     forgotten since (budget, damage) is not listed."""
     out = []
-    again = getattr(memory, "reread", {})
+    again = getattr(memory, "reread", set())
     for bid in sorted(set(memory.recalled) | set(again)):
         w = memory.store.where.get(bid)
         if w is not None:
             out.append(Recalled(bid, w.first, w.last, memory.born.get(bid, time.time()), memory.recalled.get(bid, 0),
                                 len(memory.layers), bid in again))
-    memory.recalled, memory.reread = {}, {}
+    memory.recalled, memory.reread = {}, set()
     return out
 
 

@@ -68,8 +68,7 @@ def named(memory: Any, query: Sequence[int]) -> int | None:
     w = where[best]
     rest = [v for b, v in scores.items() if b != best and (b not in where or not (where[b].first == w.last
                                                                                    or where[b].last == w.first))]
-    top, second = scores[best], max(rest, default=0.0)
-    return best if top >= lexical.MIN_SCORE and top >= lexical.RATIO * second else None
+    return best if lexical.clearly_first(scores[best], max(rest, default=0.0)) else None
 
 
 def to_reread(memory: Any, query: Sequence[int], n: int, room: int) -> list[tuple[int, list[int]]]:
