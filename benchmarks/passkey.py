@@ -13,8 +13,10 @@ the last prompt token recalled, in how many of the memory layers.
 Usage: python benchmarks/passkey.py [--lengths 4096,16384] [--trials 20] [--cache 1024] [--modes off,on,dense]
                                     [--haystack filler|prose] [--task passkey|number|kv] [--no-intro] [--out DIR]
                                     [--model M] [--topk K] [--block B] [--rule far|attn|bound|mass] [--reps R]
-                                    [--oracle] [--reread N]
-Writes DIR/passkey.json (every trial) and prints the table (right / trials per length and mode).
+                                    [--oracle] [--reread N] [--resume]
+Appends every trial to DIR/trials.jsonl as it ends, writes DIR/passkey.json (every trial) at the end and prints the
+table (right / trials per length and mode). `--resume` (the same arguments) skips the trials DIR/trials.jsonl already
+holds: a 128k run takes hours, and a killed one goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -209,9 +211,28 @@ def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, 
     return start(build_settings(opts)).engine
 
 
+def done_trials(path: Path, resume: bool) -> dict[tuple[int, str, float, str], dict[str, Any]]:
+    """The trials a killed run already recorded, by (target, mode, depth, key); a torn last line is dropped."""
+    if not resume or not path.exists():
+        path.unlink(missing_ok=True)
+        return {}
+    done = {}
+    for line in path.read_text().splitlines():
+        try:
+            t = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[(t["target"], t["mode"], t["depth"], str(t["key"]))] = t
+    path.write_text("".join(json.dumps(t) + "\n" for t in done.values()))  # without the torn line
+    return done
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     results: dict[str, Any] = {"args": vars(args), "trials": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "trials.jsonl"
+    done = done_trials(log, args.resume)
     units_cache: list[str] | None = None
     for length in args.lengths:
         keys = [new_key(args.task, rng) for _ in range(args.trials)]
@@ -225,6 +246,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             units_cache = units_cache or haystack_units(args.haystack, args.task)
             right, layers, oracle = 0, [], []
             for key, depth in zip(keys, depths):
+                if (old := done.get((length, mode, depth, str(key)))) is not None:
+                    results["trials"].append(old)
+                    right += old["right"]
+                    layers += [] if old["needle_layers"] is None else [old["needle_layers"]]
+                    print(f"{length:>7} {mode:>5} depth {depth:.2f}: {'right' if old['right'] else 'WRONG'} "
+                          "(recorded before)", file=sys.stderr, flush=True)
+                    continue
                 ids, at = build(engine, units_cache, length, depth, key, not args.no_intro, args.task)
                 t0 = time.perf_counter()
                 text, hits = answer(engine, ids, at, len(engine.encode(needle(key, args.task))),
@@ -240,6 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                           "layers": len(engine.memory.layers) if engine.memory else None,
                                           "next_rule_exact": oracle[-1] if oracle and hits is not None else None,
                                           "seconds": round(time.perf_counter() - t0, 2)})
+                with log.open("a") as f:
+                    f.write(json.dumps(results["trials"][-1]) + "\n")
                 print(f"{length:>7} {mode:>5} depth {depth:.2f}: {'right' if ok else 'WRONG'} {text.strip()[:24]!r}"
                       + (f" needle in {hits} layers" if hits is not None else "") + (", read again" if again else ""),
                       file=sys.stderr, flush=True)
@@ -280,6 +310,8 @@ def main() -> None:
     ap.add_argument("--reread", type=int, default=None, help="blocks the memory reads again before the question "
                     "(`--memory-reread`; 0: attend the recalled blocks only)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="skip the trials OUT/trials.jsonl already holds (a killed "
+                    "run, the same arguments)")
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache" / "sinkchat" / "passkey")
     args = ap.parse_args()
     from sinkchat.memory import recall
@@ -289,7 +321,6 @@ def main() -> None:
     recall.RULE = args.rule or recall.RULE
     recall.REPS = DEFAULT_REPS = args.reps or recall.REPS
     res = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
     res["args"] = {k: str(v) for k, v in vars(args).items()}
     (args.out / "passkey.json").write_text(json.dumps(res, indent=1))
 

@@ -7,8 +7,10 @@ Scenarios live in scenarios.py and its scenario_* modules.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -17,6 +19,7 @@ from typing import Any
 
 import click
 
+from sinkchat.apps.soak import checkpoint
 from sinkchat.apps.soak.criteria import EXIT_CODES, overall
 from sinkchat.apps.soak.records import Recorder, load_run
 from sinkchat.apps.soak.report import verdict_table, write_report
@@ -26,18 +29,22 @@ from sinkchat.apps.soak.scenarios import SCENARIOS, make_scenario
 from sinkchat.apps.soak.thresholds import pop_thresholds, recorded_thresholds, threshold_options
 from sinkchat.api import start
 from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
+from sinkchat.errors import UserError
 
+log = logging.getLogger(__name__)
+
+ENDED = ("duration", "tokens", "steps", "input exhausted")  # end reasons of a run that reached its planned end
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, hint: str = "--duration") -> float:
     """'8h', '90m', '1h30m', '45s', '2.5h' or plain seconds -> seconds."""
     s = re.sub(r"\s", "", text.lower())
     if not re.fullmatch(r"(\d+(\.\d+)?[smhd]?)+", s):
-        raise click.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 45s", param_hint="--duration")
+        raise click.BadParameter(f"{text!r} is not a duration like 8h, 90m, 1h30m or 45s", param_hint=hint)
     secs = sum(float(n) * UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smhd]?)", s))
     if secs <= 0:
-        raise click.BadParameter("must be more than 0 seconds", param_hint="--duration")
+        raise click.BadParameter("must be more than 0 seconds", param_hint=hint)
     return secs
 
 
@@ -54,12 +61,14 @@ def parse_duration(text: str) -> float:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="run directory [./soak-YYYYmmdd-HHMMSS]")
 @click.option("--allow-shell", is_flag=True, help="agent: give the agent the shell tool too")
+@click.option("--checkpoint-every", default="10m", show_default=True,
+              help="soak time between checkpoints `sinkchat soak resume DIR` goes on from after a kill (0: none)")
 @common_options
 @threshold_options
 @click.pass_context
 def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, steps: int | None, scenario: str,
                  input_path: str | None, sample_every: float, out_dir: str | None, allow_shell: bool,
-                 **kw: Any) -> None:
+                 checkpoint_every: str, **kw: Any) -> None:
     """Run a scenario on the one persistent cache for hours; record metrics, then judge them (report.md, PNGs).
 
     Replies (chat, agent, summarize) default to 96 tokens; --max-tokens changes that.
@@ -71,7 +80,8 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
       4  INCOMPLETE: no criterion failed, but the run was stopped (SIGTERM, Ctrl-C) before its planned end
       5  INCONCLUSIVE: the run reached its --duration but was too short to judge a criterion (e.g. the RSS slope)
       1  runtime error, 2 bad usage
-    `sinkchat soak report DIR` judges a run again (e.g. one that was killed).
+    `sinkchat soak report DIR` judges a run again (e.g. one that was killed); `sinkchat soak resume DIR` goes on
+    with a stopped or killed run from its last checkpoint (agent, chat and summarize runs).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -79,6 +89,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
     th = pop_thresholds(kw)
     setup_logging(opts["verbose"] or 0)
     secs = parse_duration(duration) if duration else (None if tokens or steps else 3600.0)
+    every = 0.0 if checkpoint_every.strip() in ("0", "off") else parse_duration(checkpoint_every, "--checkpoint-every")
     with user_errors():
         settings = build_settings(opts)
         out = _make_out_dir(out_dir)
@@ -92,6 +103,8 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
         limits = {"duration": secs, "tokens": tokens, "steps": steps}
         rec.write(_start_record(engine, scenario, sample_every, limits, th, input_path))
         soak = Soak(engine, scen, rec, sample_every=sample_every, duration=secs, tokens=tokens, steps=steps)
+        _arm_checkpoints(soak, out, {"settings": asdict(settings), "every": every, "allow_shell": allow_shell,
+                                     "max_tokens": opts.get("max_tokens"), "session": getattr(session, "id", None)})
         reason = run_until_stopped(soak)
         _end_records(rec, soak, reason, input_path)
         _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
@@ -139,9 +152,35 @@ def _memory_record(engine: Any) -> dict[str, Any]:
     return {"mode": "on", "budget": mem.store.budget, "block": mem.B, "topk": mem.topk, "root": str(mem.store.root)}
 
 
+def _arm_checkpoints(soak: Soak, out: Path, run: dict[str, Any]) -> None:
+    """Take a checkpoint every run["every"] seconds of soak time (checkpoint.py); `run`: what a resume needs
+    besides the state of the runner, the scenario and the probe. A scenario that keeps no state (stream: its input's
+    position) is not checkpointed. A checkpoint that cannot be written is a warning and a record; the run goes on."""
+    scen = soak.scenario
+    if not run["every"] or not hasattr(scen, "state"):
+        return
+
+    def take(s: Soak) -> None:
+        if soak.rec.failed:  # records were lost: a checkpoint could not say which it covers
+            return
+        state = {**run, "runner": checkpoint.runner_state(s), "scenario": scen.state(),
+                 "recall": s.recall.state() if s.recall is not None else None, "metrics_bytes": s.rec.size(),
+                 **checkpoint.owner(s.engine)}
+        try:
+            checkpoint.save(out, s.engine, state, getattr(scen, "workspace", None))
+        except (UserError, OSError) as e:
+            log.warning("soak checkpoint failed: %s", e)
+            s.rec.write({"kind": "checkpoint_failed", "elapsed": round(state["runner"]["elapsed"], 3),
+                         "detail": str(e)[:300]})
+
+    soak.on_checkpoint, soak.checkpoint_every = take, float(run["every"])
+
+
 def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:
     """The end record, then close; a run that read no text or lost records is an error, not a verdict."""
     rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3), **soak.totals()})
+    if reason in ENDED:  # nothing left to resume: the checkpoint's snapshot and memory links go
+        shutil.rmtree(rec.path.parent / "checkpoint", ignore_errors=True)
     soak.tap.detach()
     rec.close()
     if soak.fatal is not None:
@@ -183,3 +222,71 @@ def report_command(directory: str, **kw: Any) -> None:
     """Judge the run in DIRECTORY again (a killed one too): rewrite report.md and the plots, print the verdicts."""
     th = pop_thresholds(kw, base=recorded_thresholds(load_run(directory)[0]))
     _finish(Path(directory), th, f"soak run {directory}")
+
+
+
+
+@soak_command.command("resume")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("-v", "--verbose", count=True, help="more log output (-vv: debug)")
+def resume_command(directory: str, verbose: int) -> None:
+    """Go on with the run in DIRECTORY (stopped, killed, its machine taken back) from its last checkpoint, with the
+    settings, limits and thresholds it was started with; its clock counts soak time only. Then judge it as a whole."""
+    setup_logging(verbose)
+    out = Path(directory)
+    with user_errors():
+        header, _, end = load_run(out)
+        if end is not None and end.get("reason") in ENDED:
+            raise click.ClickException(f"{out} already ran to its planned end ({end['reason']}); nothing to resume")
+        folder, state = checkpoint.load(out)
+        checkpoint.check_stopped(out, state)
+        settings = checkpoint.settings_from(state["settings"])
+        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
+        workspace = out / "workspace"
+        checkpoint.restore_workspace(folder, workspace)
+        scen = make_scenario(header["scenario"], engine, input_path=header.get("input"), workspace=workspace,
+                             allow_shell=bool(state["allow_shell"]), max_tokens=state["max_tokens"])
+        from sinkchat.store.snapshot import load_snapshot
+
+        load_snapshot(engine, folder / "engine.safetensors")  # after the scenario took the fresh conversation
+        checkpoint.remove_dead_store(state, engine)
+        scen.load_state(state["scenario"])
+        session = _reopen_session(engine, settings, header["scenario"], state.get("session"))
+        scen.slog = session
+        n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
+        rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
+        lim = header.get("limits") or {}
+        soak = Soak(engine, scen, rec, sample_every=float(header.get("sample_every") or 30.0),
+                    duration=lim.get("duration"), tokens=lim.get("tokens"), steps=lim.get("steps"))
+        checkpoint.load_runner_state(soak, state["runner"])
+        if soak.recall is not None and state.get("recall"):
+            soak.recall.load_state(state["recall"])
+        at = float(state["runner"]["elapsed"])
+        redo = max(0.0, float(last) - at) if last is not None else 0.0
+        rec.write({"kind": "resume", "elapsed": round(at, 3), "segment": soak.segment, "checkpoint": folder.name,
+                   "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "discarded_records": n,
+                   "discarded_s": round(redo, 3)})
+        session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; {redo:.0f} s of work "
+                                "after it is done again")
+        click.echo(f"resuming {out} at {at / 60:.1f} min of soak time (segment {soak.segment}); {redo / 60:.1f} min "
+                   f"of work after the checkpoint is done again", err=True)
+        _arm_checkpoints(soak, out, {k: state[k] for k in ("settings", "every", "allow_shell", "max_tokens",
+                                                           "session")})
+        reason = run_until_stopped(soak)
+        _end_records(rec, soak, reason, header.get("input"))
+        th = recorded_thresholds(header)
+        _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
+
+
+def _reopen_session(engine: Any, settings: Any, scenario: str, session_id: int | None) -> Any:
+    """The run's session log, continued (`sinkchat logs show` tells the whole run); a new one where that log is
+    not here (another data dir)."""
+    from sinkchat.apps.runlog import open_log
+
+    warn = lambda m: click.echo(f"warning: {m}", err=True)  # noqa: E731
+    if session_id is not None:
+        try:
+            return open_log(engine, "soak", False, None, warn=warn, resume_id=int(session_id))
+        except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
+            warn(f"the run's session log {session_id} cannot be continued ({e}); a new one is opened")
+    return _open_session(engine, settings, scenario)

@@ -21,7 +21,8 @@ import statistics
 from typing import Any
 
 from sinkchat.apps.soak.criteria_memory import MIN_WINDOW_PROBES, memory_disk_verdict, recall_verdict
-from sinkchat.apps.soak.series import drift, num, ppl_bins, series, slope_per_hour, throughput_key
+from sinkchat.apps.soak.series import (drift, num, past_warmup, ppl_bins, segment, series, slope_per_hour,
+                                     throughput_key)
 from sinkchat.apps.soak.thresholds import Thresholds
 from sinkchat.apps.soak.verdict import MIB, Verdict
 
@@ -50,7 +51,7 @@ def evaluate(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thre
     """One verdict per criterion (see the module docstring for the statuses)."""
     header = header or {}
     warm = warmup_seconds(samples, th)
-    steady = [s for s in samples if (num(s.get("elapsed")) or 0.0) >= warm] or samples
+    steady = past_warmup(samples, warm) or samples
     return [_rss_verdict(steady, th), _cache_verdict(samples, header), _throughput_verdict(steady, th),
             _ppl_verdict(steady, th), _latency_verdict(steady, th), _jobs_verdict(samples, end, th, header),
             _valid_calls_verdict(samples, end, th, header), _success_stability_verdict(samples, th, header),
@@ -86,17 +87,26 @@ def _rss_verdict(steady: list[dict[str, Any]], th: Thresholds) -> Verdict:
     fit: FAIL when even slope - 2 SE is above the limit, PASS when slope + 2 SE is within it, else SHORT (the run
     is too short, or too noisy, to tell a leak of the limit's size from allocator noise)."""
     name, limit = "RSS growth per hour", f"<= {th.rss_mib_per_h:g} MiB/h"
-    pts = [(t, v / MIB) for t, v in series(steady, "rss")]
-    slope = slope_per_hour(pts) if len(pts) >= MIN_RSS_SAMPLES else None
+    rows = [(segment(s), t, v / MIB) for s in steady if (t := num(s.get("elapsed"))) is not None
+            and (v := num(s.get("rss"))) is not None]
+    pts, groups = [(t, v) for _, t, v in rows], [g for g, _, _ in rows]
+    slope = slope_per_hour(pts, groups=groups) if len(pts) >= MIN_RSS_SAMPLES else None
     if slope is None:
         return Verdict(name, f"too short to judge: {len(pts)} steady samples (need {MIN_RSS_SAMPLES})", limit,
                        "SHORT")
-    mid = statistics.median(v - slope / 3600 * t for t, v in pts)
-    sigma = 1.4826 * statistics.median(abs(v - mid - slope / 3600 * t) for t, v in pts)
-    tbar = statistics.fmean(t for t, _ in pts)
-    spread = math.sqrt(sum((t - tbar) ** 2 for t, _ in pts)) / 3600.0  # hours
+    resid, spread2 = [], 0.0  # each process (resumed runs) about its own level: a restart's RSS is no trend
+    for g in sorted(set(groups)):
+        seg = [(t, v) for gg, t, v in rows if gg == g]
+        mid = statistics.median(v - slope / 3600 * t for t, v in seg)
+        resid += [abs(v - mid - slope / 3600 * t) for t, v in seg]
+        tbar = statistics.fmean(t for t, _ in seg)
+        spread2 += sum((t - tbar) ** 2 for t, _ in seg)
+    sigma = 1.4826 * statistics.median(resid)
+    spread = math.sqrt(spread2) / 3600.0  # hours
     se = sigma / spread if spread > 0 else math.inf
-    val = f"{slope:+.1f} ± {2 * se:.1f} MiB/h over {len(pts)} samples"
+    n_seg = len(set(groups))
+    val = f"{slope:+.1f} ± {2 * se:.1f} MiB/h over {len(pts)} samples" + (f" of {n_seg} processes" if n_seg > 1
+                                                                          else "")
     if slope - 2 * se > th.rss_mib_per_h:
         return Verdict(name, val, limit, "FAIL")
     if slope + 2 * se <= th.rss_mib_per_h:
@@ -108,7 +118,7 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     """Over the whole run, warm-up included: the cache never held more tokens than its capacity (`cache_peak`: the
     longest it was after any model call of the interval, not just at the sample: an agent task rewound before the
     next sample would hide its peak), at every sample exactly as many as the ledger, its bytes never change, and
-    its buffers are never reallocated (their addresses stay the same). RSS growth (the slope above) is what catches
+    its buffers are never reallocated (their addresses stay the same within a process). RSS growth (the slope above) is what catches
     memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its samples' lengths."""
     name, limit = "cache bounded", "len <= capacity, == ledger; bytes and buffers unchanged"
     cap_h = num(header.get("capacity"))
@@ -128,9 +138,13 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     cb = sorted({v for _, v in series(rows, "cache_bytes") if v > 0})
     if len(cb) > 1:
         bad.append(f"bytes changed {cb[0] / MIB:.2f}..{cb[-1] / MIB:.2f} MiB")
-    ptrs = {s.get("cache_ptrs") for s in rows if s.get("cache_ptrs") is not None}
-    if len(ptrs) > 1:
-        bad.append(f"buffers reallocated ({len(ptrs)} different addresses)")
+    ptrs: dict[int, set[Any]] = {}  # per process: a resumed run's new process has buffers of its own
+    for s in rows:
+        if s.get("cache_ptrs") is not None:
+            ptrs.setdefault(segment(s), set()).add(s.get("cache_ptrs"))
+    moved = max((len(p) for p in ptrs.values()), default=0)
+    if moved > 1:
+        bad.append(f"buffers reallocated ({moved} different addresses in one process)")
     cap = cap_h or num(rows[-1].get("capacity"))
     peak = max(max(int(s["cache_len"]), int(num(s.get("cache_peak")) or 0)) for s in rows)
     val = (f"peak {peak} of {int(cap)} tokens" if cap else f"peak {peak} tokens") + \

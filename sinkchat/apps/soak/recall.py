@@ -36,9 +36,10 @@ import random
 import re
 import time
 from bisect import bisect_left
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterator
 
+from sinkchat.apps.soak.checkpoint import rng_state, set_rng_state
 from sinkchat.apps.soak.steps import logged
 from sinkchat.core.events import DoneEvent, PrefillEvent
 from sinkchat.memory.report import take_recalled
@@ -158,6 +159,17 @@ class RecallProbe:
         if style is None:
             return None
         return cls(style, bool(getattr(scenario, "recall_window_after", True)), **kw)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (checkpoint.py): the facts planted and still held, what comes next, the counts."""
+        return {"rng": rng_state(self.rng), "facts": [asdict(f) for f in self.facts], "values": sorted(self.values),
+                "topics": self.topics, "laps": self.laps, "counts": self.counts}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        set_rng_state(self.rng, d["rng"])
+        self.facts = [Fact(**f) for f in d["facts"]]
+        self.values, self.topics, self.laps = set(d["values"]), list(d["topics"]), int(d["laps"])
+        self.counts = {k: int(v) for k, v in d["counts"].items()}
 
     def due(self, steps: int) -> bool:
         """Act around the next step? Not before the scenario's first step (it sets up its prompt and checkpoint)."""

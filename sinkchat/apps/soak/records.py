@@ -58,6 +58,11 @@ class Recorder:
             except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason to stop the soak
                 log.warning("session log: %s", e)
 
+    def size(self) -> int:
+        """Bytes of metrics.jsonl written so far (every record is flushed as it is written): what a checkpoint
+        covers."""
+        return os.fstat(self.fh.fileno()).st_size if self.fh is not None else 0
+
     def close(self) -> None:
         for closer in (getattr(self.fh, "close", None), getattr(self.session, "close", None)):
             try:
@@ -77,6 +82,7 @@ def load_run(directory: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
     header: dict[str, Any] = {}
     samples: list[dict[str, Any]] = []
     end = None
+    resumes: list[dict[str, Any]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -88,10 +94,14 @@ def load_run(directory: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
         kind = rec.get("kind")
         if kind == "start":
             header = rec
+        elif kind == "resume":  # `soak resume`: kept with the start record (the report says how often)
+            resumes.append(rec)
         elif kind == "sample":
             samples.append(rec)
         elif kind == "end":
             end = rec
     if not header and not samples:
         raise click.ClickException(f"{path} holds no soak records")
+    if resumes:
+        header = {**header, "resumes": resumes}
     return header, samples, end

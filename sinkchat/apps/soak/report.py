@@ -130,7 +130,10 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
             ("elapsed", f"{(num(last.get('elapsed')) or 0) / 60:.1f} min"),
             ("steps", last.get("steps")), ("tokens processed", last.get("tokens")),
             ("end", (end or {}).get("reason", "missing")), ("samples", len(samples)),
-            ("warm-up excluded", f"{warmup_seconds(samples, th):.0f} s"), ("recall memory", _memory_line(header)),
+            ("resumed", _resumes_line(header)),
+            ("warm-up excluded", f"{warmup_seconds(samples, th):.0f} s" + (" (and after each resume)"
+                                                                              if header.get("resumes") else "")),
+            ("recall memory", _memory_line(header)),
             ("handled faults", ", ".join(f"{k} {v}" for k, v in ((end or {}).get("fault_kinds") or {}).items()) or "-")]
     out = [f"# sinkchat soak report: {word}", ""]
     out += [f"- **{k}**: {v}" for k, v in info] + ["", "## Verdicts", "",
@@ -143,6 +146,17 @@ def render_markdown(header: dict[str, Any], samples: list[dict[str, Any]], end: 
     out += ["", "## Plots", ""] + [f"![{p[:-4]}]({p})" for p in plots]
     out += ["", f"Thresholds: `{json.dumps(asdict(th))}`", ""]
     return "\n".join(out)
+
+
+def _resumes_line(header: dict[str, Any]) -> str:
+    """How often the run was resumed from a checkpoint (`soak resume`) and the work that was done again."""
+    rs = header.get("resumes") or []
+    if not rs:
+        return "no (one process)"
+    redo = sum(num(r.get("discarded_s")) or 0.0 for r in rs)
+    at = ", ".join(f"{(num(r.get('elapsed')) or 0) / 60:.0f}" for r in rs)
+    return (f"{len(rs)} times, at {at} min of soak time ({len(rs) + 1} processes); {redo / 60:.1f} min of work after "
+            "the checkpoints done again (its records in metrics.discarded.jsonl)")
 
 
 def _memory_line(header: dict[str, Any]) -> str:
@@ -160,7 +174,8 @@ def render_json(header: dict[str, Any], samples: list[dict[str, Any]], end: dict
     doc = {"overall": overall(verdicts, header), "scenario": header.get("scenario"),
            "verdicts": [asdict(v) for v in verdicts],
            "figures": {k: {"first": a, "last": b} for k, (a, b) in figures(samples).items() if a is not None},
-           "end": totals or None, "samples": len(samples), "thresholds": asdict(th), "plots": plots}
+           "end": totals or None, "samples": len(samples), "resumes": header.get("resumes") or [],
+           "thresholds": asdict(th), "plots": plots}
     return json.dumps(doc, indent=1, default=str) + "\n"
 
 

@@ -132,6 +132,10 @@ class Soak:
                                                 clock=lambda: time.monotonic() - self.t0, slog=lambda: self.slog)
                        if self.memory is not None else None)
         self.mem_peak = self.memory.disk_bytes if self.memory is not None else 0  # disk bytes, since the last sample
+        self.segment = 0  # resumed runs (checkpoint.py): how many times; every sample says which process made it
+        self.on_checkpoint: Callable[["Soak"], None] | None = None  # set with checkpoint_every by the command
+        self.checkpoint_every = 0.0
+        self.last_checkpoint = self.t0
 
     @property
     def tokens(self) -> int:
@@ -273,7 +277,8 @@ class Soak:
         input_ppl = round(math.exp(nll_sum / nll_n), 4) if nll_n else None
         lat = iv.latencies or iv.prefill_latencies  # decode latency; per-token prefill latency for stream
         rec = {
-            "kind": "sample", "t": round(time.time(), 3), "elapsed": round(now - self.t0, 3), "steps": self.steps,
+            "kind": "sample", "t": round(time.time(), 3), "elapsed": round(now - self.t0, 3), "segment": self.segment,
+            "steps": self.steps,
             "tokens": self.tokens, "evicted": eng.ledger.evicted - self.evicted0, "cache_len": eng.cache.length,
             "cache_peak": self.tally.take_peak() if self.tally else eng.cache.length,
             "ledger_len": len(eng.ledger), "capacity": eng.cache_cfg.capacity, "cache_bytes": eng.cache.nbytes,
@@ -364,6 +369,10 @@ class Soak:
                 self.step_faulted = False
             if probing and stepped and not self.limit_reached():
                 self.probe(self.recall.after)  # type: ignore[union-attr]
+            if self.on_checkpoint is not None and time.monotonic() - self.last_checkpoint >= self.checkpoint_every:
+                self.sample()  # the checkpoint covers every record up to here: no interval is split by a resume
+                self.on_checkpoint(self)
+                self.last_checkpoint = time.monotonic()
             if time.monotonic() >= self.next_sample:
                 self.sample()
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import click
 
+from sinkchat.apps.soak.checkpoint import rng_state, set_rng_state
 from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ToolCall, finite, recover
 from sinkchat.core.events import TokenEvent
 from sinkchat.store.sessionlog import NullLog
@@ -79,6 +80,26 @@ class AgentScenario:
         self.agent = Agent(engine, tools, workspace, approve=None, max_tokens=max_tokens or CHAT_MAX_TOKENS)
         self.rng, self.max_steps = random.Random(seed), max_steps
         self._log: Any = None
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (checkpoint.py; the workspace is copied beside it): the task sequence and where
+        the agent's tasks start. The logits at the task checkpoint are not kept: every task feeds its messages right
+        after rewinding, which replaces them."""
+        a, cp = self.agent, self.agent.checkpoint
+        point = None if cp.state is None else {"length": cp.state[0], "anchor": cp.state[1],
+                                               "messages": cp.state[2], "fed": cp.state[3]}
+        return {"rng": rng_state(self.rng), "primed": a.primed, "examples_held": a._examples_held,
+                "counts": asdict(a.counts), "checkpoint": point, "taken": cp.taken}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        from sinkchat.apps.agent.agent import AgentCounts
+
+        a, cp, point = self.agent, self.agent.checkpoint, d["checkpoint"]
+        set_rng_state(self.rng, d["rng"])
+        a.primed, a._examples_held, a.counts = bool(d["primed"]), int(d["examples_held"]), AgentCounts(**d["counts"])
+        cp.state = None if point is None else (int(point["length"]), point["anchor"],
+                                               [dict(m) for m in point["messages"]], str(point["fed"]), None)
+        cp.taken = int(d["taken"])
 
     def next_task(self) -> AgentTask:
         r = self.rng

@@ -7,6 +7,7 @@ from typing import Any, Iterator
 
 import click
 
+from sinkchat.apps.soak.checkpoint import rng_state, set_rng_state
 from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ask, generate_reply, log_reply, recover
 from sinkchat.bootstrap import read_prompt
 from sinkchat.store.sessionlog import NullLog
@@ -27,6 +28,14 @@ class ChatScenario:
         self.rng = random.Random(seed)
         self.turn = 0
         self.last_reply = ""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (checkpoint.py): the next turns follow from it."""
+        return {"rng": rng_state(self.rng), "turn": self.turn, "last_reply": self.last_reply}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        set_rng_state(self.rng, d["rng"])
+        self.turn, self.last_reply = int(d["turn"]), str(d["last_reply"])
 
     def next_message(self) -> str:
         self.turn += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any, Iterator
 
+from sinkchat.apps.soak.checkpoint import rng_state, set_rng_state
 from sinkchat.apps.soak.steps import CHAT_MAX_TOKENS, Fault, Outcome, ask, generate_reply, log_reply, logged, recover
 from sinkchat.bootstrap import read_prompt
 from sinkchat.store.sessionlog import NullLog
@@ -36,6 +37,15 @@ class SummarizeScenario:
         self.line_no = 0
         self.clock = 1_700_000_000
         self.levels: dict[str, int] = {}  # lines per level since the last summary: the prompt's {digest}
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (checkpoint.py): the log goes on where it was."""
+        return {"rng": rng_state(self.rng), "line_no": self.line_no, "clock": self.clock, "levels": self.levels}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        set_rng_state(self.rng, d["rng"])
+        self.line_no, self.clock = int(d["line_no"]), int(d["clock"])
+        self.levels = {str(k): int(v) for k, v in d["levels"].items()}
 
     def next_line(self) -> str:
         import time as _time

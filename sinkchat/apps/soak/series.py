@@ -24,15 +24,35 @@ def series(samples: list[dict[str, Any]], key: str) -> list[tuple[float, float]]
     return out
 
 
-def slope_per_hour(points: list[tuple[float, float]], max_points: int = 300) -> float | None:
+def slope_per_hour(points: list[tuple[float, float]], max_points: int = 300,
+                   groups: list[int] | None = None) -> float | None:
     """Theil-Sen slope (median of pairwise slopes) per hour: a leak is a steady trend, while allocator noise and
-    transient spikes (a big logits buffer) would swing a least-squares fit on a short run."""
+    transient spikes (a big logits buffer) would swing a least-squares fit on a short run. `groups` (one per point):
+    only pairs within a group count, e.g. the processes of a resumed run, each of which starts its RSS afresh."""
     if len(points) < 3:
         return None
     step = max(1, len(points) // max_points)
-    pts = points[::step]
-    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(pts) for b in pts[i + 1 :] if b[0] > a[0]]
+    pts, gs = points[::step], (groups or [0] * len(points))[::step]
+    slopes = [(b[1] - a[1]) / (b[0] - a[0]) for i, a in enumerate(pts) for j, b in enumerate(pts[i + 1 :], i + 1)
+              if b[0] > a[0] and gs[i] == gs[j]]
     return statistics.median(slopes) * 3600.0 if slopes else None
+
+
+def segment(s: dict[str, Any]) -> int:
+    """Which process recorded a sample: 0, then one more after each `soak resume` (older runs: 0)."""
+    v = num(s.get("segment"))
+    return int(v) if v is not None else 0
+
+
+def past_warmup(samples: list[dict[str, Any]], warm: float) -> list[dict[str, Any]]:
+    """The samples `warm` seconds after the start of the run and after the start of their process (a resumed run
+    warms up again: allocators, lazy buffers)."""
+    starts: dict[int, float] = {0: 0.0}
+    for s in samples:
+        t = num(s.get("elapsed"))
+        if t is not None and segment(s) not in starts:
+            starts[segment(s)] = t
+    return [s for s in samples if (num(s.get("elapsed")) or 0.0) >= starts.get(segment(s), 0.0) + warm]
 
 
 def windows(points: list[tuple[float, float]]) -> tuple[list[float], list[float]] | None:

@@ -1,0 +1,235 @@
+"""Checkpoints of a soak run: a run killed mid-way (kill -9, a reboot, a machine lent for shorter sessions than the
+run) goes on with `sinkchat soak resume DIR` from its last checkpoint instead of starting over.
+
+Every `--checkpoint-every` seconds of the soak's own clock (default 10 min), at a step boundary and right after a
+sample, the run writes DIR/checkpoint/<n>/: the engine's snapshot (cache, ledger, conversation, sampler state, and
+the recall memory's state with its segments hard-linked beside it: store/snapshot.py, memory/persist.py), a copy of
+the agent's workspace, and, in the snapshot's checksummed header, everything else the run needs to go on as if it
+had not stopped: the settings, the runner's counts and clock, the scenario's and the recall probe's state (their
+random generators included), the session log's id and how many bytes of metrics.jsonl the checkpoint covers. Then
+DIR/checkpoint/current names it (written to a temp file and renamed: a kill mid-checkpoint leaves the previous one
+in force) and the older ones are removed.
+
+Resuming loads all of that into a fresh process and moves the records written after the checkpoint (work that is
+done again) to metrics.discarded.jsonl; a `resume` record says how many seconds of work that was. The soak's clock
+(`elapsed`, the --duration) counts the run's own time only, not the time it lay stopped; every sample carries its
+`segment` (0 before the first resume), so the RSS criterion compares samples of one process only. Resumed, an agent
+soak continues its task sequence, its planted facts and its memory exactly where the checkpoint left them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from sinkchat.errors import UserError
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_EVERY = 600.0  # seconds of soak time between checkpoints: what a kill can cost at most (besides a step)
+POINTER = "current"
+
+
+class CheckpointError(UserError):
+    """A run directory that cannot be resumed (the message is one line for the user)."""
+
+
+def rng_state(rng: random.Random) -> list[Any]:
+    """A random.Random's state as JSON."""
+    version, internal, gauss = rng.getstate()
+    return [version, list(internal), gauss]
+
+
+def set_rng_state(rng: random.Random, state: list[Any]) -> None:
+    rng.setstate((state[0], tuple(state[1]), state[2]))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # a filesystem that cannot fsync a directory: the rename is still atomic
+        pass
+
+
+def save(out: Path, engine: Any, state: dict[str, Any], workspace: Path | None) -> Path:
+    """Write checkpoint n+1 of the run in `out` (see the module docstring) and make it the current one; returns its
+    folder. SnapshotError / OSError on a failed write, the previous checkpoint still in force."""
+    from sinkchat.store.snapshot import save_snapshot
+
+    root = out / "checkpoint"
+    root.mkdir(exist_ok=True, mode=0o700)
+    seq = (current_seq(out) or 0) + 1
+    folder = root / f"{seq:06d}"
+    shutil.rmtree(folder, ignore_errors=True)  # a torn earlier attempt at this number
+    folder.mkdir(mode=0o700)
+    try:
+        if workspace is not None and workspace.is_dir():
+            shutil.copytree(workspace, folder / "workspace", symlinks=True)
+        save_snapshot(engine, folder / "engine.safetensors", extra={"soak": state})
+        tmp = root / f".{POINTER}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"seq": seq}))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, root / POINTER)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    for old in root.iterdir():  # the earlier checkpoints (the current one is complete and named)
+        if old.is_dir() and old.name != folder.name:
+            shutil.rmtree(old, ignore_errors=True)
+    log.info("soak checkpoint %d at %.0f s", seq, state["runner"]["elapsed"])
+    return folder
+
+
+def current_seq(out: Path) -> int | None:
+    try:
+        return int(json.loads((out / "checkpoint" / POINTER).read_text())["seq"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def load(out: Path) -> tuple[Path, dict[str, Any]]:
+    """The current checkpoint's folder and its soak state (verified: the snapshot's checksum covers it), or a
+    CheckpointError saying why the run cannot be resumed."""
+    from sinkchat.store.snapshot import SnapshotError, snapshot_info
+
+    seq = current_seq(out)
+    if seq is None:
+        raise CheckpointError(f"{out} has no soak checkpoint to resume from (runs take one every "
+                              f"{CHECKPOINT_EVERY / 60:g} min; --checkpoint-every changes that)")
+    folder = out / "checkpoint" / f"{seq:06d}"
+    try:
+        state = snapshot_info(folder / "engine.safetensors")["extra"]["soak"]
+    except SnapshotError as e:
+        raise CheckpointError(f"the checkpoint cannot be read: {e}") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{folder} is a snapshot, not a soak checkpoint") from None
+    return folder, state
+
+
+def restore_workspace(folder: Path, workspace: Path) -> None:
+    """The workspace as it was at the checkpoint: what the tasks after it wrote is work that is done again."""
+    saved = folder / "workspace"
+    if not saved.is_dir():
+        return
+    shutil.rmtree(workspace, ignore_errors=True)
+    shutil.copytree(saved, workspace, symlinks=True)
+
+
+def cut_records(out: Path, size: int) -> tuple[int, float | None]:
+    """Move metrics.jsonl's records past byte `size` (written after the checkpoint) to metrics.discarded.jsonl;
+    returns how many there were and the last elapsed among them (None: none)."""
+    path = out / "metrics.jsonl"
+    with open(path, "rb+") as f:
+        f.seek(size)
+        tail = f.read()
+        if tail:
+            with open(out / "metrics.discarded.jsonl", "ab") as d:
+                d.write(tail if tail.endswith(b"\n") else tail + b"\n")
+                d.flush()
+                os.fsync(d.fileno())
+            f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
+    n, last = 0, None
+    for line in tail.decode("utf-8", "replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        n += 1
+        last = rec.get("elapsed", last)
+    return n, last
+
+
+def settings_from(d: dict[str, Any]) -> Any:
+    """The run's Settings from their recorded dict (asdict)."""
+    from sinkchat.config import CacheConfig, MemoryConfig, ModelConfig, SamplingConfig, Settings
+
+    try:
+        return Settings(model=ModelConfig(**d["model"]), cache=CacheConfig(**d["cache"]),
+                        sampling=SamplingConfig(**d["sampling"]), gauge_every=int(d["gauge_every"]),
+                        memory=MemoryConfig(**d["memory"]))
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"the checkpoint's settings do not fit this sinkchat: {e}") from None
+
+
+def settings_dict(settings: Any) -> dict[str, Any]:
+    return asdict(settings)
+
+
+COUNTS = ("steps", "errors", "faults", "attempts", "faulted_steps", "jobs", "jobs_ok", "evicted0", "mem_peak")
+
+
+def runner_state(soak: Any) -> dict[str, Any]:
+    """The runner's clock and running counts (runner.Soak), for a checkpoint."""
+    import time
+
+    return {"elapsed": time.monotonic() - soak.t0, "tokens": soak.tokens, "segment": soak.segment,
+            "calls": dict(soak.calls), "calls_at_sample": dict(soak.calls_at_sample),
+            "fault_kinds": dict(soak.fault_kinds), **{k: getattr(soak, k) for k in COUNTS}}
+
+
+def load_runner_state(soak: Any, d: dict[str, Any]) -> None:
+    """A fresh runner continues a checkpointed one: its clock goes on from the checkpoint's elapsed seconds (the
+    time the run lay stopped is not soak time), its token count from the checkpoint's, its samples in segment + 1."""
+    import time
+
+    now = time.monotonic()
+    soak.t0 = now - float(d["elapsed"])
+    soak.last_checkpoint, soak.next_sample = now, now + soak.sample_every
+    if soak.tally is not None:
+        soak.tokens0 = soak.tally.tokens - int(d["tokens"])
+    else:
+        soak.processed = int(d["tokens"])
+    for k in COUNTS:
+        setattr(soak, k, int(d[k]))
+    soak.calls, soak.calls_at_sample = dict(d["calls"]), dict(d["calls_at_sample"])
+    soak.fault_kinds = dict(d["fault_kinds"])
+    soak.segment = int(d["segment"]) + 1
+
+
+def owner(engine: Any) -> dict[str, Any]:
+    """Which process wrote the checkpoint, and where its recall memory's store lies (removed on resume, once that
+    process is gone: the checkpoint holds the blocks, and a killed process could not remove its own)."""
+    from sinkchat.store import procs
+
+    me = procs.current()
+    mem = getattr(engine, "memory", None)
+    return {"process": {"pid": me.pid, "started": me.started, "host": me.host},
+            "memory_root": str(mem.store.root) if mem is not None else None}
+
+
+def check_stopped(out: Path, state: dict[str, Any]) -> None:
+    """A run whose process still runs is not resumed beside it (two writers of one run directory)."""
+    from sinkchat.store import procs
+
+    p = state.get("process") or {}
+    if p.get("pid") == os.getpid():  # this very process wrote it (the Python API, a test): no other writer
+        return
+    if procs.liveness(p.get("pid"), p.get("started"), p.get("host")) == "running":
+        raise CheckpointError(f"{out} is still being run by process {p['pid']}: stop it first (kill {p['pid']}), "
+                              "then resume")
+
+
+def remove_dead_store(state: dict[str, Any], engine: Any) -> None:
+    """The killed process's memory store, once its blocks are in this process's store (loaded from the checkpoint)."""
+    root = state.get("memory_root")
+    mem = getattr(engine, "memory", None)
+    if not root or (mem is not None and Path(root) == Path(mem.store.root)) or not Path(root).is_dir():
+        return
+    if not any(Path(root).glob("seg-*.mem")):
+        return  # not a store folder: never remove what we did not write
+    shutil.rmtree(root, ignore_errors=True)
+    log.info("removed the stopped run's memory store %s (its blocks are in the checkpoint)", root)

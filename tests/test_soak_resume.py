@@ -1,0 +1,236 @@
+"""`sinkchat soak resume DIR`: a run stopped mid-step goes on from its last checkpoint exactly as if it had never
+stopped (the same replies, facts, probes, cache, memory and counts as an uninterrupted run), its clock counting soak
+time only; the records of the work done again set aside; a finished run, a run without a checkpoint and a damaged
+checkpoint refused in one line. Through the command line, on a tiny model with a real recall memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from sinkchat.apps.soak import checkpoint
+from sinkchat.apps.soak.command import soak_command
+from sinkchat.apps.soak.records import load_run
+from sinkchat.apps.soak.scenario_chat import ChatScenario
+from sinkchat.apps.soak.series import past_warmup, slope_per_hour
+
+ARGS = ["--scenario", "chat", "--steps", "8", "--sample-every", "0.5", "--checkpoint-every", "0.001s",
+        "--memory", "on", "--max-tokens", "6"]
+
+
+@pytest.fixture
+def engines(tmp_path, monkeypatch):
+    """`start` gives the soak command a fresh tiny engine (the same weights each time, sampling at temperature 0.8
+    so the sampler's state matters); the engines made are listed."""
+    from fakes import CharTokenizer, tiny_model
+    from sinkchat.config import CacheConfig, MemoryConfig, SamplingConfig
+    from sinkchat.core.engine import Engine
+    from sinkchat.memory.recall import RecallMemory
+    from sinkchat.model.spec import ModelSpec
+
+    made: list = []
+
+    def start(settings, *a, **k):
+        model = tiny_model(max_pos=4096)
+        mem = RecallMemory.for_spec(MemoryConfig("on", 1, 8, 2, 64), ModelSpec.from_model(model),
+                                    tmp_path / f"mem{len(made)}")
+        eng = Engine(model, CharTokenizer(), CacheConfig(policy="sink", n_sink=4, capacity=192),
+                     SamplingConfig(temperature=0.8, max_tokens=6, repetition_penalty=1.0, seed=3), memory=mem)
+        made.append(eng)
+        return SimpleNamespace(engine=eng)
+
+    monkeypatch.setattr("sinkchat.apps.soak.command.start", start)
+    monkeypatch.setattr("sinkchat.apps.soak.scenarios.chat_prompts", lambda: [f"Say {w}." for w in "one two three four five six seven eight nine ten".split()])
+    return made
+
+
+def _records(d: Path, kind: str) -> list[dict]:
+    return [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def _stop_in_step(monkeypatch, at: int) -> None:
+    """Ctrl-C inside step `at` (1-based), after its message was fed: the cache has moved past the checkpoint."""
+    inner, calls = ChatScenario.step, [0]
+
+    def step(self, engine):
+        calls[0] += 1
+        gen = inner(self, engine)
+        yield next(gen)
+        if calls[0] == at:
+            yield from (ev for ev, _ in zip(gen, range(3)))
+            raise KeyboardInterrupt
+        yield from gen
+
+    monkeypatch.setattr(ChatScenario, "step", step)
+
+
+def _state(eng) -> tuple:
+    mem = eng.memory
+    blocks = sorted((b, list(mem.store.token_ids(b))) for b in mem.store.where)
+    return (list(eng.ledger.ids), list(eng.ledger.abs_index), eng.ledger.seen, eng.ledger.evicted,
+            [dict(m) for m in eng.conv.messages], mem.tokens, mem.forgotten, blocks)
+
+
+def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, engines, monkeypatch):
+    ref = tmp_path / "ref"
+    CliRunner().invoke(soak_command, ARGS + ["--out", str(ref)], catch_exceptions=False)
+    want = _state(engines[-1])
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        _stop_in_step(m, 6)
+        r = CliRunner().invoke(soak_command, ARGS + ["--out", str(run)], catch_exceptions=False)
+    assert r.exit_code == 4, r.output  # INCOMPLETE: stopped before its planned end
+    assert _records(run, "end")[-1]["reason"] == "interrupted"
+    r = CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
+    assert "resuming" in r.output
+    assert _state(engines[-1]) == want  # cache, ledger, conversation, memory: as if never stopped
+    got, ref_probes = _records(run, "probe"), _records(ref, "probe")
+    assert [(p["topic"], p["value"], p["answer"], p["where"]) for p in got] == \
+        [(p["topic"], p["value"], p["answer"], p["where"]) for p in ref_probes]
+    end, ref_end = _records(run, "end"), _records(ref, "end")
+    assert len(end) == 1 and end[0]["reason"] == "steps"  # the interrupted end record was set aside
+    for k in ("steps", "tokens", "jobs", "jobs_ok", "attempts", "recall_planted", "recall_memory", "recall_window"):
+        assert end[0][k] == ref_end[0][k], k
+    discarded = [json.loads(x) for x in (run / "metrics.discarded.jsonl").read_text().splitlines()]
+    assert [d["kind"] for d in discarded][-1] == "end" and discarded[-1]["reason"] == "interrupted"
+    header, samples, _ = load_run(run)
+    (res,) = header["resumes"]
+    assert res["segment"] == 1 and res["discarded_records"] == len(discarded)
+    assert {s["segment"] for s in samples} == {0, 1}
+    seg1 = [s["elapsed"] for s in samples if s["segment"] == 1]
+    assert min(seg1) >= res["elapsed"]  # the clock goes on from the checkpoint
+    assert "1 times" in (run / "report.md").read_text()
+
+
+def test_a_finished_run_and_a_run_without_checkpoints_are_not_resumed(tmp_path, engines):
+    done = tmp_path / "done"
+    CliRunner().invoke(soak_command, ARGS + ["--out", str(done)], catch_exceptions=False)
+    r = CliRunner().invoke(soak_command, ["resume", str(done)])
+    assert r.exit_code == 1 and "already ran to its planned end (steps)" in r.output
+    bare = tmp_path / "bare"
+    CliRunner().invoke(soak_command, ARGS[:-6] + ["--checkpoint-every", "0", "--steps", "2", "--out", str(bare)],
+                       catch_exceptions=False)
+    assert not (bare / "checkpoint").exists()
+    (bare / "metrics.jsonl").write_text((bare / "metrics.jsonl").read_text().replace('"reason": "steps"',
+                                                                                    '"reason": "terminated"'))
+    r = CliRunner().invoke(soak_command, ["resume", str(bare)])
+    assert r.exit_code == 1 and "has no soak checkpoint" in r.output and "Traceback" not in r.output
+
+
+def test_a_damaged_checkpoint_is_refused_and_left_alone(tmp_path, engines, monkeypatch):
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        _stop_in_step(m, 3)
+        CliRunner().invoke(soak_command, ARGS + ["--out", str(run)], catch_exceptions=False)
+    folder, _ = checkpoint.load(run)
+    snap = folder / "engine.safetensors"
+    data = bytearray(snap.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    before = (run / "metrics.jsonl").read_bytes()
+    r = CliRunner().invoke(soak_command, ["resume", str(run)])
+    assert r.exit_code == 1 and "checkpoint cannot be read" in r.output and "Traceback" not in r.output
+    assert (run / "metrics.jsonl").read_bytes() == before  # nothing cut, nothing written
+
+
+def test_a_checkpoint_in_progress_leaves_the_last_one_in_force(tmp_path, monkeypatch):
+    """A kill while checkpoint n+1 is written: `current` still names n, and the torn n+1 is removed next time."""
+    root = tmp_path / "checkpoint"
+    (root / "000001").mkdir(parents=True)
+    (root / "current").write_text('{"seq": 1}')
+    (root / "000002").mkdir()  # torn: no pointer names it
+    assert checkpoint.current_seq(tmp_path) == 1
+    (root / "current").write_text('{"seq": ')  # a torn pointer (never written so: it is renamed into place)
+    assert checkpoint.current_seq(tmp_path) is None
+
+
+def test_the_rss_slope_of_a_resumed_run_compares_samples_of_one_process():
+    """Each process starts its RSS afresh: a restart is no leak, and two flat processes at different levels are flat;
+    a leak inside each process is still one."""
+    flat = [(t, 400.0 if t < 3600 else 300.0) for t in range(0, 7200, 60)]
+    groups = [0 if t < 3600 else 1 for t, _ in flat]
+    assert slope_per_hour(flat) < 0  # pooled, the restart reads as memory given back...
+    assert slope_per_hour(flat, groups=groups) == 0  # ...within each process there is no trend
+    leak = [(t, v + 50 * (t % 3600) / 3600) for t, v in flat]
+    assert slope_per_hour(leak, groups=groups) == pytest.approx(50)
+
+
+def test_each_process_warms_up_again():
+    samples = [{"elapsed": t, "segment": 0 if t < 1000 else 1} for t in range(0, 2000, 50)]
+    kept = [s["elapsed"] for s in past_warmup(samples, 200)]
+    assert kept == [t for t in range(200, 1000, 50)] + [t for t in range(1200, 2000, 50)]
+
+
+def _continue(scen, draw, n: int = 6) -> list:
+    return [draw(scen) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["agent", "chat", "summarize"])
+def test_each_scenario_goes_on_where_its_state_was_saved(tmp_path, name):
+    """A scenario rebuilt from its saved state (through JSON, as a checkpoint keeps it) draws what the original would
+    have drawn next: the same tasks, turns or log lines."""
+    from sinkchat.apps.soak.scenario_agent import AgentScenario
+    from sinkchat.apps.soak.scenario_summarize import SummarizeScenario
+    from test_soak_agent import SoakEngine
+
+    make, draw = {
+        "agent": (lambda: AgentScenario(SoakEngine([]), tmp_path / "ws", seed=5), lambda s: s.next_task()),
+        "chat": (lambda: ChatScenario([f"p{i}" for i in range(20)], seed=5),
+                 lambda s: (s.next_message(), setattr(s, "last_reply", f"r{s.turn}"))[0]),
+        "summarize": (lambda: SummarizeScenario(seed=5), lambda s: (s.next_line(), dict(s.levels))),
+    }[name]
+    a = make()
+    _continue(a, draw, 7)
+    saved = json.loads(json.dumps(a.state()))
+    b = make()
+    b.load_state(saved)
+    assert _continue(b, draw) == _continue(a, draw)
+
+
+def test_the_agents_task_checkpoint_survives_a_resume(tmp_path):
+    """Where every agent task starts (TaskCheckpoint): kept, so a resumed agent rewinds to the same slots rather
+    than taking a new checkpoint after the last task."""
+    from sinkchat.apps.soak.scenario_agent import AgentScenario
+    from test_soak_agent import SoakEngine
+
+    a = AgentScenario(SoakEngine([]), tmp_path / "ws")
+    a.agent.checkpoint.state = (37, 36, [{"role": "user", "content": "x"}], "<fed>", object())
+    a.agent.checkpoint.taken, a.agent.primed, a.agent._examples_held = 2, True, 4
+    b = AgentScenario(SoakEngine([]), tmp_path / "ws")
+    b.load_state(json.loads(json.dumps(a.state())))
+    assert b.agent.checkpoint.state[:4] == a.agent.checkpoint.state[:4] and b.agent.checkpoint.taken == 2
+    assert (b.agent.primed, b.agent._examples_held) == (True, 4)
+
+
+def test_a_run_whose_process_still_runs_is_not_resumed_beside_it(tmp_path):
+    import subprocess
+    import sys
+
+    from sinkchat.store import procs
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = procs.identify(child.pid)
+        state = {"process": {"pid": me.pid, "started": me.started, "host": me.host}}
+        with pytest.raises(checkpoint.CheckpointError, match=f"still being run by process {child.pid}"):
+            checkpoint.check_stopped(tmp_path, state)
+    finally:
+        child.kill()
+        child.wait()
+    checkpoint.check_stopped(tmp_path, state)  # gone: resumable
+
+
+def test_the_stopped_processs_store_is_removed_only_if_it_is_a_store(tmp_path):
+    mine = SimpleNamespace(memory=SimpleNamespace(store=SimpleNamespace(root=tmp_path / "mine")))
+    dead, other = tmp_path / "dead", tmp_path / "other"
+    dead.mkdir()
+    (dead / "seg-000001.mem").write_bytes(b"x")
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    checkpoint.remove_dead_store({"memory_root": str(other)}, mine)
+    checkpoint.remove_dead_store({"memory_root": str(dead)}, mine)
+    assert not dead.exists() and (other / "notes.txt").exists()
