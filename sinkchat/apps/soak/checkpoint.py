@@ -107,7 +107,8 @@ def load(out: Path) -> tuple[Path, dict[str, Any]]:
     seq = current_seq(out)
     if seq is None:
         raise CheckpointError(f"{out} has no soak checkpoint to resume from (runs take one every "
-                              f"{CHECKPOINT_EVERY / 60:g} min; --checkpoint-every changes that)")
+                              f"{CHECKPOINT_EVERY / 60:g} min of soak time unless --checkpoint-every 0 or the input "
+                              "is stdin)")
     folder = out / "checkpoint" / f"{seq:06d}"
     try:
         state = snapshot_info(folder / "engine.safetensors")["extra"]["soak"]

@@ -81,7 +81,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
       5  INCONCLUSIVE: the run reached its --duration but was too short to judge a criterion (e.g. the RSS slope)
       1  runtime error, 2 bad usage
     `sinkchat soak report DIR` judges a run again (e.g. one that was killed); `sinkchat soak resume DIR` goes on
-    with a stopped or killed run from its last checkpoint (agent, chat and summarize runs).
+    with a stopped or killed run from its last checkpoint (every scenario but a stream from stdin).
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -154,10 +154,10 @@ def _memory_record(engine: Any) -> dict[str, Any]:
 
 def _arm_checkpoints(soak: Soak, out: Path, run: dict[str, Any]) -> None:
     """Take a checkpoint every run["every"] seconds of soak time (checkpoint.py); `run`: what a resume needs
-    besides the state of the runner, the scenario and the probe. A scenario that keeps no state (stream: its input's
-    position) is not checkpointed. A checkpoint that cannot be written is a warning and a record; the run goes on."""
+    besides the state of the runner, the scenario and the probe. A stream from stdin is not checkpointed (what was
+    read is gone). A checkpoint that cannot be written is a warning and a record; the run goes on."""
     scen = soak.scenario
-    if not run["every"] or not hasattr(scen, "state"):
+    if not run["every"] or not hasattr(scen, "state") or not getattr(scen, "resumable", True):
         return
 
     def take(s: Soak) -> None:

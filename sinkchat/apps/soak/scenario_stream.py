@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import itertools
 import logging
 import sys
 from collections import deque
@@ -36,51 +35,77 @@ class StreamScenario:
         # a stream starts with the BOS where the model was trained with one (Gemma): without it a Gemma 3 270M soak
         # read its sink gauge as 0.00 and scored the text worse (`Engine.encode_document`, as ppl / demo / bench)
         self.bos = engine.encode_document("")[:1]
-        self.pieces = self._pieces()
         self.encode = engine.encode
+        # where the reader stands, all of it a checkpoint's (state()): the lap of the file, the next byte to read in
+        # it, the decoded text not yet cut at whitespace and the decoder's pending bytes (a character split by a read)
+        self.lap, self.offset, self.rest, self.ended = 0, 0, "", False
+        self.dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def _read_chunks(self) -> Iterator[bytes]:
+    def _read(self) -> bytes | None:
+        """The next bytes of the input: the file looped (b"\\n\\n" between laps), or stdin; None at the end (stdin's
+        EOF, an empty file)."""
         if self.path == "-":
-            while data := sys.stdin.buffer.read(READ_BYTES):
-                yield data
-            return
-        for lap in itertools.count():
-            try:
-                with open(self.path, "rb") as f:
-                    got = False
-                    while data := f.read(READ_BYTES):
-                        got = True
-                        yield data
-            except OSError as e:
-                raise click.ClickException(f"cannot read {self.path}: {e.strerror}") from None
-            if not got:
-                return
-            log.info("stream: lap %d of %s done", lap + 1, self.path)
-            yield b"\n\n"
+            return sys.stdin.buffer.read(READ_BYTES) or None
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(READ_BYTES)
+        except OSError as e:
+            raise click.ClickException(f"cannot read {self.path}: {e.strerror}") from None
+        if data:
+            self.offset += len(data)
+            return data
+        if self.offset == 0:
+            return None  # an empty file (emptied since the check)
+        log.info("stream: lap %d of %s done", self.lap + 1, self.path)
+        self.lap, self.offset = self.lap + 1, 0
+        return b"\n\n"
 
-    def _pieces(self) -> Iterator[str]:
-        """Decoded text cut at whitespace (invalid UTF-8 becomes U+FFFD rather than an error)."""
-        dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        rest = ""
-        for data in self._read_chunks():
-            text = rest + dec.decode(data)
+    def _next_piece(self) -> str | None:
+        """Decoded text cut at whitespace (invalid UTF-8 becomes U+FFFD rather than an error); None at the end."""
+        while not self.ended:
+            data = self._read()
+            if data is None:
+                self.ended = True
+                tail, self.rest = self.rest + self.dec.decode(b"", final=True), ""
+                return tail if tail.strip() else None
+            text = self.rest + self.dec.decode(data)
             cut = max(text.rfind(" "), text.rfind("\n"))
             if cut <= 0 and len(text) > 4 * READ_BYTES:  # one endless "word" (a 10 MB line): cut it anyway
                 cut = len(text)
             if cut <= 0:
-                rest = text
+                self.rest = text
                 continue
-            rest = text[cut:]
-            yield text[:cut]
-        tail = rest + dec.decode(b"", final=True)
-        if tail.strip():
-            yield tail
+            self.rest = text[cut:]
+            return text[:cut]
+        return None
+
+    @property
+    def resumable(self) -> bool:
+        """A file can be read again from where a checkpoint stood; stdin cannot (its runs take no checkpoints)."""
+        return self.path != "-"
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (checkpoint.py): the tokens read but not fed and where the reader stands. A
+        stream from stdin cannot be read again: CheckpointError."""
+        from sinkchat.apps.soak.checkpoint import CheckpointError
+
+        if self.path == "-":
+            raise CheckpointError("a stream from stdin cannot be resumed (what was read is gone)")
+        pending, flag = self.dec.getstate()
+        return {"ids": list(self.ids), "lap": self.lap, "offset": self.offset, "rest": self.rest,
+                "ended": self.ended, "pending": pending.hex(), "flag": flag}
+
+    def load_state(self, d: dict[str, Any]) -> None:
+        self.ids = deque(int(i) for i in d["ids"])
+        self.lap, self.offset, self.rest, self.ended = int(d["lap"]), int(d["offset"]), str(d["rest"]), d["ended"]
+        self.dec.setstate((bytes.fromhex(d["pending"]), int(d["flag"])))
 
     def step(self, engine: Any) -> Iterator[Any]:
         if self.bos and len(engine.ledger) == 0 and (not self.ids or self.ids[0] != self.bos[0]):
             self.ids.appendleft(self.bos[0])  # the start of the stream, or of a cache cleared by recovery
         while len(self.ids) < self.block:
-            piece = next(self.pieces, None)
+            piece = self._next_piece()
             if piece is None:
                 break
             self.ids.extend(self.encode(piece))
