@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -211,19 +212,36 @@ def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, 
     return start(build_settings(opts)).engine
 
 
-def done_trials(path: Path, resume: bool) -> dict[tuple[int, str, float, str], dict[str, Any]]:
-    """The trials a killed run already recorded, by (target, mode, depth, key); a torn last line is dropped."""
-    if not resume or not path.exists():
-        path.unlink(missing_ok=True)
-        return {}
-    done = {}
-    for line in path.read_text().splitlines():
-        try:
-            t = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        done[(t["target"], t["mode"], t["depth"], str(t["key"]))] = t
-    path.write_text("".join(json.dumps(t) + "\n" for t in done.values()))  # without the torn line
+SETUP = ("cache", "haystack", "topk", "block", "budget", "no_intro", "task", "model", "rule", "reps", "reread", "seed")
+
+
+def trial_key(target: int, mode: str, depth: float, key: Any) -> tuple[int, str, float, str]:
+    return target, mode, depth, json.dumps(key)  # a kv key (a tuple) comes back from JSON as a list
+
+
+def done_trials(path: Path, resume: bool, setup: dict[str, Any] | None = None
+                ) -> dict[tuple[int, str, float, str], dict[str, Any]]:
+    """The trials a killed run already recorded, by trial_key; a torn last line is dropped. The file's first line
+    is the run's setup (`SETUP` arguments): a resume with another setup is refused (SystemExit with the
+    difference), never mixed into it. Without `resume` the file starts over."""
+    setup = setup or {}
+    head = json.dumps({"setup": setup}) + "\n"
+    done: dict[tuple[int, str, float, str], dict[str, Any]] = {}
+    if resume and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                t = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "setup" in t:
+                if t["setup"] != setup:
+                    diff = {k: (t["setup"].get(k), setup.get(k)) for k in setup if t["setup"].get(k) != setup.get(k)}
+                    raise SystemExit(f"{path} was run with another setup (recorded, now): {diff}; use another --out")
+                continue
+            done[trial_key(t["target"], t["mode"], t["depth"], t["key"])] = t
+    tmp = path.with_name(path.name + ".tmp")  # rewritten whole (the torn line gone), then renamed into place
+    tmp.write_text(head + "".join(json.dumps(t) + "\n" for t in done.values()))
+    os.replace(tmp, path)
     return done
 
 
@@ -232,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"args": vars(args), "trials": []}
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "trials.jsonl"
-    done = done_trials(log, args.resume)
+    done = done_trials(log, args.resume, {k: getattr(args, k) for k in SETUP})
     units_cache: list[str] | None = None
     for length in args.lengths:
         keys = [new_key(args.task, rng) for _ in range(args.trials)]
@@ -246,7 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             units_cache = units_cache or haystack_units(args.haystack, args.task)
             right, layers, oracle = 0, [], []
             for key, depth in zip(keys, depths):
-                if (old := done.get((length, mode, depth, str(key)))) is not None:
+                if (old := done.get(trial_key(length, mode, depth, key))) is not None:
                     results["trials"].append(old)
                     right += old["right"]
                     layers += [] if old["needle_layers"] is None else [old["needle_layers"]]

@@ -150,3 +150,31 @@ def test_an_index_saved_under_another_rule_or_an_older_format_is_rebuilt_and_an_
     other = engine(model, memory(model, tmp_path / "c"))
     with pytest.raises(SnapshotError, match=r"format 99; this sinkchat reads 1, 2, 3$"):
         load_snapshot(other, snap)
+
+
+def test_a_loaded_store_fills_its_last_segment_and_forgets_as_the_saved_one_would(tmp_path: Path) -> None:
+    """Over its budget the store drops whole segments, so where a loaded store puts its next block decides which
+    tokens are forgotten later: it goes on filling the saved session's last segment (rolled over instead, a resumed
+    soak forgot other tokens than an uninterrupted one)."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+
+    def small(mem: Any) -> Any:
+        mem.store.budget = 44_320  # 20 blocks of this model; segments of budget / 8: two blocks each
+        mem.store.segment_bytes = mem.store.budget // 8
+        return mem
+
+    eng = engine(model, small(memory(model, tmp_path / "a")))
+    list(eng.feed_ids(IDS[:78]))
+    assert len(eng.memory.store.sizes) >= 2 and sum(w.segment == eng.memory.store.current
+                                                    for w in eng.memory.store.where.values()) == 1
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    more = IDS[78:] + IDS + IDS
+    list(eng.feed_ids(more))
+    other = engine(model, small(memory(model, tmp_path / "b")))
+    load_snapshot(other, snap)
+    list(other.feed_ids(more))
+    a, b = eng.memory, other.memory
+    assert a.forgotten > 0  # the budget dropped segments
+    assert {k: (w.segment, w.first) for k, w in b.store.where.items()} == \
+        {k: (w.segment, w.first) for k, w in a.store.where.items()}
+    assert (b.forgotten, b.tokens, b.store.sizes) == (a.forgotten, a.tokens, a.store.sizes)

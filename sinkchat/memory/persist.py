@@ -137,10 +137,11 @@ def prepare(memory: Any, head: dict[str, Any], tensors: dict[str, torch.Tensor],
     try:
         for seg, size in sizes.items():
             _copy(folder / store._path(seg).name, store._path(seg), size)
+        store.sizes, store.where, store.current = sizes, where, int(head["current"])
+        store.continue_current()
     except (OSError, MemoryStateError) as e:
         store.close(remove=True)
         raise MemoryStateError(f"cannot copy its recall memory: {getattr(e, 'strerror', None) or e}") from None
-    store.sizes, store.where, store.current = sizes, where, int(head["current"])
     try:
         index = _index(head, tensors) if _same_rule(memory, head) else _rebuild(memory, store, _dtype(tensors))
         lexicon = _lexicon(store, index.ids)

@@ -88,6 +88,14 @@ class BlockStore:
         self.where[block.id] = Where(self.current, offset, len(record), block.first, block.last, block.n)
         return dropped
 
+    def continue_current(self) -> None:
+        """Append the next block to the current segment, as the session this store was restored from would have
+        (persist.prepare: its segments copied into this folder). Rolled over instead, the segments' boundaries, and
+        so which blocks the budget drops together, differed from the saved session's: a resumed soak forgot other
+        tokens than an uninterrupted one."""
+        if self._fd is None and self.current in self.sizes:
+            self._fd = os.open(self._path(self.current), os.O_WRONLY | os.O_APPEND)
+
     def _roll(self) -> None:
         """Start a new segment file (readable by the user alone)."""
         if self._fd is not None:

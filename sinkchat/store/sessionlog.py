@@ -70,9 +70,10 @@ class SessionLog(NullLog):
 
     @classmethod
     def resume(cls, session_id: int, *, path: Path | str | None = None, warn: Callable[[str], None] | None = None,
-               tokens: Callable[[], int] | None = None) -> NullLog:
+               tokens: Callable[[], int] | None = None, tokens_before: int | None = None) -> NullLog:
         """Append to an existing session (after --resume); marks it open again, held by this process. The tokens
-        counted from now on add to the session's total (for an older session, to the tokens of its turns)."""
+        counted from now on add to the session's total (for an older session, to the tokens of its turns), or to
+        `tokens_before` (a soak resumed from a checkpoint: the work after it, done again, is not counted twice)."""
         p = Path(path) if path is not None else None
         try:
             p = p or db_path()
@@ -87,7 +88,7 @@ class SessionLog(NullLog):
             with transaction(conn):
                 conn.execute("UPDATE sessions SET ended = NULL, pid = ?, pid_started = ?, host = ? WHERE id = ?",
                              (me.pid, me.started, me.host, session_id))
-            before = int(held[0] if held[0] is not None else row[1])
+            before = int(held[0] if held[0] is not None else row[1]) if tokens_before is None else tokens_before
             return cls(conn, session_id, p, int(row[0] or 0), warn, tokens, before)
         except (sqlite3.Error, OSError) as e:
             return _fallback(f"session log disabled: cannot write {p}: {e}", warn)

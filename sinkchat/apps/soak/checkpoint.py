@@ -24,9 +24,10 @@ import logging
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from sinkchat.errors import UserError
 
@@ -92,10 +93,17 @@ def save(out: Path, engine: Any, state: dict[str, Any], workspace: Path | None) 
     return folder
 
 
-def current_seq(out: Path) -> int | None:
+def current_seq(out: Path, strict: bool = False) -> int | None:
+    """The current checkpoint's number (None: none yet); `strict`: a pointer that is there but unreadable is a
+    CheckpointError, not "none"."""
+    path = out / "checkpoint" / POINTER
     try:
-        return int(json.loads((out / "checkpoint" / POINTER).read_text())["seq"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(path.read_text())["seq"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if strict:
+            raise CheckpointError(f"{path} is damaged ({e}); the checkpoint folders beside it are kept") from None
         return None
 
 
@@ -104,7 +112,7 @@ def load(out: Path) -> tuple[Path, dict[str, Any]]:
     CheckpointError saying why the run cannot be resumed."""
     from sinkchat.store.snapshot import SnapshotError, snapshot_info
 
-    seq = current_seq(out)
+    seq = current_seq(out, strict=True)
     if seq is None:
         raise CheckpointError(f"{out} has no soak checkpoint to resume from (runs take one every "
                               f"{CHECKPOINT_EVERY / 60:g} min of soak time unless --checkpoint-every 0 or the input "
@@ -136,10 +144,13 @@ def cut_records(out: Path, size: int) -> tuple[int, float | None]:
         f.seek(size)
         tail = f.read()
         if tail:
-            with open(out / "metrics.discarded.jsonl", "ab") as d:
-                d.write(tail if tail.endswith(b"\n") else tail + b"\n")
-                d.flush()
-                os.fsync(d.fileno())
+            tail = tail if tail.endswith(b"\n") else tail + b"\n"
+            with open(out / "metrics.discarded.jsonl", "ab+") as d:
+                d.seek(max(0, d.seek(0, os.SEEK_END) - len(tail)))
+                if d.read() != tail:  # not there yet (a resume killed right after moving it: not twice)
+                    d.write(tail)
+                    d.flush()
+                    os.fsync(d.fileno())
             f.truncate(size)
             f.flush()
             os.fsync(f.fileno())
@@ -201,36 +212,88 @@ def load_runner_state(soak: Any, d: dict[str, Any]) -> None:
     soak.segment = int(d["segment"]) + 1
 
 
-def owner(engine: Any) -> dict[str, Any]:
-    """Which process wrote the checkpoint, and where its recall memory's store lies (removed on resume, once that
-    process is gone: the checkpoint holds the blocks, and a killed process could not remove its own)."""
-    from sinkchat.store import procs
 
-    me = procs.current()
+def lock_run(out: Path) -> Any:
+    """Hold DIR/.lock for this process's life (released by the kernel however the process ends, kill -9 too), so
+    two processes never run one directory: a second resume would cut the first one's records and replace its
+    workspace. CheckpointError naming the holder otherwise. Returns the open lock file (keep it referenced)."""
+    try:
+        import fcntl
+    except ImportError:  # not on this platform: no lock, as before
+        return None
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise CheckpointError(f"{out} is being run by {holder}: stop it first, then resume") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"sinkchat process {os.getpid()}")
+    f.flush()
+    return f
+
+
+@contextmanager
+def holding(out: Path) -> Iterator[None]:
+    """lock_run for the block, released at its end (a test or the Python API may run the directory again in the
+    same process)."""
+    f = lock_run(out)
+    try:
+        yield
+    finally:
+        if f is not None:
+            f.close()
+
+
+def note_store(out: Path, engine: Any) -> None:
+    """Name this process's recall-memory store in DIR/.stores: a process killed cannot remove its own, so the
+    resume after it does (its blocks are in the checkpoint, hard-linked)."""
     mem = getattr(engine, "memory", None)
-    return {"process": {"pid": me.pid, "started": me.started, "host": me.host},
-            "memory_root": str(mem.store.root) if mem is not None else None}
+    if mem is not None:
+        with open(out / ".stores", "a") as f:
+            f.write(f"{mem.store.root}\n")
 
 
-def check_stopped(out: Path, state: dict[str, Any]) -> None:
-    """A run whose process still runs is not resumed beside it (two writers of one run directory)."""
-    from sinkchat.store import procs
-
-    p = state.get("process") or {}
-    if p.get("pid") == os.getpid():  # this very process wrote it (the Python API, a test): no other writer
-        return
-    if procs.liveness(p.get("pid"), p.get("started"), p.get("host")) == "running":
-        raise CheckpointError(f"{out} is still being run by process {p['pid']}: stop it first (kill {p['pid']}), "
-                              "then resume")
-
-
-def remove_dead_store(state: dict[str, Any], engine: Any) -> None:
-    """The killed process's memory store, once its blocks are in this process's store (loaded from the checkpoint)."""
-    root = state.get("memory_root")
+def remove_dead_stores(out: Path, engine: Any) -> None:
+    """Remove the stores DIR/.stores names but this process's (resumed, holding the run's lock: every earlier
+    process of the run is gone). Only folders that hold nothing but segment files: never what we did not write."""
     mem = getattr(engine, "memory", None)
-    if not root or (mem is not None and Path(root) == Path(mem.store.root)) or not Path(root).is_dir():
+    mine = Path(mem.store.root) if mem is not None else None
+    try:
+        roots = [Path(x) for x in (out / ".stores").read_text().split("\n") if x]
+    except OSError:
         return
-    if not any(Path(root).glob("seg-*.mem")):
-        return  # not a store folder: never remove what we did not write
-    shutil.rmtree(root, ignore_errors=True)
-    log.info("removed the stopped run's memory store %s (its blocks are in the checkpoint)", root)
+    for root in roots:
+        if root == mine or not root.is_dir():
+            continue
+        if all(p.is_file() and p.name.startswith("seg-") and p.name.endswith(".mem") for p in root.iterdir()):
+            shutil.rmtree(root, ignore_errors=True)
+            log.info("removed a stopped process's memory store %s (its blocks are in the checkpoint)", root)
+    (out / ".stores").write_text(f"{mine}\n" if mine else "")
+
+
+def arm(soak: Any, out: Path, run: dict[str, Any]) -> None:
+    """Take a checkpoint every run["every"] seconds of soak time; `run`: what a resume needs besides the state of
+    the runner, the scenario and the probe (settings, options, the session log). A stream from stdin is not
+    checkpointed (what was read is gone). A checkpoint that cannot be written is a warning and a record; the run
+    goes on."""
+    scen = soak.scenario
+    if not run["every"] or not hasattr(scen, "state") or not getattr(scen, "resumable", True):
+        return
+
+    def take(s: Any) -> None:
+        if s.rec.failed:  # records were lost: a checkpoint could not say which it covers
+            return
+        state = {**run, "runner": runner_state(s), "scenario": scen.state(),
+                 "recall": s.recall.state() if s.recall is not None else None, "metrics_bytes": s.rec.size()}
+        try:
+            save(out, s.engine, state, getattr(scen, "workspace", None))
+        except (UserError, OSError) as e:
+            log.warning("soak checkpoint failed: %s", e)
+            s.rec.write({"kind": "checkpoint_failed", "elapsed": round(state["runner"]["elapsed"], 3),
+                         "detail": str(e)[:300]})
+
+    soak.on_checkpoint, soak.checkpoint_every = take, float(run["every"])

@@ -7,7 +7,6 @@ Scenarios live in scenarios.py and its scenario_* modules.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
@@ -23,17 +22,14 @@ from sinkchat.apps.soak import checkpoint
 from sinkchat.apps.soak.criteria import EXIT_CODES, overall
 from sinkchat.apps.soak.records import Recorder, load_run
 from sinkchat.apps.soak.report import verdict_table, write_report
+from sinkchat.apps.soak.resume import ENDED
 from sinkchat.apps.soak.runner import Soak, run_until_stopped
 from sinkchat.apps.soak.scenario_stream import check_input
 from sinkchat.apps.soak.scenarios import SCENARIOS, make_scenario
 from sinkchat.apps.soak.thresholds import pop_thresholds, recorded_thresholds, threshold_options
 from sinkchat.api import start
 from sinkchat.bootstrap import build_settings, common_options, pop_common, setup_logging, user_errors
-from sinkchat.errors import UserError
 
-log = logging.getLogger(__name__)
-
-ENDED = ("duration", "tokens", "steps", "input exhausted")  # end reasons of a run that reached its planned end
 UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -89,25 +85,28 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
     th = pop_thresholds(kw)
     setup_logging(opts["verbose"] or 0)
     secs = parse_duration(duration) if duration else (None if tokens or steps else 3600.0)
-    every = 0.0 if checkpoint_every.strip() in ("0", "off") else parse_duration(checkpoint_every, "--checkpoint-every")
+    every = 0.0 if re.fullmatch(r"\s*(off|0+(\.0*)?[smhd]?)\s*", checkpoint_every) else \
+        parse_duration(checkpoint_every, "--checkpoint-every")
     with user_errors():
         settings = build_settings(opts)
         out = _make_out_dir(out_dir)
-        input_path = _stream_input(scenario, input_path)
-        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
-        scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
-                             allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
-        session = _open_session(engine, settings, scenario)
-        scen.slog = session
-        rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
-        limits = {"duration": secs, "tokens": tokens, "steps": steps}
-        rec.write(_start_record(engine, scenario, sample_every, limits, th, input_path))
-        soak = Soak(engine, scen, rec, sample_every=sample_every, duration=secs, tokens=tokens, steps=steps)
-        _arm_checkpoints(soak, out, {"settings": asdict(settings), "every": every, "allow_shell": allow_shell,
-                                     "max_tokens": opts.get("max_tokens"), "session": getattr(session, "id", None)})
-        reason = run_until_stopped(soak)
-        _end_records(rec, soak, reason, input_path)
-        _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
+        with checkpoint.holding(out):  # one process at a time runs a directory
+            input_path = _stream_input(scenario, input_path)
+            engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
+            checkpoint.note_store(out, engine)
+            scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
+                                 allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
+            session = _open_session(engine, settings, scenario)
+            scen.slog = session
+            rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
+            limits = {"duration": secs, "tokens": tokens, "steps": steps}
+            rec.write(_start_record(engine, scenario, sample_every, limits, th, input_path))
+            soak = Soak(engine, scen, rec, sample_every=sample_every, duration=secs, tokens=tokens, steps=steps)
+            checkpoint.arm(soak, out, {"settings": asdict(settings), "every": every, "allow_shell": allow_shell,
+                                       "max_tokens": opts.get("max_tokens"), "session": session_ref(session)})
+            reason = run_until_stopped(soak)
+            _end_records(rec, soak, reason, input_path)
+            _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
 
 
 def _make_out_dir(out_dir: str | None) -> Path:
@@ -140,7 +139,8 @@ def _start_record(engine: Any, scenario: str, sample_every: float, limits: dict[
             "scenario": scenario, "policy": c.policy, "capacity": c.capacity, "n_sink": c.n_sink,
             "evict_chunk": c.evict_chunk, "model": getattr(engine.loaded, "source", None),
             "quant": getattr(engine.loaded, "quant", None),
-            "sample_every": sample_every, "limits": limits, "thresholds": asdict(th), "input": input_path,
+            "sample_every": sample_every, "limits": limits, "thresholds": asdict(th),
+            "input": input_path if input_path in (None, "-") else str(Path(input_path).resolve()),
             "memory": _memory_record(engine)}
 
 
@@ -152,28 +152,18 @@ def _memory_record(engine: Any) -> dict[str, Any]:
     return {"mode": "on", "budget": mem.store.budget, "block": mem.B, "topk": mem.topk, "root": str(mem.store.root)}
 
 
-def _arm_checkpoints(soak: Soak, out: Path, run: dict[str, Any]) -> None:
-    """Take a checkpoint every run["every"] seconds of soak time (checkpoint.py); `run`: what a resume needs
-    besides the state of the runner, the scenario and the probe. A stream from stdin is not checkpointed (what was
-    read is gone). A checkpoint that cannot be written is a warning and a record; the run goes on."""
-    scen = soak.scenario
-    if not run["every"] or not hasattr(scen, "state") or not getattr(scen, "resumable", True):
-        return
+def session_ref(session: Any) -> dict[str, Any] | None:
+    """Which session log a checkpoint continues: its id and start time (an id alone could name another data
+    dir's session)."""
+    sid = getattr(session, "id", None)
+    if sid is None:
+        return None
+    from sinkchat.store.transcript import get_session
 
-    def take(s: Soak) -> None:
-        if soak.rec.failed:  # records were lost: a checkpoint could not say which it covers
-            return
-        state = {**run, "runner": checkpoint.runner_state(s), "scenario": scen.state(),
-                 "recall": s.recall.state() if s.recall is not None else None, "metrics_bytes": s.rec.size(),
-                 **checkpoint.owner(s.engine)}
-        try:
-            checkpoint.save(out, s.engine, state, getattr(scen, "workspace", None))
-        except (UserError, OSError) as e:
-            log.warning("soak checkpoint failed: %s", e)
-            s.rec.write({"kind": "checkpoint_failed", "elapsed": round(state["runner"]["elapsed"], 3),
-                         "detail": str(e)[:300]})
-
-    soak.on_checkpoint, soak.checkpoint_every = take, float(run["every"])
+    try:
+        return {"id": sid, "started": get_session(sid, getattr(session, "path", None)).started}
+    except Exception:  # noqa: BLE001 - the log is evidence, never a reason to stop
+        return None
 
 
 def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:
@@ -224,69 +214,20 @@ def report_command(directory: str, **kw: Any) -> None:
     _finish(Path(directory), th, f"soak run {directory}")
 
 
-
-
 @soak_command.command("resume")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
+@click.option("--threads", type=click.IntRange(0, 256), default=None,
+              help="threads for the native kernels (results identical at any count) [default: the run's]")
 @click.option("-v", "--verbose", count=True, help="more log output (-vv: debug)")
-def resume_command(directory: str, verbose: int) -> None:
+def resume_command(directory: str, threads: int | None, verbose: int) -> None:
     """Go on with the run in DIRECTORY (stopped, killed, its machine taken back) from its last checkpoint, with the
     settings, limits and thresholds it was started with; its clock counts soak time only. Then judge it as a whole."""
+    from sinkchat.apps.soak.resume import resume_run
+
     setup_logging(verbose)
     out = Path(directory)
-    with user_errors():
-        header, _, end = load_run(out)
-        if end is not None and end.get("reason") in ENDED:
-            raise click.ClickException(f"{out} already ran to its planned end ({end['reason']}); nothing to resume")
-        folder, state = checkpoint.load(out)
-        checkpoint.check_stopped(out, state)
-        settings = checkpoint.settings_from(state["settings"])
-        engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
-        workspace = out / "workspace"
-        checkpoint.restore_workspace(folder, workspace)
-        scen = make_scenario(header["scenario"], engine, input_path=header.get("input"), workspace=workspace,
-                             allow_shell=bool(state["allow_shell"]), max_tokens=state["max_tokens"])
-        from sinkchat.store.snapshot import load_snapshot
-
-        load_snapshot(engine, folder / "engine.safetensors")  # after the scenario took the fresh conversation
-        checkpoint.remove_dead_store(state, engine)
-        scen.load_state(state["scenario"])
-        session = _reopen_session(engine, settings, header["scenario"], state.get("session"))
-        scen.slog = session
-        n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
-        rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
-        lim = header.get("limits") or {}
-        soak = Soak(engine, scen, rec, sample_every=float(header.get("sample_every") or 30.0),
-                    duration=lim.get("duration"), tokens=lim.get("tokens"), steps=lim.get("steps"))
-        checkpoint.load_runner_state(soak, state["runner"])
-        if soak.recall is not None and state.get("recall"):
-            soak.recall.load_state(state["recall"])
-        at = float(state["runner"]["elapsed"])
-        redo = max(0.0, float(last) - at) if last is not None else 0.0
-        rec.write({"kind": "resume", "elapsed": round(at, 3), "segment": soak.segment, "checkpoint": folder.name,
-                   "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "discarded_records": n,
-                   "discarded_s": round(redo, 3)})
-        session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; {redo:.0f} s of work "
-                                "after it is done again")
-        click.echo(f"resuming {out} at {at / 60:.1f} min of soak time (segment {soak.segment}); {redo / 60:.1f} min "
-                   f"of work after the checkpoint is done again", err=True)
-        _arm_checkpoints(soak, out, {k: state[k] for k in ("settings", "every", "allow_shell", "max_tokens",
-                                                           "session")})
-        reason = run_until_stopped(soak)
-        _end_records(rec, soak, reason, header.get("input"))
-        th = recorded_thresholds(header)
-        _finish(out, th, f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} tokens")
-
-
-def _reopen_session(engine: Any, settings: Any, scenario: str, session_id: int | None) -> Any:
-    """The run's session log, continued (`sinkchat logs show` tells the whole run); a new one where that log is
-    not here (another data dir)."""
-    from sinkchat.apps.runlog import open_log
-
-    warn = lambda m: click.echo(f"warning: {m}", err=True)  # noqa: E731
-    if session_id is not None:
-        try:
-            return open_log(engine, "soak", False, None, warn=warn, resume_id=int(session_id))
-        except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
-            warn(f"the run's session log {session_id} cannot be continued ({e}); a new one is opened")
-    return _open_session(engine, settings, scenario)
+    with user_errors(), checkpoint.holding(out):
+        header, soak, reason = resume_run(out, threads, start, lambda m: click.echo(m, err=True))
+        _end_records(soak.rec, soak, reason, header.get("input"))
+        _finish(out, recorded_thresholds(header), f"soak ended: {reason} after {soak.steps} steps, {soak.tokens} "
+                                                  "tokens")

@@ -51,7 +51,7 @@ def evaluate(samples: list[dict[str, Any]], end: dict[str, Any] | None, th: Thre
     """One verdict per criterion (see the module docstring for the statuses)."""
     header = header or {}
     warm = warmup_seconds(samples, th)
-    steady = past_warmup(samples, warm) or samples
+    steady = past_warmup(samples, warm, header.get("resumes")) or samples
     return [_rss_verdict(steady, th), _cache_verdict(samples, header), _throughput_verdict(steady, th),
             _ppl_verdict(steady, th), _latency_verdict(steady, th), _jobs_verdict(samples, end, th, header),
             _valid_calls_verdict(samples, end, th, header), _success_stability_verdict(samples, th, header),

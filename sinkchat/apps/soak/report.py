@@ -16,6 +16,7 @@ from sinkchat.apps.soak.criteria import MIB, Verdict, evaluate, overall, warmup_
 from sinkchat.apps.soak.records import load_run
 from sinkchat.apps.soak.series import num, series, with_call_shares
 from sinkchat.apps.soak.thresholds import Thresholds, recorded_thresholds
+from sinkchat.textutil import plural
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +155,9 @@ def _resumes_line(header: dict[str, Any]) -> str:
     if not rs:
         return "no (one process)"
     redo = sum(num(r.get("discarded_s")) or 0.0 for r in rs)
-    at = ", ".join(f"{(num(r.get('elapsed')) or 0) / 60:.0f}" for r in rs)
-    return (f"{len(rs)} times, at {at} min of soak time ({len(rs) + 1} processes); {redo / 60:.1f} min of work after "
-            "the checkpoints done again (its records in metrics.discarded.jsonl)")
+    at = ", ".join(f"{(num(r.get('elapsed')) or 0) / 60:.1f}" for r in rs)
+    return (f"{plural(len(rs), 'time')} from a checkpoint, at {at} min of soak time ({len(rs) + 1} processes); the "
+            f"{redo / 60:.1f} min of work after the checkpoints was done again (its records: metrics.discarded.jsonl)")
 
 
 def _memory_line(header: dict[str, Any]) -> str:

@@ -370,7 +370,9 @@ class Soak:
             if probing and stepped and not self.limit_reached():
                 self.probe(self.recall.after)  # type: ignore[union-attr]
             if self.on_checkpoint is not None and time.monotonic() - self.last_checkpoint >= self.checkpoint_every:
+                due = self.next_sample
                 self.sample()  # the checkpoint covers every record up to here: no interval is split by a resume
+                self.next_sample = due  # the regular samples keep their pace
                 self.on_checkpoint(self)
                 self.last_checkpoint = time.monotonic()
             if time.monotonic() >= self.next_sample:

@@ -44,10 +44,14 @@ def segment(s: dict[str, Any]) -> int:
     return int(v) if v is not None else 0
 
 
-def past_warmup(samples: list[dict[str, Any]], warm: float) -> list[dict[str, Any]]:
+def past_warmup(samples: list[dict[str, Any]], warm: float,
+                resumes: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The samples `warm` seconds after the start of the run and after the start of their process (a resumed run
-    warms up again: allocators, lazy buffers)."""
+    warms up again: allocators, lazy buffers): its `resume` record's elapsed, else its first sample's."""
     starts: dict[int, float] = {0: 0.0}
+    for r in resumes or []:
+        if num(r.get("elapsed")) is not None and num(r.get("segment")) is not None:
+            starts[int(r["segment"])] = float(r["elapsed"])
     for s in samples:
         t = num(s.get("elapsed"))
         if t is not None and segment(s) not in starts:

@@ -1,0 +1,104 @@
+"""`sinkchat soak resume DIR`: a stopped or killed run rebuilt from its last checkpoint (checkpoint.py) in a fresh
+process, in the order that keeps it exact: the run's lock, the engine from the recorded settings, the workspace as
+it was, the scenario built on the fresh conversation (the agent takes its system prompt only from an empty one),
+then the snapshot, the scenario's, runner's and probe's state; the records written after the checkpoint set aside;
+the session log continued from the checkpoint's token count."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from sinkchat.apps.soak import checkpoint
+from sinkchat.apps.soak.records import Recorder, load_run
+from sinkchat.apps.soak.runner import Soak, run_until_stopped
+from sinkchat.apps.soak.scenario_stream import check_input
+from sinkchat.apps.soak.scenarios import make_scenario
+from sinkchat.textutil import plural
+
+log = logging.getLogger(__name__)
+
+ENDED = ("duration", "tokens", "steps", "input exhausted")  # end reasons of a run that reached its planned end
+
+
+def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
+               say: Callable[[str], None]) -> tuple[dict[str, Any], Soak, str]:
+    """Rebuild the run in `out` and run it to its end or the next stop; returns (start record, the runner, the end
+    reason). CheckpointError / ClickException, nothing touched, for a run that cannot be resumed. Call it holding
+    the run's lock (checkpoint.holding)."""
+    header, _, end = load_run(out)
+    if end is not None and end.get("reason") in ENDED:
+        raise click.ClickException(f"{out} already ran to its planned end ({end['reason']}); nothing to resume")
+    folder, state = checkpoint.load(out)
+    if header.get("input") not in (None, "-"):
+        check_input(header["input"])  # before the model loads
+    settings = checkpoint.settings_from(state["settings"])
+    if threads is not None:
+        settings = replace(settings, model=replace(settings.model, threads=threads))
+    engine = start(settings, None, say).engine
+    checkpoint.note_store(out, engine)
+    checkpoint.restore_workspace(folder, out / "workspace")
+    scen = make_scenario(header["scenario"], engine, input_path=header.get("input"), workspace=out / "workspace",
+                         allow_shell=bool(state["allow_shell"]), max_tokens=state["max_tokens"])
+    from sinkchat.store.snapshot import load_snapshot
+
+    load_snapshot(engine, folder / "engine.safetensors")  # after the scenario took the fresh conversation
+    checkpoint.remove_dead_stores(out, engine)
+    scen.load_state(state["scenario"])
+    session = _reopen_session(engine, settings, header["scenario"], state.get("session"),
+                              int(state["runner"]["tokens"]), say)
+    scen.slog = session
+    n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
+    rec = Recorder(out, session, warn=lambda m: say(f"warning: {m}"))
+    lim = header.get("limits") or {}
+    soak = Soak(engine, scen, rec, sample_every=float(header.get("sample_every") or 30.0),
+                duration=lim.get("duration"), tokens=lim.get("tokens"), steps=lim.get("steps"))
+    checkpoint.load_runner_state(soak, state["runner"])
+    if soak.recall is not None and state.get("recall"):
+        soak.recall.load_state(state["recall"])
+    _announce(out, soak, rec, session, folder, float(state["runner"]["elapsed"]), n, last, say)
+    from sinkchat.apps.soak.command import session_ref
+
+    checkpoint.arm(soak, out, {**{k: state[k] for k in ("settings", "every", "allow_shell", "max_tokens")},
+                               "session": session_ref(session)})
+    return header, soak, run_until_stopped(soak)
+
+
+def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, at: float, n: int,
+              last: float | None, say: Callable[[str], None]) -> None:
+    """The resume record, the session log's event and the line on stderr: where the run goes on, what is redone."""
+    redo = max(0.0, float(last) - at) if last is not None else 0.0
+    rec.write({"kind": "resume", "elapsed": round(at, 3), "segment": soak.segment, "checkpoint": folder.name,
+               "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "discarded_records": n,
+               "discarded_s": round(redo, 3)})
+    session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; the turns logged after it "
+                            f"({redo:.0f} s of work) are done again")
+    say(f"resuming {out} at {at / 60:.1f} min of soak time (process {soak.segment + 1}); {redo / 60:.1f} min of "
+        f"work after the checkpoint is done again ({plural(n, 'record')} set aside)")
+
+
+def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens: int,
+                    say: Callable[[str], None]) -> Any:
+    """The run's session log, continued from the checkpoint's token count (`sinkchat logs show` tells the whole
+    run); a new one where that log is not here (another data dir: a session of that id there is another's)."""
+    from sinkchat.apps.runlog import open_log
+    from sinkchat.apps.soak.command import _open_session
+    from sinkchat.store.transcript import get_session
+
+    warn = lambda m: say(f"warning: {m}")  # noqa: E731
+    if isinstance(ref, dict):
+        try:
+            info = get_session(int(ref["id"]))
+            if info.mode == "soak" and abs(info.started - float(ref["started"])) < 1e-3:
+                return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens)
+            why = "that id names another session here"
+        except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
+            why = str(e)
+        warn(f"the run's session log {ref.get('id')} cannot be continued ({why}); a new one is opened")
+    return _open_session(engine, settings, scenario)
