@@ -231,15 +231,26 @@ def test_the_stopped_processes_stores_are_removed_only_if_they_are_stores(tmp_pa
     def engine(root):
         return SimpleNamespace(memory=SimpleNamespace(store=SimpleNamespace(root=root)))
 
-    first, second, other, mine = (tmp_path / n for n in ("first", "second", "other", "mine"))
-    for d in (first, second, other, mine):
+    import subprocess
+    import sys
+
+    first, second, other, mine = (tmp_path / n for n in ("20261203-040400-1234567-0a1b2c", "second", "other", "mine"))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    live = tmp_path / f"20261203-040400-{child.pid}"  # a copy of a run resumed beside the original: its live store
+    for d in (first, second, other, mine, live):
         d.mkdir()
     (first / "seg-000001.mem").write_bytes(b"x")  # second: killed before any eviction, empty
+    (live / "seg-000001.mem").write_bytes(b"x")
     (other / "notes.txt").write_text("keep")
-    for d in (first, second, other, mine):
+    for d in (first, second, other, mine, live):
         checkpoint.note_store(tmp_path, engine(d))
-    checkpoint.remove_dead_stores(tmp_path, engine(mine))
+    try:
+        checkpoint.remove_dead_stores(tmp_path, engine(mine))
+    finally:
+        child.kill()
+        child.wait()
     assert not first.exists() and not second.exists() and (other / "notes.txt").exists() and mine.exists()
+    assert (live / "seg-000001.mem").exists()
     assert (tmp_path / ".stores").read_text() == f"{mine}\n"
 
 

@@ -253,8 +253,23 @@ def note_store(out: Path, engine: Any) -> None:
     resume after it does (its blocks are in the checkpoint, hard-linked)."""
     mem = getattr(engine, "memory", None)
     if mem is not None:
-        with open(out / ".stores", "a") as f:
-            f.write(f"{mem.store.root}\n")
+        note_root(out, mem.store.root)
+
+
+def note_root(out: Path, root: Any) -> None:
+    with open(out / ".stores", "a") as f:
+        f.write(f"{root}\n")
+
+
+def _owner_runs(root: Path) -> bool:
+    """The store's process (its folder is named `<time>-<pid>`, bootstrap.py) still runs: a copy of a run directory
+    resumed beside the original names the original's live store."""
+    import re
+
+    import psutil
+
+    m = re.fullmatch(r"\d{8}-\d{6}-(\d+)(?:-[0-9a-f]{6})?", root.name)  # restored: `<time>-<pid>-<hex>`
+    return bool(m) and int(m.group(1)) != os.getpid() and psutil.pid_exists(int(m.group(1)))
 
 
 def remove_dead_stores(out: Path, engine: Any) -> None:
@@ -267,7 +282,7 @@ def remove_dead_stores(out: Path, engine: Any) -> None:
     except OSError:
         return
     for root in roots:
-        if root == mine or not root.is_dir():
+        if root == mine or not root.is_dir() or _owner_runs(root):
             continue
         if all(p.is_file() and p.name.startswith("seg-") and p.name.endswith(".mem") for p in root.iterdir()):
             shutil.rmtree(root, ignore_errors=True)

@@ -49,6 +49,8 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
     from sinkchat.store.snapshot import load_snapshot
 
     load_snapshot(engine, folder / "engine.safetensors")  # after the scenario took the fresh conversation
+    if state.get("memory_root"):  # a checkpoint of 2026-12-03 morning named its writer's store itself
+        checkpoint.note_root(out, state["memory_root"])
     checkpoint.remove_dead_stores(out, engine)
     scen.load_state(state["scenario"])
     session = _reopen_session(engine, settings, header["scenario"], state.get("session"),
@@ -92,10 +94,13 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
     from sinkchat.store.transcript import get_session
 
     warn = lambda m: say(f"warning: {m}")  # noqa: E731
+    if isinstance(ref, int):  # a checkpoint of 2026-12-03 morning: the id alone
+        ref = {"id": ref, "started": None}
     if isinstance(ref, dict):
         try:
             info = get_session(int(ref["id"]))
-            if info.mode == "soak" and abs(info.started - float(ref["started"])) < 1e-3:
+            started = ref["started"]
+            if info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3):
                 return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens)
             why = "that id names another session here"
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
