@@ -212,7 +212,8 @@ def open_mode(mode: str, cache: int, length: int, model: str | None, topk: int, 
     return start(build_settings(opts)).engine
 
 
-SETUP = ("cache", "haystack", "topk", "block", "budget", "no_intro", "task", "model", "rule", "reps", "reread", "seed")
+SETUP = ("cache", "haystack", "topk", "block", "budget", "no_intro", "task", "model", "rule", "reps", "reread", "seed",
+         "oracle")
 
 
 def trial_key(target: int, mode: str, depth: float, key: Any) -> tuple[int, str, float, str]:
@@ -235,7 +236,8 @@ def done_trials(path: Path, resume: bool, setup: dict[str, Any] | None = None
                 continue
             if "setup" in t:
                 if t["setup"] != setup:
-                    diff = {k: (t["setup"].get(k), setup.get(k)) for k in setup if t["setup"].get(k) != setup.get(k)}
+                    diff = {k: (t["setup"].get(k), setup.get(k)) for k in sorted({*setup, *t["setup"]})
+                            if t["setup"].get(k) != setup.get(k)}
                     raise SystemExit(f"{path} was run with another setup (recorded, now): {diff}; use another --out")
                 continue
             done[trial_key(t["target"], t["mode"], t["depth"], t["key"])] = t

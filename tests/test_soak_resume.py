@@ -85,6 +85,10 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, engines, monkeypat
         r = CliRunner().invoke(soak_command, ARGS + ["--out", str(run)], catch_exceptions=False)
     assert r.exit_code in (3, 4) and "INCOMPLETE  ran as planned" in r.output, r.output  # stopped before its end
     assert _records(run, "end")[-1]["reason"] == "interrupted"
+    with monkeypatch.context() as m:
+        _stop_in_step(m, 2)  # the resumed process stopped in its second step: resumed again
+        r = CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
+    assert "resuming" in r.output and _records(run, "end")[-1]["reason"] == "interrupted"
     r = CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
     assert "resuming" in r.output
     assert _state(engines[-1]) == want  # cache, ledger, conversation, memory: as if never stopped
@@ -96,14 +100,14 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path, engines, monkeypat
     for k in ("steps", "tokens", "jobs", "jobs_ok", "attempts", "recall_planted", "recall_memory", "recall_window"):
         assert end[0][k] == ref_end[0][k], k
     discarded = [json.loads(x) for x in (run / "metrics.discarded.jsonl").read_text().splitlines()]
-    assert [d["kind"] for d in discarded][-1] == "end" and discarded[-1]["reason"] == "interrupted"
+    assert [d.get("reason") for d in discarded if d["kind"] == "end"] == ["interrupted", "interrupted"]
     header, samples, _ = load_run(run)
-    (res,) = header["resumes"]
-    assert res["segment"] == 1 and res["discarded_records"] == len(discarded)
-    assert {s["segment"] for s in samples} == {0, 1}
-    seg1 = [s["elapsed"] for s in samples if s["segment"] == 1]
-    assert min(seg1) >= res["elapsed"]  # the clock goes on from the checkpoint
-    assert "**resumed**: 1 time from a checkpoint" in (run / "report.md").read_text()
+    res = header["resumes"]
+    assert [r["segment"] for r in res] == [1, 2] and sum(r["discarded_records"] for r in res) == len(discarded)
+    assert {s["segment"] for s in samples} == {0, 1, 2}
+    for r in res:
+        assert min(s["elapsed"] for s in samples if s["segment"] == r["segment"]) >= r["elapsed"]  # clock goes on
+    assert "**resumed**: 2 times from a checkpoint" in (run / "report.md").read_text()
 
 
 def test_a_finished_run_and_a_run_without_checkpoints_are_not_resumed(tmp_path, engines):
@@ -234,15 +238,19 @@ def test_the_stopped_processes_stores_are_removed_only_if_they_are_stores(tmp_pa
     import subprocess
     import sys
 
-    first, second, other, mine = (tmp_path / n for n in ("20261203-040400-1234567-0a1b2c", "second", "other", "mine"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    first, second, other, mine = (tmp_path / n for n in (f"20261203-040400-{gone.pid}-0a1b2c", "second", "other",
+                                                         "mine"))
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     live = tmp_path / f"20261203-040400-{child.pid}"  # a copy of a run resumed beside the original: its live store
-    for d in (first, second, other, mine, live):
+    live2 = tmp_path / f"20261203-040400-{child.pid}-0a1b2c"  # ...or the store it restored
+    for d in (first, second, other, mine, live, live2):
         d.mkdir()
-    (first / "seg-000001.mem").write_bytes(b"x")  # second: killed before any eviction, empty
-    (live / "seg-000001.mem").write_bytes(b"x")
+    for d in (first, live, live2):
+        (d / "seg-000001.mem").write_bytes(b"x")  # second: killed before any eviction, empty
     (other / "notes.txt").write_text("keep")
-    for d in (first, second, other, mine, live):
+    for d in (first, second, other, mine, live, live2):
         checkpoint.note_store(tmp_path, engine(d))
     try:
         checkpoint.remove_dead_stores(tmp_path, engine(mine))
@@ -250,7 +258,7 @@ def test_the_stopped_processes_stores_are_removed_only_if_they_are_stores(tmp_pa
         child.kill()
         child.wait()
     assert not first.exists() and not second.exists() and (other / "notes.txt").exists() and mine.exists()
-    assert (live / "seg-000001.mem").exists()
+    assert (live / "seg-000001.mem").exists() and (live2 / "seg-000001.mem").exists()
     assert (tmp_path / ".stores").read_text() == f"{mine}\n"
 
 
@@ -400,3 +408,23 @@ def test_a_resumed_agent_soak_ends_as_an_uninterrupted_one(tmp_path, monkeypatch
     strip = lambda rs: [{k: v for k, v in r.items() if k != "elapsed"} for r in rs]  # noqa: E731
     assert strip(_records(run, "job")) == strip(_records(ref, "job"))
     assert _records(run, "end")[0]["jobs_ok"] == _records(ref, "end")[0]["jobs_ok"]
+
+
+def test_a_checkpoint_naming_a_live_writer_is_not_resumed_beside_it(tmp_path):
+    """Checkpoints written before the lock name their writer: refused while it runs, resumable once it is gone."""
+    import subprocess
+    import sys
+
+    from sinkchat.store import procs
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = procs.identify(child.pid)
+        state = {"process": {"pid": me.pid, "started": me.started, "host": me.host}}
+        with pytest.raises(checkpoint.CheckpointError, match=f"being run by process {child.pid}"):
+            checkpoint.check_writer(tmp_path, state)
+    finally:
+        child.kill()
+        child.wait()
+    checkpoint.check_writer(tmp_path, state)
+    checkpoint.check_writer(tmp_path, {})  # a checkpoint that names no writer (the lock covers it)

@@ -269,7 +269,19 @@ def _owner_runs(root: Path) -> bool:
     import psutil
 
     m = re.fullmatch(r"\d{8}-\d{6}-(\d+)(?:-[0-9a-f]{6})?", root.name)  # restored: `<time>-<pid>-<hex>`
-    return bool(m) and int(m.group(1)) != os.getpid() and psutil.pid_exists(int(m.group(1)))
+    # our own pid names another store only across pid namespaces (two containers' PID 1): kept, a leak at worst
+    return bool(m) and (int(m.group(1)) == os.getpid() or psutil.pid_exists(int(m.group(1))))
+
+
+def check_writer(out: Path, state: dict[str, Any]) -> None:
+    """A checkpoint that names its writer (those of 2026-12-03 morning, which took no lock): refused while that
+    process runs."""
+    from sinkchat.store import procs
+
+    p = state.get("process") or {}
+    if p.get("pid") not in (None, os.getpid()) and \
+            procs.liveness(p.get("pid"), p.get("started"), p.get("host")) == "running":
+        raise CheckpointError(f"{out} is being run by process {p['pid']}: stop it first, then resume")
 
 
 def remove_dead_stores(out: Path, engine: Any) -> None:

@@ -36,6 +36,7 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
     if end is not None and end.get("reason") in ENDED:
         raise click.ClickException(f"{out} already ran to its planned end ({end['reason']}); nothing to resume")
     folder, state = checkpoint.load(out)
+    checkpoint.check_writer(out, state)
     if header.get("input") not in (None, "-"):
         check_input(header["input"])  # before the model loads
     settings = checkpoint.settings_from(state["settings"])
@@ -100,9 +101,11 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
         try:
             info = get_session(int(ref["id"]))
             started = ref["started"]
-            if info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3):
+            mine = info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3)
+            if mine and info.status not in ("running", "other host"):
                 return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens)
-            why = "that id names another session here"
+            why = ("a process still writes it (a copy of the run resumed beside the original?)" if mine else
+                   "that id names another session here")
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
             why = str(e)
         warn(f"the run's session log {ref.get('id')} cannot be continued ({why}); a new one is opened")
