@@ -22,7 +22,7 @@ from sinkchat.apps.soak import checkpoint
 from sinkchat.apps.soak.criteria import EXIT_CODES, overall
 from sinkchat.apps.soak.records import Recorder, load_run
 from sinkchat.apps.soak.report import verdict_table, write_report
-from sinkchat.apps.soak.resume import ENDED
+from sinkchat.apps.soak.resume import ENDED, open_session, session_ref
 from sinkchat.apps.soak.runner import Soak, run_until_stopped
 from sinkchat.apps.soak.scenario_stream import check_input
 from sinkchat.apps.soak.scenarios import SCENARIOS, make_scenario
@@ -96,7 +96,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
             checkpoint.note_store(out, engine)
             scen = make_scenario(scenario, engine, input_path=input_path, workspace=out / "workspace",
                                  allow_shell=allow_shell, max_tokens=opts.get("max_tokens"))
-            session = _open_session(engine, settings, scenario)
+            session = open_session(engine, settings, scenario)
             scen.slog = session
             rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
             limits = {"duration": secs, "tokens": tokens, "steps": steps}
@@ -152,20 +152,6 @@ def _memory_record(engine: Any) -> dict[str, Any]:
     return {"mode": "on", "budget": mem.store.budget, "block": mem.B, "topk": mem.topk, "root": str(mem.store.root)}
 
 
-def session_ref(session: Any) -> dict[str, Any] | None:
-    """Which session log a checkpoint continues: its id and start time (an id alone could name another data
-    dir's session)."""
-    sid = getattr(session, "id", None)
-    if sid is None:
-        return None
-    from sinkchat.store.transcript import get_session
-
-    try:
-        return {"id": sid, "started": get_session(sid, getattr(session, "path", None)).started}
-    except Exception:  # noqa: BLE001 - the log is evidence, never a reason to stop
-        return None
-
-
 def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None) -> None:
     """The end record, then close; a run that read no text or lost records is an error, not a verdict."""
     rec.write({"kind": "end", "reason": reason, "elapsed": round(time.monotonic() - soak.t0, 3), **soak.totals()})
@@ -180,15 +166,6 @@ def _end_records(rec: Recorder, soak: Soak, reason: str, input_path: str | None)
     if rec.failed:
         raise click.ClickException(f"the run ended ({reason}) but {rec.path} could not be written; "
                                    f"{len(rec.lost)} records were lost")
-
-
-def _open_session(engine: Any, settings: Any, scenario: str) -> Any:
-    """The session log, opened as the other apps open theirs: the scenario logs its turns (and tool calls, faults,
-    evictions) there, the Recorder its samples."""
-    from sinkchat.apps.runlog import open_log
-
-    return open_log(engine, "soak", False, None, warn=lambda m: click.echo(f"warning: {m}", err=True),
-                    extra={"scenario": scenario, **asdict(settings)})
 
 
 def _finish(out: Path, th: Any, headline: str) -> None:

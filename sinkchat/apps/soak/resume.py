@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -66,8 +66,6 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
     if soak.recall is not None and state.get("recall"):
         soak.recall.load_state(state["recall"])
     _announce(out, soak, rec, session, folder, float(state["runner"]["elapsed"]), n, last, say)
-    from sinkchat.apps.soak.command import session_ref
-
     checkpoint.arm(soak, out, {**{k: state[k] for k in ("settings", "every", "allow_shell", "max_tokens")},
                                "session": session_ref(session)})
     return header, soak, run_until_stopped(soak)
@@ -91,7 +89,6 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
     """The run's session log, continued from the checkpoint's token count (`sinkchat logs show` tells the whole
     run); a new one where that log is not here (another data dir: a session of that id there is another's)."""
     from sinkchat.apps.runlog import open_log
-    from sinkchat.apps.soak.command import _open_session
     from sinkchat.store.transcript import get_session
 
     warn = lambda m: say(f"warning: {m}")  # noqa: E731
@@ -109,4 +106,27 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
             why = str(e)
         warn(f"the run's session log {ref.get('id')} cannot be continued ({why}); a new one is opened")
-    return _open_session(engine, settings, scenario)
+    return open_session(engine, settings, scenario)
+
+
+def open_session(engine: Any, settings: Any, scenario: str) -> Any:
+    """The session log, opened as the other apps open theirs: the scenario logs its turns (and tool calls, faults,
+    evictions) there, the Recorder its samples."""
+    from sinkchat.apps.runlog import open_log
+
+    return open_log(engine, "soak", False, None, warn=lambda m: click.echo(f"warning: {m}", err=True),
+                    extra={"scenario": scenario, **asdict(settings)})
+
+
+def session_ref(session: Any) -> dict[str, Any] | None:
+    """Which session log a checkpoint continues: its id and start time (an id alone could name another data
+    dir's session)."""
+    sid = getattr(session, "id", None)
+    if sid is None:
+        return None
+    from sinkchat.store.transcript import get_session
+
+    try:
+        return {"id": sid, "started": get_session(sid, getattr(session, "path", None)).started}
+    except Exception:  # noqa: BLE001 - the log is evidence, never a reason to stop
+        return None
