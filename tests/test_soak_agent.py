@@ -224,6 +224,20 @@ def test_success_stability_compares_the_last_10_minutes_with_the_first():
     assert _stability(_samples(60, 0.5, 0.8)).status == "FAIL"  # "within 10 points": either way
 
 
+def test_success_stability_allows_the_noise_of_few_tasks():
+    """Two standard errors of the difference on top of the drift: 14/26 then 35/50 (the 8-hour soak's first
+    hour) is within the noise; the same shares over twenty times the tasks are not."""
+    def two(j1, k1, j2, k2):
+        s = [{"kind": "sample", "elapsed": 600.0, "jobs": j1, "jobs_ok": k1},
+             {"kind": "sample", "elapsed": 3000.0, "jobs": 1000, "jobs_ok": 500},
+             {"kind": "sample", "elapsed": 3600.0, "jobs": 1000 + j2, "jobs_ok": 500 + k2}]
+        return _stability(s)
+
+    v = two(26, 14, 50, 35)
+    assert v.status == "PASS" and "noise ±23 points" in v.value, v
+    assert two(520, 280, 1000, 700).status == "FAIL"
+
+
 def test_success_stability_is_never_a_pass_without_data():
     v = _stability(_samples(15, 0.8, 0.8))
     assert v.status == "n/a" and v.value.startswith("not judged (run < 20 min"), v

@@ -33,7 +33,7 @@ def _recall_rows(samples: list[dict[str, Any]]) -> list[RecallRow]:
     return sorted(out)
 
 
-def _pooled_se(k1: int, n1: int, k2: int, n2: int) -> float:
+def pooled_se(k1: int, n1: int, k2: int, n2: int) -> float:
     """Standard error of the difference of two shares (k1/n1, k2/n2) under their pooled share."""
     p = (k1 + k2) / (n1 + n2)
     return math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
@@ -89,7 +89,7 @@ def recall_verdict(samples: list[dict[str, Any]], th: Thresholds, header: dict[s
                              f"{nc2} in the window in the last (need {MIN_WINDOW_PROBES} each); {k}/{n} right "
                              f"beyond, {kc}/{nc} in the window", limit, "SHORT")
     a, b, c = k1 / n1, k2 / n2, kc2 / nc2
-    se_d, se_c = _pooled_se(k1, n1, k2, n2), _pooled_se(k2, n2, kc2, nc2)
+    se_d, se_c = pooled_se(k1, n1, k2, n2), pooled_se(k2, n2, kc2, nc2)
     val = (f"{a:.0%} -> {b:.0%} beyond the window ({k1}/{n1} first {span}, {k2}/{n2} last; noise ±"
            f"{2 * se_d * 100:.0f} points); in-window ceiling {c:.0%} ({kc2}/{nc2} last {span}; noise ±"
            f"{2 * se_c * 100:.0f})")

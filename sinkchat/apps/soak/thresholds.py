@@ -46,8 +46,8 @@ THRESHOLD_FLAGS = [
                  help="agent: min share of its tool calls that were valid (known tool, arguments matching the "
                       "schema) and ran without error; a run with no valid call fails [0.9]"),
     click.option("--max-success-drift", "max_success_drift", type=click.FloatRange(0, 1), default=None,
-                 help="max change of the share of steps done right, last 10 minutes vs first 10 (judged on runs "
-                      "of 20 minutes or more) [0.10]"),
+                 help="max change of the share of steps done right, last 10 minutes vs first 10, beyond two "
+                      "standard errors of the difference (judged on runs of 20 minutes or more) [0.10]"),
     click.option("--max-recall-drift", "max_recall_drift", type=click.FloatRange(0, 1), default=None,
                  help="--memory on: max change of the share of planted facts recalled from beyond the window, last "
                       "window (an hour, or a third of a shorter run) vs first, and max shortfall against the share "
