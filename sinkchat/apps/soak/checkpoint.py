@@ -24,12 +24,13 @@ import logging
 import os
 import random
 import shutil
+import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
 from sinkchat.errors import UserError
+from sinkchat.store.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,6 @@ def set_rng_state(rng: random.Random, state: list[Any]) -> None:
     rng.setstate((state[0], tuple(state[1]), state[2]))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # a filesystem that cannot fsync a directory: the rename is still atomic
-        pass
-
-
 def save(out: Path, engine: Any, state: dict[str, Any], workspace: Path | None) -> Path:
     """Write checkpoint n+1 of the run in `out` (see the module docstring) and make it the current one; returns its
     folder. SnapshotError / OSError on a failed write, the previous checkpoint still in force."""
@@ -77,12 +67,7 @@ def save(out: Path, engine: Any, state: dict[str, Any], workspace: Path | None) 
         if workspace is not None and workspace.is_dir():
             shutil.copytree(workspace, folder / "workspace", symlinks=True)
         save_snapshot(engine, folder / "engine.safetensors", extra={"soak": state})
-        tmp = root / f".{POINTER}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"seq": seq}))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, root / POINTER)
-        _fsync_dir(root)
+        atomic_write(root / POINTER, json.dumps({"seq": seq}).encode())
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -177,17 +162,11 @@ def settings_from(d: dict[str, Any]) -> Any:
         raise CheckpointError(f"the checkpoint's settings do not fit this sinkchat: {e}") from None
 
 
-def settings_dict(settings: Any) -> dict[str, Any]:
-    return asdict(settings)
-
-
 COUNTS = ("steps", "errors", "faults", "attempts", "faulted_steps", "jobs", "jobs_ok", "evicted0", "mem_peak")
 
 
 def runner_state(soak: Any) -> dict[str, Any]:
     """The runner's clock and running counts (runner.Soak), for a checkpoint."""
-    import time
-
     return {"elapsed": time.monotonic() - soak.t0, "tokens": soak.tokens, "segment": soak.segment,
             "calls": dict(soak.calls), "calls_at_sample": dict(soak.calls_at_sample),
             "fault_kinds": dict(soak.fault_kinds), **{k: getattr(soak, k) for k in COUNTS}}
@@ -196,8 +175,6 @@ def runner_state(soak: Any) -> dict[str, Any]:
 def load_runner_state(soak: Any, d: dict[str, Any]) -> None:
     """A fresh runner continues a checkpointed one: its clock goes on from the checkpoint's elapsed seconds (the
     time the run lay stopped is not soak time), its token count from the checkpoint's, its samples in segment + 1."""
-    import time
-
     now = time.monotonic()
     soak.t0 = now - float(d["elapsed"])
     soak.last_checkpoint, soak.next_sample = now, now + soak.sample_every
@@ -210,7 +187,6 @@ def load_runner_state(soak: Any, d: dict[str, Any]) -> None:
     soak.calls, soak.calls_at_sample = dict(d["calls"]), dict(d["calls_at_sample"])
     soak.fault_kinds = dict(d["fault_kinds"])
     soak.segment = int(d["segment"]) + 1
-
 
 
 def lock_run(out: Path) -> Any:

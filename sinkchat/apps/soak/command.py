@@ -57,7 +57,7 @@ def parse_duration(text: str, hint: str = "--duration") -> float:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="run directory [./soak-YYYYmmdd-HHMMSS]")
 @click.option("--allow-shell", is_flag=True, help="agent: give the agent the shell tool too")
-@click.option("--checkpoint-every", default="10m", show_default=True,
+@click.option("--checkpoint-every", default=f"{checkpoint.CHECKPOINT_EVERY / 60:g}m", show_default=True,
               help="soak time between checkpoints `sinkchat soak resume DIR` goes on from after a kill (0: none)")
 @common_options
 @threshold_options

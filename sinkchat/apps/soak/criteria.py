@@ -118,8 +118,8 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     """Over the whole run, warm-up included: the cache never held more tokens than its capacity (`cache_peak`: the
     longest it was after any model call of the interval, not just at the sample: an agent task rewound before the
     next sample would hide its peak), at every sample exactly as many as the ledger, its bytes never change, and
-    its buffers are never reallocated (their addresses stay the same within a process). RSS growth (the slope above) is what catches
-    memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its samples' lengths."""
+    its buffers are never reallocated (their addresses stay the same within a process). RSS growth (the slope
+    above) is what catches memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its samples' lengths."""
     name, limit = "cache bounded", "len <= capacity, == ledger; bytes and buffers unchanged"
     cap_h = num(header.get("capacity"))
     rows = [s for s in samples if num(s.get("cache_len")) is not None]
@@ -268,8 +268,9 @@ def _window_counts(samples: list[dict[str, Any]]) -> tuple[tuple[int, int], tupl
 def _success_stability_verdict(samples: list[dict[str, Any]], th: Thresholds, header: dict[str, Any]) -> Verdict:
     """Quality on a long loop: the share of judged steps done right in the last 10 minutes against the first 10
     ("stable quality on long agent loops", measured), within --max-success-drift plus two standard errors of the
-    difference (binomial, pooled, as the recall row: an 8-hour agent soak's first 10 minutes held 26 tasks). A run under 20 minutes is not judged (n/a, never PASS); a
-    window with fewer than MIN_WINDOW_JOBS judged steps is SHORT."""
+    difference (binomial, pooled, as the recall row: an 8-hour agent soak's first 10 minutes held 26 tasks). A run
+    under 20 minutes is not judged (n/a, never PASS); a window with fewer than MIN_WINDOW_JOBS judged steps is
+    SHORT."""
     unit = JOB_UNITS.get(str(header.get("scenario")), "steps done")
     mins = SUCCESS_WINDOW_S / 60
     name = f"success stability: {unit}"

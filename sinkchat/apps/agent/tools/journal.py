@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from sinkchat.store.atomic import atomic_write, fsync_dir, write_synced
+
 log = logging.getLogger(__name__)
 
 MAX_PREVIOUS_BYTES = 32 * 1024 * 1024  # a bigger file is not overwritten: it could not be restored cheaply
@@ -89,13 +91,13 @@ class Journal:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             if not (self.dir / "workspace.txt").exists():
-                _atomic_write(self.dir / "workspace.txt", os.fsencode(self.root) + b"\n")  # any bytes a path has
+                atomic_write(self.dir / "workspace.txt", os.fsencode(self.root) + b"\n")  # any bytes a path has
             tmp = self.dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             seq = self._next_seq()
             try:
                 while True:
                     body["seq"] = seq
-                    _write_synced(tmp, json.dumps(body).encode())
+                    write_synced(tmp, json.dumps(body).encode())
                     try:
                         os.link(tmp, self.dir / f"{seq:08d}.json")
                         break
@@ -103,7 +105,7 @@ class Journal:
                         seq += 1  # another agent took this number first
             finally:
                 tmp.unlink(missing_ok=True)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError as e:
             raise JournalError(f"cannot write the undo journal in {self.dir}: {e.strerror or e}") from None
         self._prune()
@@ -193,9 +195,9 @@ class Journal:
                     real.unlink()
                 else:
                     real.parent.mkdir(parents=True, exist_ok=True)
-                    _atomic_write(real, e.previous, e.mode)
+                    atomic_write(real, e.previous, e.mode)
             e.file.unlink()
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError as err:
             raise JournalError(f"cannot restore {e.path}: {err.strerror or err}") from None
         return what
@@ -224,40 +226,3 @@ def _read_previous(real: Path) -> tuple[bytes | None, int | None]:
         return real.read_bytes(), stat.S_IMODE(st.st_mode)
     except OSError as e:
         raise JournalError(f"cannot read {real.name} for the undo journal: {e.strerror}") from None
-
-
-def _write_synced(path: Path, data: bytes, mode: int = 0o600) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), mode)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write `path` whole or not at all: a temporary file in its folder, fsynced, then renamed over it."""
-    tmp = path.parent / f".{path.name}.sinkchat-{uuid.uuid4().hex[:8]}"
-    try:
-        _write_synced(tmp, data, 0o644 if mode is None else mode)
-        if mode is not None:
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
