@@ -144,6 +144,53 @@ def test_a_half_written_journal_entry_never_corrupts_undo(ws, monkeypatch):
     assert (ws / "notes.txt").read_text() == NOTES
 
 
+@pytest.mark.parametrize("args", [{"path": "new.txt"}, {"path": "notes.txt", "append": True},
+                                  {"path": "notes.txt", "overwrite": True}], ids=["new", "append", "overwrite"])
+def test_a_write_stopped_midway_leaves_the_workspace_as_it_was(ws, monkeypatch, args):
+    """The call's timeout (or the user's Ctrl-C) SIGTERMs the tool's process half-way through its write: no
+    half-written file (a new one absent, an existing one unchanged), no temporary file, and undo still works (a
+    partial file made undo refuse: "changed after the agent's write")."""
+    import time
+
+    from sinkchat.apps.agent.tools import write_file as wf
+
+    real = wf._write_all
+
+    def half_then_hang(fd, data):
+        real(fd, data[: len(data) // 2])
+        time.sleep(30)
+
+    box = build_default_tools(ws)
+    assert box.call("write_file", {"path": "first.txt", "content": "meeting at noon"}).ok
+    monkeypatch.setattr(wf, "_write_all", half_then_hang)
+    box.tools["write_file"].timeout = 0.5
+    before = {p.name: p.read_bytes() for p in ws.rglob("*") if p.is_file()}
+    r = box.call("write_file", {**args, "content": "x" * 100_000})
+    assert not r.ok and "timed out" in r.text
+    assert {p.name: p.read_bytes() for p in ws.rglob("*") if p.is_file()} == before  # no partial or temp file
+    journal = Workspace(ws).journal
+    monkeypatch.undo()  # (the autouse data dir too: the journal is taken first)
+    lines = list(journal.undo(5))
+    assert lines[-1].startswith("removed first.txt") and not (ws / "first.txt").exists(), lines
+    assert (ws / "notes.txt").read_text() == NOTES and not (ws / "new.txt").exists()
+
+
+def test_a_full_disk_while_writing_changes_nothing_and_leaves_no_entry(ws, monkeypatch):
+    from sinkchat.apps.agent.tools import write_file as wf
+
+    def full(fd, data):
+        os.write(fd, data[:3])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(wf, "_write_all", full)
+    box = build_default_tools(ws)
+    for args in ({"path": "new.txt"}, {"path": "notes.txt", "append": True}):
+        r = box.call("write_file", {**args, "content": "some text"})
+        assert not r.ok and "No space left on device" in r.text, r.text
+    assert sorted(p.name for p in ws.rglob("*")) == ["docs", "notes.txt", "readme.md"]
+    assert (ws / "notes.txt").read_text() == NOTES and entries(ws) == []
+
+
 def test_undo_never_destroys_a_later_edit_and_can_be_run_again(ws, monkeypatch):
     box = build_default_tools(ws)
     assert box.call("write_file", {"path": "notes.txt", "content": "agent", "overwrite": True}).ok

@@ -5,12 +5,17 @@ and content is capped so a runaway model cannot fill the disk.
 It never destroys a file by default: an existing target is refused unless `overwrite` or `append` is true, and the
 agent only lets those through (and the grammar only offers them) for an existing file the task names as the one to
 write (issue 28: "Copy the first line of notes.txt into a new file first.txt" became `write_file notes.txt`, the
-user's input overwritten). Every write is journaled first, with the previous content (`sinkchat agent --undo`). A
-new file is opened with O_EXCL (a file that appeared since the check is refused, never truncated); an overwrite
-writes a temporary file and renames it over the target (never a half-written file)."""
+user's input overwritten). Every write is journaled first, with the previous content (`sinkchat agent --undo`).
+
+A change is made whole or not at all: a new file is written to a temporary file, then linked under its name
+(`os.link` fails if the name exists: a file that appeared since the check is refused, never truncated); an
+overwrite or an append writes the whole new content to a temporary file and renames it over the target. A call
+stopped midway (its timeout or the user's Ctrl-C: the tool's process gets SIGTERM) or a full disk leaves the file
+as it was (a half-written file used to be left, which `--undo` refused as "changed after the agent's write")."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import uuid
@@ -54,19 +59,14 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
     before = _read(workspace, real) if exists and append else b""
     op = "write" if not exists else "append" if append else "overwrite"
     entry = workspace.record_change(real, op, before + data)
-    if op == "overwrite":
-        _replace(workspace, real, data)
-    else:  # a new file must still be new (O_EXCL: one that appeared since the check is never truncated)
-        flags = os.O_WRONLY | (os.O_APPEND if op == "append" else os.O_CREAT | os.O_EXCL)
-        try:
-            fd = workspace.open_regular(real, flags)
-        except ToolError:
-            entry.file.unlink(missing_ok=True)  # nothing changed: an entry left would make undo refuse this file
-            raise
-        try:
-            _write_all(fd, data)
-        finally:
-            os.close(fd)
+    try:
+        if op == "write":
+            _create(workspace, real, data)
+        else:
+            _replace(workspace, real, before + data)
+    except ToolError:  # refused, or the disk full: nothing changed, and an entry left would only make undo say so
+        entry.file.unlink(missing_ok=True)
+        raise  # (a stopped call keeps its entry: undo finds its file as before, or as written, and acts on either)
     if op == "overwrite":
         return f"replaced {rel} with {len(data)} bytes"
     return f"{'wrote' if op == 'write' else 'appended'} {len(data)} bytes to {rel}"
@@ -76,6 +76,40 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _create(workspace: Workspace, real: Path, data: bytes) -> None:
+    """Write a new file whole or not at all: a temporary file in its folder, fsynced, then hard-linked under its
+    name (an existing name is refused, never replaced). A file system without hard links gets the file opened with
+    O_EXCL and written in place (a stop midway can then leave it partly written)."""
+    tmp = real.parent / f".{real.name}.sinkchat-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = workspace.open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(tmp, real, follow_symlinks=False)
+    except FileExistsError:
+        raise ToolError(f"refused: {workspace.rel(real)} exists (it appeared while the file was written)") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
+        _create_in_place(workspace, real, data)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _create_in_place(workspace: Workspace, real: Path, data: bytes) -> None:
+    fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        _write_all(fd, data)
+    except OSError as e:  # the file is ours (O_EXCL): a partial one goes
+        real.unlink(missing_ok=True)
+        raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
 
 
 def _replace(workspace: Workspace, real: Path, data: bytes) -> None:
