@@ -6,6 +6,7 @@ checkpoint refused in one line. Through the command line, on a tiny model with a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -265,8 +266,10 @@ def test_the_stopped_processes_stores_are_removed_only_if_they_are_stores(tmp_pa
 def test_the_session_log_goes_on_from_the_checkpoints_tokens(tmp_path, engines, monkeypatch):
     """`sinkchat logs` counts the run as its report does (the work done again not twice), in the same session;
     under another data dir (a session of that id is another run's) a new session is opened instead."""
+    from sinkchat.store import transcript
     from sinkchat.store.transcript import get_session, list_sessions
 
+    monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path / "home"))
     run = tmp_path / "run"
     with monkeypatch.context() as m:
         _stop_in_step(m, 6)
@@ -275,6 +278,18 @@ def test_the_session_log_goes_on_from_the_checkpoints_tokens(tmp_path, engines, 
     (end,) = _records(run, "end")
     (sid,) = [x.id for x in list_sessions("soak", 10)]
     assert get_session(sid).tokens == end["tokens"]
+    # each turn once, as in the uninterrupted run: what was logged after the checkpoint is taken out, then redone
+    (resume,) = [e for e in transcript.events(sid) if e.kind == "resume"]
+    m = re.search(r"; (\d+) turns? logged after it (?:was|were) taken out of this log", resume.text)
+    assert m and int(m.group(1)) > 0, resume.text
+    monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path / "ref-home"))
+    CliRunner().invoke(soak_command, ARGS + ["--out", str(tmp_path / "ref")], catch_exceptions=False)
+    (ref,) = list_sessions("soak", 10)
+    monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path / "home"))
+    def said(s, home):
+        return [(t.seq, t.role, t.text) for t in transcript.turns(s, Path(home) / "sinkchat.db")]
+    got = said(sid, tmp_path / "home")
+    assert len(got) >= 16 and got == said(ref.id, tmp_path / "ref-home")  # 8 steps, a message and a reply each
     monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path / "elsewhere"))
     run2 = tmp_path / "run2"
     with monkeypatch.context() as m:

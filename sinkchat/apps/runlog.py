@@ -47,7 +47,7 @@ class ForwardTally:
 
 def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Callable[[str], None],
              resume_id: int | None = None, extra: dict[str, Any] | None = None,
-             tokens_before: int | None = None) -> Any:
+             tokens_before: int | None = None, drop_after: float | None = None) -> Any:
     """A SessionLog (or NullLog with --no-log / an unusable log dir). Only settings and text are stored; the log
     counts the tokens the engine processes from now on (resumed: on top of what the session had counted)."""
     from sinkchat.store.sessionlog import NullLog, SessionLog
@@ -56,7 +56,8 @@ def open_log(engine: Any, mode: str, no_log: bool, system: str | None, warn: Cal
         return NullLog()
     counter = _counter(ForwardTally.of(engine))
     if resume_id is not None:
-        return SessionLog.resume(resume_id, warn=warn, tokens=counter, tokens_before=tokens_before)
+        return SessionLog.resume(resume_id, warn=warn, tokens=counter, tokens_before=tokens_before,
+                                 drop_after=drop_after)
     loaded = getattr(engine, "loaded", None)
     settings = {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling),
                 "quant": getattr(loaded, "quant", None), **(extra or {})}

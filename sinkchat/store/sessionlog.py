@@ -70,26 +70,32 @@ class SessionLog(NullLog):
 
     @classmethod
     def resume(cls, session_id: int, *, path: Path | str | None = None, warn: Callable[[str], None] | None = None,
-               tokens: Callable[[], int] | None = None, tokens_before: int | None = None) -> NullLog:
+               tokens: Callable[[], int] | None = None, tokens_before: int | None = None,
+               drop_after: float | None = None) -> NullLog:
         """Append to an existing session (after --resume); marks it open again, held by this process. The tokens
         counted from now on add to the session's total (for an older session, to the tokens of its turns), or to
-        `tokens_before` (a soak resumed from a checkpoint: the work after it, done again, is not counted twice)."""
+        `tokens_before` (a soak resumed from a checkpoint: the work after it, done again, is not counted twice).
+        `drop_after` (a soak's checkpoint, wall-clock seconds): what was logged after it is deleted first, since
+        the resumed run does it again (its turns would show twice); `dropped` then says how many turns went."""
         p = Path(path) if path is not None else None
         try:
             p = p or db_path()
             conn = connect(p)
-            row = conn.execute("SELECT MAX(seq), COALESCE(SUM(tokens), 0) FROM turns WHERE session_id = ?",
-                               (session_id,)).fetchone()
             held = conn.execute("SELECT tokens FROM sessions WHERE id = ?", (session_id,)).fetchone()
             if held is None:
                 conn.close()
                 raise LogError(f"no session {session_id} in {p}")
             me = procs.current()
             with transaction(conn):
+                dropped = _drop_after(conn, session_id, drop_after) if drop_after is not None else 0
                 conn.execute("UPDATE sessions SET ended = NULL, pid = ?, pid_started = ?, host = ? WHERE id = ?",
                              (me.pid, me.started, me.host, session_id))
+            row = conn.execute("SELECT MAX(seq), COALESCE(SUM(tokens), 0) FROM turns WHERE session_id = ?",
+                               (session_id,)).fetchone()
             before = int(held[0] if held[0] is not None else row[1]) if tokens_before is None else tokens_before
-            return cls(conn, session_id, p, int(row[0] or 0), warn, tokens, before)
+            out = cls(conn, session_id, p, int(row[0] or 0), warn, tokens, before)
+            out.dropped = dropped
+            return out
         except (sqlite3.Error, OSError) as e:
             return _fallback(f"session log disabled: cannot write {p}: {e}", warn)
 
@@ -220,3 +226,12 @@ def _policy(ev: object) -> str | None:
     recall memory let go (a ForgottenEvent has a reason, no policy)."""
     policy = getattr(ev, "policy", None)
     return policy if policy is not None else "forgotten:" + str(getattr(ev, "reason", ""))
+
+
+def _drop_after(conn: sqlite3.Connection, session_id: int, when: float) -> int:
+    """Delete the session's rows logged after `when` (turns, tool calls, events, evictions, metrics); the number
+    of turns deleted."""
+    n = conn.execute("DELETE FROM turns WHERE session_id = ? AND created > ?", (session_id, when)).rowcount
+    for table in ("tool_calls", "events", "evictions", "metrics"):  # fixed names, not input
+        conn.execute(f"DELETE FROM {table} WHERE session_id = ? AND created > ?", (session_id, when))  # noqa: S608
+    return int(n)

@@ -291,7 +291,8 @@ def arm(soak: Any, out: Path, run: dict[str, Any]) -> None:
         if s.rec.failed:  # records were lost: a checkpoint could not say which it covers
             return
         state = {**run, "runner": runner_state(s), "scenario": scen.state(),
-                 "recall": s.recall.state() if s.recall is not None else None, "metrics_bytes": s.rec.size()}
+                 "recall": s.recall.state() if s.recall is not None else None, "metrics_bytes": s.rec.size(),
+                 "taken": time.time()}  # wall clock: what the session log holds after it is done again
         try:
             save(out, s.engine, state, getattr(scen, "workspace", None))
         except (UserError, OSError) as e:

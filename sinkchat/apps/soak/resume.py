@@ -55,7 +55,7 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
     checkpoint.remove_dead_stores(out, engine)
     scen.load_state(state["scenario"])
     session = _reopen_session(engine, settings, header["scenario"], state.get("session"),
-                              int(state["runner"]["tokens"]), say)
+                              int(state["runner"]["tokens"]), state.get("taken"), say)
     scen.slog = session
     n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
     rec = Recorder(out, session, warn=lambda m: say(f"warning: {m}"))
@@ -65,29 +65,34 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
     checkpoint.load_runner_state(soak, state["runner"])
     if soak.recall is not None and state.get("recall"):
         soak.recall.load_state(state["recall"])
-    _announce(out, soak, rec, session, folder, float(state["runner"]["elapsed"]), n, last, say)
+    _announce(out, soak, rec, session, folder, float(state["runner"]["elapsed"]), n, last, state.get("taken"), say)
     checkpoint.arm(soak, out, {**{k: state[k] for k in ("settings", "every", "allow_shell", "max_tokens")},
                                "session": session_ref(session)})
     return header, soak, run_until_stopped(soak)
 
 
 def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, at: float, n: int,
-              last: float | None, say: Callable[[str], None]) -> None:
+              last: float | None, taken: float | None, say: Callable[[str], None]) -> None:
     """The resume record, the session log's event and the line on stderr: where the run goes on, what is redone."""
     redo = max(0.0, float(last) - at) if last is not None else 0.0
     rec.write({"kind": "resume", "elapsed": round(at, 3), "segment": soak.segment, "checkpoint": folder.name,
                "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "discarded_records": n,
                "discarded_s": round(redo, 3)})
-    session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; the turns logged after it "
-                            f"({redo:.0f} s of work) are done again")
+    n_turns = session.dropped
+    gone = ("the turns logged after it are done again" if not taken else  # a checkpoint from before `taken`
+            f"{plural(n_turns, 'turn')} logged after it {'was' if n_turns == 1 else 'were'} taken out of this log, "
+            "to be done again")
+    session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; {gone} ({redo:.0f} s of "
+                            "work)")
     say(f"resuming {out} at {at / 60:.1f} min of soak time (process {soak.segment + 1}); {redo / 60:.1f} min of "
         f"work after the checkpoint is done again ({plural(n, 'record')} set aside)")
 
 
-def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens: int,
+def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens: int, taken: float | None,
                     say: Callable[[str], None]) -> Any:
     """The run's session log, continued from the checkpoint's token count (`sinkchat logs show` tells the whole
-    run); a new one where that log is not here (another data dir: a session of that id there is another's)."""
+    run once: what it logged after the checkpoint `taken`, done again now, is deleted); a new one where that log
+    is not here (another data dir: a session of that id there is another's)."""
     from sinkchat.apps.runlog import open_log
     from sinkchat.store.transcript import get_session
 
@@ -100,7 +105,8 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
             started = ref["started"]
             mine = info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3)
             if mine and info.status not in ("running", "other host"):
-                return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens)
+                return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
+                                drop_after=taken)
             why = ("a process still writes it (a copy of the run resumed beside the original?)" if mine else
                    "that id names another session here")
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
