@@ -1,4 +1,5 @@
-"""Files written whole or not at all, and durably: the agent's undo journal and the soak's checkpoint pointer."""
+"""Files written whole or not at all, and durably: the agent's undo journal, the soak's checkpoint pointer
+and report, /save's transcripts."""
 
 from __future__ import annotations
 

@@ -7,8 +7,6 @@ no engine or UI. Written atomically, so a crash never leaves half a transcript.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,19 +31,6 @@ def transcript_data(engine: Any) -> dict[str, Any]:
     return {"format": TRANSCRIPT_FORMAT, "version": 1, "system": engine.conv.system,
             "messages": [dict(m) for m in engine.conv.messages],
             "settings": {"cache": asdict(engine.cache_cfg), "sampling": asdict(engine.sampling)}}
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename, so a crash never leaves half a transcript. The folder
-    must exist: a mistyped path is an error, not a new directory tree."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def parse_transcript(data: Any, max_positions: int) -> TranscriptFile:

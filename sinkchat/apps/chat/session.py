@@ -22,7 +22,8 @@ from sinkchat.apps.memory_view import plural
 from sinkchat.config import ConfigError, Settings, data_dir
 from sinkchat.core.events import Event
 from sinkchat.core.metrics import Metrics, human_bytes
-from sinkchat.store.transcript_file import is_transcript_file, parse_transcript, transcript_data, write_atomic
+from sinkchat.store.atomic import atomic_write
+from sinkchat.store.transcript_file import is_transcript_file, parse_transcript, transcript_data
 
 __all__ = ["open_log", "settings_for_load", "check_resumable", "resume_target", "do_resume", "is_transcript_file",
            "save", "load", "save_transcript", "load_transcript", "log_turn", "eviction_record", "restore_evictions"]
@@ -194,7 +195,8 @@ def save_transcript(loop: ChatHost, arg: str) -> str | None:
     path = Path(arg).expanduser()
     data = transcript_data(loop.engine)
     try:
-        write_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+        # whole or not at all (the folder must exist: a mistyped path is an error, not a new tree); the user's alone
+        atomic_write(path, (json.dumps(data, indent=1, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
     except OSError as e:
         loop.r.error(f"cannot write {path}: {e.strerror or e}")
         return None

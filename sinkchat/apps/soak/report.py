@@ -16,6 +16,7 @@ from sinkchat.apps.soak.criteria import MIB, Verdict, evaluate, overall, warmup_
 from sinkchat.apps.soak.records import load_run
 from sinkchat.apps.soak.series import num, series, with_call_shares
 from sinkchat.apps.soak.thresholds import Thresholds, recorded_thresholds
+from sinkchat.store.atomic import atomic_write
 from sinkchat.textutil import plural
 
 log = logging.getLogger(__name__)
@@ -182,9 +183,7 @@ def render_json(header: dict[str, Any], samples: list[dict[str, Any]], end: dict
 
 def _write_atomic(path: Path, text: str) -> None:
     try:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        atomic_write(path, text.encode("utf-8"))
     except OSError as e:
         raise click.ClickException(f"cannot write {path}: {e.strerror}") from None
 
