@@ -232,7 +232,7 @@ def test_a_chat_with_the_memory_on_shows_the_engines_own_figure(tmp_path: Path) 
 
 def test_the_soak_records_and_reports_the_recalled_share(tmp_path: Path) -> None:
     from sinkchat.apps.soak.report import figures, plot_data, render_json, render_markdown
-    from sinkchat.apps.soak.runner import Interval
+    from sinkchat.apps.soak.interval import Interval
     from sinkchat.apps.soak.thresholds import Thresholds
     from sinkchat.core.events import GaugeEvent
 

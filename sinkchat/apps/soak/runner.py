@@ -28,17 +28,17 @@ import signal
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from sinkchat.apps.runlog import ForwardTally
 from sinkchat.apps.soak.display import Display
+from sinkchat.apps.soak.interval import Interval, cache_ptrs, mean, nll_bin, rate
 from sinkchat.apps.soak.recall import Probe, RecallProbe, memory_figures
 from sinkchat.apps.soak.records import Recorder
 from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome, ToolCall
 from sinkchat.apps.soak.tap import NllTap
-from sinkchat.core.events import EvictionEvent, GaugeEvent, PrefillEvent, TokenEvent
-from sinkchat.core.metrics import Metrics, cuda_bytes, percentile, rss_bytes
+from sinkchat.core.events import EvictionEvent, PrefillEvent, TokenEvent
+from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
 from sinkchat.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -48,54 +48,6 @@ MAX_CONSECUTIVE_ERRORS = 25  # a step failing this often in a row is a crash, no
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so the engine's rollback (which catches BaseException) keeps the cache sane."""
-
-
-@dataclass
-class Interval(Metrics):
-    """Figures folded from the events between two samples: the clients' own `Metrics` (decode and prefill tokens
-    and seconds, every decoded token's latency: uncapped here, an interval is short) plus what only a sample needs:
-    every prefill chunk's per-token latency (the stream scenario decodes nothing), the mean gauge, the NLL bin."""
-
-    latencies: deque = field(default_factory=deque)  # seconds per decoded token, all of the interval's
-    prefill_latencies: list[float] = field(default_factory=list)  # seconds per token of each prefill chunk
-    gauges: list[float] = field(default_factory=list)
-    local_gauges: list[float] = field(default_factory=list)  # hybrid models: the local layers' window-start share
-    recalled_gauges: list[float] = field(default_factory=list)  # --memory on: the share on the recalled blocks
-    nll: list[float] = field(default_factory=list)  # NLL of every token fed through the cache (the NllTap's)
-
-    def fold(self, ev: Any) -> None:
-        super().fold(ev)
-        if isinstance(ev, PrefillEvent) and ev.tokens:
-            self.prefill_latencies.append(ev.seconds / ev.tokens)
-        elif isinstance(ev, GaugeEvent):
-            self.gauges.append(ev.share)
-            if ev.local is not None:
-                self.local_gauges.append(ev.local)
-            if ev.memory is not None:  # memory on
-                self.recalled_gauges.append(ev.memory)
-
-
-def _mean(values: list[float]) -> float | None:
-    """The interval's mean of a gauge figure, rounded as the records keep it (None: never measured)."""
-    return round(sum(values) / len(values), 4) if values else None
-
-
-def _rate(n: float, s: float) -> float | None:
-    return round(n / s, 3) if s > 0 else None
-
-
-def _nll_bin(nll: list[float]) -> tuple[float, int]:
-    vals = [v for v in nll if math.isfinite(v)]
-    return sum(vals), len(vals)
-
-
-def _cache_ptrs(cache: Any) -> int | None:
-    """A fingerprint of the cache buffers' addresses: it changes when a buffer is reallocated (grown, replaced)."""
-    try:
-        return hash(tuple((layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers
-                          if getattr(layer, "keys", None) is not None)) & 0xFFFFFFFF
-    except Exception:  # noqa: BLE001 - a cache of another shape: no fingerprint
-        return None
 
 
 class Soak:
@@ -272,7 +224,7 @@ class Soak:
         eng = self.engine
         self._check_tap()
         iv.nll.extend(self.tap.drain())
-        nll_sum, nll_n = _nll_bin(iv.nll)
+        nll_sum, nll_n = nll_bin(iv.nll)
         cuda = cuda_bytes()
         input_ppl = round(math.exp(nll_sum / nll_n), 4) if nll_n else None
         lat = iv.latencies or iv.prefill_latencies  # decode latency; per-token prefill latency for stream
@@ -282,15 +234,15 @@ class Soak:
             "tokens": self.tokens, "evicted": eng.ledger.evicted - self.evicted0, "cache_len": eng.cache.length,
             "cache_peak": self.tally.take_peak() if self.tally else eng.cache.length,
             "ledger_len": len(eng.ledger), "capacity": eng.cache_cfg.capacity, "cache_bytes": eng.cache.nbytes,
-            "cache_ptrs": _cache_ptrs(eng.cache), "rss": rss_bytes(), "cuda": cuda[0] if cuda else None,
+            "cache_ptrs": cache_ptrs(eng.cache), "rss": rss_bytes(), "cuda": cuda[0] if cuda else None,
             "cuda_peak": cuda[1] if cuda else None,
-            "decode_tok_s": _rate(iv.decode_tokens, iv.decode_seconds),
-            "prefill_tok_s": _rate(iv.prefill_tokens, iv.prefill_seconds),
+            "decode_tok_s": rate(iv.decode_tokens, iv.decode_seconds),
+            "prefill_tok_s": rate(iv.prefill_tokens, iv.prefill_seconds),
             "p50_ms": round(1000 * percentile(lat, 50), 3) if lat else None,
             "p99_ms": round(1000 * percentile(lat, 99), 3) if lat else None,
             "gauge": round(sum(iv.gauges) / len(iv.gauges), 4) if iv.gauges else None,
             "gauge_local": round(sum(iv.local_gauges) / len(iv.local_gauges), 4) if iv.local_gauges else None,
-            "gauge_recalled": _mean(iv.recalled_gauges),
+            "gauge_recalled": mean(iv.recalled_gauges),
             "ppl": input_ppl, "nll_sum": round(nll_sum, 4), "nll_n": nll_n,
             "errors": self.errors, "faults": self.faults, "attempts": self.attempts,
             "faulted_steps": self.faulted_steps, "jobs": self.jobs, "jobs_ok": self.jobs_ok,
