@@ -443,3 +443,22 @@ def test_a_checkpoint_naming_a_live_writer_is_not_resumed_beside_it(tmp_path):
         child.wait()
     checkpoint.check_writer(tmp_path, state)
     checkpoint.check_writer(tmp_path, {})  # a checkpoint that names no writer (the lock covers it)
+
+
+def test_a_checkpoints_workspace_copy_is_on_disk_before_the_pointer_names_it(tmp_path, monkeypatch):
+    """Every regular file and folder of the copy fsynced (shutil does not: a power cut could leave them empty);
+    a symlink or a fifo in the workspace neither followed nor blocking."""
+    import os
+
+    from sinkchat.store import atomic
+
+    ws = tmp_path / "ws"
+    (ws / "a").mkdir(parents=True)
+    (ws / "a" / "x.txt").write_text("hi")
+    (ws / "y.txt").write_text("yo")
+    os.symlink("y.txt", ws / "link")
+    os.mkfifo(ws / "fifo")
+    synced, real = [], os.fsync
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    atomic.fsync_tree(ws)
+    assert sorted(Path(p).relative_to(ws).as_posix() for p in synced) == [".", "a", "a/x.txt", "y.txt"]

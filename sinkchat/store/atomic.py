@@ -1,9 +1,10 @@
 """Files written whole or not at all, and durably: the agent's undo journal, the soak's checkpoint pointer
-and report, /save's transcripts."""
+and report (and its workspace copy), /save's transcripts."""
 
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from pathlib import Path
 
@@ -45,3 +46,20 @@ def fsync_dir(d: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every regular file under `root` and every folder (a copy made with shutil, which does not: a power cut
+    after the copy could leave its files empty)."""
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:  # a symlink (copied as one) or a special file: nothing to sync
+                continue
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sinkchat.errors import UserError
-from sinkchat.store.atomic import atomic_write
+from sinkchat.store.atomic import atomic_write, fsync_tree
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ def save(out: Path, engine: Any, state: dict[str, Any], workspace: Path | None) 
     try:
         if workspace is not None and workspace.is_dir():
             shutil.copytree(workspace, folder / "workspace", symlinks=True)
+            fsync_tree(folder / "workspace")  # on disk before the pointer names this checkpoint
         save_snapshot(engine, folder / "engine.safetensors", extra={"soak": state})
         atomic_write(root / POINTER, json.dumps({"seq": seq}).encode())
     except BaseException:
