@@ -321,3 +321,23 @@ def test_a_copy_taken_back_before_a_save_is_not_saved(tmp_path):
     assert eng.got == [] and other.got == []
     for e in (eng, other):
         e.memory.close()
+
+
+def test_after_forget_the_copies_in_the_window_go_to_the_memory_as_they_leave(tmp_path):
+    """/forget (and /memory off) drop the blocks the window holds copies of: those copies are then the text's only
+    copy, so they leave the window into the memory like the rest of it, not let go as "re-read" (they were, and
+    the text was gone with nothing said but a label that named originals no longer there)."""
+    eng = with_copy(engine(tmp_path / "m", reread=1))
+    mem = eng.memory
+    window = set(eng.ledger.abs_index)
+    live = {i for a, b in eng.copies for i in range(a, b) if i in window}
+    assert live
+    held, copies = mem.tokens, mem.copies
+    gone = eng.forget_memory()
+    assert sum(e.count for e in gone) == held and mem.tokens == 0
+    events = [e for e in eng.feed(stream(1)) if type(e).__name__ == "ForgottenEvent"]
+    assert not [e for e in events if e.reason == "re-read"] and mem.copies == copies
+    stored = {int(a) for b in mem.index.ids for a in mem.store.read(b).abs_index}
+    assert live - set(eng.ledger.abs_index) and live - set(eng.ledger.abs_index) <= stored
+    assert eng.ledger.evicted == mem.tokens + mem.forgotten
+    mem.close()

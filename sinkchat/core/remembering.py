@@ -70,6 +70,19 @@ class Remembering:
         assert mem is not None
         mem.reread.update(bid for bid, _ in got)
 
+    def forget_memory(self, reason: str = "/forget") -> list[ForgottenEvent]:
+        """Drop everything the memory holds (`report.forget`: one "forgotten" event a range; the memory stays on).
+        The copies of its blocks read again into the window are then the only copy of that text: they leave the
+        window as the rest of it does (into the memory), no longer let go as "re-read" copies of originals it
+        does not hold any more."""
+        from sinkchat.memory import report
+
+        assert self.memory is not None
+        events = report.forget(self.memory, self.cache, reason)
+        self.unkept = [r for r in self.unkept if r not in self.copies]
+        self.copies = []
+        return events
+
     def set_aside(self, length: int) -> list[EvictionEvent | ForgottenEvent]:
         """Take slots >= `length` out of the window into the recall memory (an agent's finished task, before the
         next one starts from the same cache state): counted and shown as an eviction, so the tokens stay

@@ -156,9 +156,10 @@ def _held(mem: Any) -> str:
 
 
 def _drop(loop: ChatHost, reason: str) -> list[Any]:
-    """Everything the memory holds, forgotten (`report.forget`): each range shown and logged like an eviction."""
+    """Everything the memory holds, forgotten (`Engine.forget_memory`): each range shown and logged like an
+    eviction."""
     with deferred_sigint():
-        events = report.forget(loop.engine.memory, loop.engine.cache, reason)
+        events = loop.engine.forget_memory(reason)
     for ev in events:
         loop.metrics.fold(ev)
         loop.slog.eviction(ev)
