@@ -154,21 +154,11 @@ def _q4_module(qtype: int, raw: np.ndarray) -> nn.Module:
     buffers tiled straight from the file's bytes (`gguf_blocks.q4_tiles`): the module `from_values` builds from the
     unpacked values, attribute for attribute (tests/test_startup_pack.py). Every matrix of the bundled model
     packed: 0.18-0.25 CPU s, against 2.9-5.7 through `from_values` (load 3-4 on the 2-core box)."""
-    n, k = raw.shape[0], raw.shape[1] // (18 if qtype == gguf_blocks.T.Q4_0 else 20) * 32
     if qtype == gguf_blocks.T.Q4_0:
         qw, sw = gguf_blocks.q4_tiles(raw, 18)
-        q0 = Int4Q0Linear(k, n, kernels="native")
-        q0.qw, q0.sw = torch.from_numpy(qw), torch.from_numpy(sw.reshape(sw.shape[0], sw.shape[1], -1))
-        q0._set_bias(None)
-        return q0
+        return Int4Q0Linear.from_tiles(torch.from_numpy(qw), torch.from_numpy(sw.reshape(sw.shape[0], sw.shape[1], -1)))
     qw, sw = gguf_blocks.q4_tiles(raw, 20)
-    lin = int4.Int4Linear.__new__(int4.Int4Linear)  # as `Int4Linear.from_values(q, d, m, kernels="native")`
-    nn.Module.__init__(lin)
-    lin.in_features, lin.out_features = k, n
-    lin.compute_dtype, lin.kernels = int4.COMPUTE_DTYPE, "native"
-    lin._set_native(torch.from_numpy(qw), torch.from_numpy(sw))
-    lin._set_bias(None)
-    return lin
+    return int4.Int4Linear.from_tiles(torch.from_numpy(qw), torch.from_numpy(sw))
 
 
 def _heads(hf: str, config: Any, arch: str) -> int | None:

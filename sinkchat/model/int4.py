@@ -89,15 +89,29 @@ class Int4Linear(nn.Module):
         n, k = q.shape
         if n % 16 or k % GROUP or d.shape != (n, k // GROUP) or m.shape != (n, k // GROUP):
             raise ValueError(f"q4 weights {tuple(q.shape)}, d {tuple(d.shape)}, m {tuple(m.shape)}")
+        if kernels == "native":
+            return cls.from_tiles(*native.pack_q4_dm(q, d, m), bias, compute_dtype)
+        self = cls._bare(k, n, kernels, compute_dtype)
+        self._set_torch(q.to(torch.int32), d.double(), m.double() + 8 * d.double())
+        self._set_bias(bias)
+        return self
+
+    @classmethod
+    def from_tiles(cls, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None,
+                   compute_dtype: torch.dtype = COMPUTE_DTYPE) -> "Int4Linear":
+        """The native kernels' tiles as they are (`native.pack_q4_dm`'s, or `gguf_blocks.q4_tiles` straight from a
+        Q4_1 file's bytes): qw uint8 [N/16, K/32, 4, 16, 4], sw fp16 [N/16, K/32, 2, 16]."""
+        self = cls._bare(qw.shape[1] * GROUP, qw.shape[0] * 16, "native", compute_dtype)
+        self._set_native(qw, sw)
+        self._set_bias(bias)
+        return self
+
+    @classmethod
+    def _bare(cls, k: int, n: int, kernels: str, compute_dtype: torch.dtype) -> "Int4Linear":
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.in_features, self.out_features = k, n
         self.compute_dtype, self.kernels = compute_dtype, kernels
-        if kernels == "native":
-            self._set_native(*native.pack_q4_dm(q, d, m))
-        else:
-            self._set_torch(q.to(torch.int32), d.double(), m.double() + 8 * d.double())
-        self._set_bias(bias)
         return self
 
     def _set_native(self, qw: torch.Tensor, sw: torch.Tensor) -> None:

@@ -43,6 +43,15 @@ class Int4Q0Linear(PackedLinear):
         lin._set_bias(bias)
         return lin
 
+    @classmethod
+    def from_tiles(cls, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Q0Linear":
+        """The native kernels' tiles as they are (`native.pack_q40`'s, or `gguf_blocks.q4_tiles` straight from a
+        Q4_0 file's bytes): qw uint8 [N/16, K/32, 4, 16, 4], sw fp16 [N/16, K/32, 16]."""
+        lin = cls(qw.shape[1] * 32, qw.shape[0] * native.RG, kernels="native", bias=bias is not None)
+        lin.qw, lin.sw = qw, sw
+        lin._set_bias(bias)
+        return lin
+
     def _matmul(self, x2: torch.Tensor) -> torch.Tensor:
         return native.q40_matmul(x2, self.qw, self.sw, self.bias)
 
