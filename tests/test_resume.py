@@ -40,6 +40,19 @@ def test_save_then_load_gives_the_same_next_reply(tmp_path):
     assert json.loads(b.stdout.splitlines()[-1])["answer"] == answer and answer.strip()
 
 
+def test_a_flag_typed_for_this_run_wins_over_the_loaded_snapshots_setting(tmp_path):
+    """The snapshot was saved with --max-tokens 16 (its sampling settings come with it, so a bare --load gives the
+    saved session's next reply); this run's --max-tokens 3 must still cut the reply at 3, and say so (the reply was
+    cut at the snapshot's 16 while the hint said "--max-tokens N to change")."""
+    a = run_chat([], "Name a color.\n/save snapm\n", tmp_path)
+    assert a.returncode == 0, a.stderr[-1500:]
+    b = run_chat(["--format", "jsonl", "--max-tokens", "3", "--load", "snapm"], "Write a long story.\n", tmp_path)
+    assert b.returncode == 0, b.stderr[-1500:]
+    (rec,) = [json.loads(ln) for ln in b.stdout.splitlines()]
+    assert rec["tokens"] == 3, rec
+    assert "kept this run's --max-tokens 3 (the snapshot's 16)" in b.stderr
+
+
 @pytest.mark.slow  # two CLI runs on the bundled model, ~11 s idle
 def test_load_at_start_takes_a_json_transcript_too(tmp_path):
     t = tmp_path / "t.json"

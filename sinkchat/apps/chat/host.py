@@ -23,6 +23,7 @@ class ChatHost(Protocol):
     auto_snapshot: Any  # an AutoSnapshot with --snapshot-every, else None
     interactive: bool
     settings: Any  # the run's Settings (what /memory on opens a memory with), or None: the defaults
+    sampling_flags: dict[str, Any]  # the sampling flags typed for this run (`session.sampling_flags`)
     last_recalled: list[Any]  # the blocks the last reply read from the recall memory (`report.Recalled`)
     recall_tally: list[int]  # [replies that read the memory, blocks they read] this session
 

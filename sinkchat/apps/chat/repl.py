@@ -45,7 +45,8 @@ class ChatLoop:
 
     def __init__(self, engine: Any, renderer: Renderer, metrics: Metrics | None = None,
                  interactive: bool = False, exit_on_interrupt: bool = False, slog: Any = None,
-                 auto_snapshot: Any = None, settings: Any = None) -> None:
+                 auto_snapshot: Any = None, settings: Any = None, sampling_flags: dict[str, Any] | None = None
+                 ) -> None:
         from sinkchat.store.nulllog import NullLog  # (sessionlog imports sqlite3 and psutil)
 
         self.engine = engine
@@ -58,6 +59,7 @@ class ChatLoop:
         self._model_nbytes = model_bytes(engine.model)
         self._deferred: list[EvictionEvent | ForgottenEvent] | None = None  # evictions of the turn under way
         self.settings = settings  # what /memory on opens a memory with (None: the defaults)
+        self.sampling_flags = dict(sampling_flags or {})  # typed for this run: they win over a loaded snapshot's
         self.last_recalled: list[Any] = []  # blocks the last reply read from the recall memory (/recall)
         self.recall_tally = [0, 0]  # replies that read the memory, blocks they read
         self._memory_stats: Any = None
@@ -349,7 +351,7 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
 
             auto = AutoSnapshot(snapshot_every, warn=lambda m: renderer.error(m))
         loop = ChatLoop(engine, renderer, interactive=interactive, exit_on_interrupt=not interactive, slog=slog,
-                        auto_snapshot=auto, settings=settings)
+                        auto_snapshot=auto, settings=settings, sampling_flags=session.sampling_flags(opts))
         with _sigterm_exits() as closing:
             try:
                 _start(loop, load_name, resume_id, interactive, stdin)

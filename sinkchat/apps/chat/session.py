@@ -112,6 +112,7 @@ def do_resume(loop: ChatHost, session_id: int) -> None:
     from sinkchat.store.resume import resume_session
 
     replayed: list[Event] = []
+    before = loop.engine.sampling
     res = resume_session(loop.engine, loop.slog, session_id, on_event=replayed.append)
     if loop.engine.memory is not None:  # what the replay read is no reply's: the next reply's report starts here
         from sinkchat.memory.report import take_recalled
@@ -121,6 +122,7 @@ def do_resume(loop: ChatHost, session_id: int) -> None:
     for ev in replayed:
         loop.metrics.fold(ev)
     loop.r.info(f"resumed {res.describe()}")
+    _sampling_after_load(loop, before)
     loop.slog.event("resume", res.describe())
     if res.pending:
         loop.r.info("re-sending the last message, which never got a reply")
@@ -163,7 +165,7 @@ def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
     was loaded (None if nothing was), for the session log."""
     from sinkchat.store.snapshot import SnapshotError, load_snapshot, snapshot_path
 
-    before = loop.engine.cache_cfg
+    before, before_sampling = loop.engine.cache_cfg, loop.engine.sampling
     try:
         head = load_snapshot(loop.engine, snapshot_path(arg))
     except SnapshotError as e:
@@ -185,7 +187,34 @@ def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
     if changed:
         loop.r.info(f"the snapshot's cache settings apply (its KV cache was built with them): {', '.join(changed)}",
                     style="dim")
+    _sampling_after_load(loop, before_sampling)
     return what
+
+
+SAMPLING_FLAGS = {"temperature": "--temperature", "max_tokens": "--max-tokens", "top_p": "--top-p",
+                  "top_k": "--top-k", "repetition_penalty": "--repetition-penalty"}  # not --seed: the RNG's state is
+
+
+def sampling_flags(opts: dict[str, Any]) -> dict[str, Any]:
+    """The sampling settings typed for this run (flags, not the environment or defaults): a loaded snapshot's own
+    do not replace them."""
+    return {k: opts[k] for k in SAMPLING_FLAGS if opts.get(k) is not None}
+
+
+def _sampling_after_load(loop: ChatHost, before: Any) -> None:
+    """A snapshot brings its sampling settings (the next reply is the one the saved session would have given), but
+    a flag typed for this run wins (`--max-tokens 16` then `--load` cut replies at the snapshot's 12); both said."""
+    eng = loop.engine
+    saved = eng.sampling
+    eng.sampling = replace(saved, **loop.sampling_flags)
+    kept = [f"{SAMPLING_FLAGS[k]} {v} (the snapshot's {getattr(saved, k)})"
+            for k, v in loop.sampling_flags.items() if getattr(saved, k) != v]
+    took = [f"{k} {getattr(before, k)} -> {getattr(saved, k)}" for k in SAMPLING_FLAGS
+            if k not in loop.sampling_flags and getattr(before, k) != getattr(saved, k)]
+    if kept:
+        loop.r.info(f"kept this run's {', '.join(kept)}", style="dim")
+    if took:
+        loop.r.info(f"the snapshot's sampling settings apply: {', '.join(took)} (/set to change)", style="dim")
 
 
 # ------------------------------------------------------------------------------------------------ JSON transcripts
