@@ -151,10 +151,19 @@ def _typed(key: str, value: Any, names: dict[str, str]) -> Any:
 
 
 def setup_logging(verbose: int) -> None:
+    """Library warnings as the apps' own lines (`warning: the snapshot's recall memory ... is not loaded`); with -v
+    / -vv every record with its level and logger, for debugging."""
     level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_UserFormatter() if verbose == 0 else logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
     for noisy in ("bitsandbytes", "transformers", "accelerate", "urllib3", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(max(level, logging.ERROR))
+
+
+class _UserFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
 
 
 def read_prompt(name: str) -> str:

@@ -104,6 +104,10 @@ def test_save_then_load_through_the_cli_carries_the_memory(tmp_path: Path) -> No
     want = [json.loads(ln)["answer"] for ln in a.stdout.splitlines()][-1]
     assert json.loads(b.stdout.splitlines()[-1])["answer"] == want and want.strip()
     assert "not in the recall memory" not in b.stderr
+    c = run_chat(["--format", "jsonl", "--load", "snapm"], "What is my locker code?\n", tmp_path)  # memory off
+    assert c.returncode == 0, c.stderr[-1500:]
+    line = [ln for ln in c.stderr.splitlines() if "recall memory" in ln]
+    assert line and line[0].startswith("warning: the snapshot's recall memory (") and "--memory on" in line[0], line
 
 
 def _as_format(version: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -66,6 +66,21 @@ def test_load_at_start_takes_a_json_transcript_too(tmp_path):
     assert r.returncode != 0 and "Traceback" not in r.stderr and "cannot read" in r.stderr
 
 
+@pytest.mark.parametrize("content", [None, "{not json", '{"messages": "x"}'], ids=["missing", "broken", "wrong"])
+def test_a_bad_transcript_is_refused_before_the_model_loads(tmp_path, content):
+    """`--load FILE.json` that cannot be read or is no transcript: one line, exit 1 (as a missing snapshot), before
+    the model loads, and no empty session left in the log (it loaded the model, then exited 2 with the usage text)."""
+    t = tmp_path / "t.json"
+    if content is not None:
+        t.write_text(content)
+    env = dict(os.environ, SINKCHAT_HOME=str(tmp_path), SINKCHAT_MODEL=str(tmp_path / "no-model.gguf"))
+    r = subprocess.run(BASE + ["--load", str(t)], input="hi\n", capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stderr[-1500:]
+    assert "Traceback" not in r.stderr and "Usage:" not in r.stderr
+    assert f"{t}" in r.stderr and ("cannot read" in r.stderr or "cannot load" in r.stderr), r.stderr
+    assert not (tmp_path / "sinkchat.db").exists() or not transcript.list_sessions(None, 10, tmp_path / "sinkchat.db")
+
+
 def test_corrupt_snapshot_refused_at_start(tmp_path):
     (tmp_path / "snapshots").mkdir(parents=True)
     (tmp_path / "snapshots" / "bad.safetensors").write_bytes(b"\x00" * 100)

@@ -276,8 +276,8 @@ def _prepare_memory(engine: Any, head: dict[str, Any], tensors: dict[str, torch.
     memory, saved = getattr(engine, "memory", None), head.get("memory")
     if saved is None or memory is None:
         if saved is not None and saved.get("blocks"):
-            log.warning("the snapshot's recall memory (%d blocks) is not loaded: this session runs with --memory off",
-                        len(saved["blocks"]))
+            log.warning("the snapshot's recall memory (%d blocks) is not loaded: this session runs with --memory off "
+                        "(--memory on loads it)", len(saved["blocks"]))
         return None
     mem = {k[len("memory."):]: v for k, v in tensors.items() if k.startswith("memory.")}
     try:

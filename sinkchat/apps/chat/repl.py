@@ -342,6 +342,8 @@ def chat_command(system_text: str | None, system_file: str | None, load_name: st
             session.check_resumable(resume_id)  # a wrong id is told before the model loads
         if load_name is not None and not session.is_transcript_file(load_name):
             settings = session.settings_for_load(settings, load_name)
+        elif load_name is not None:
+            session.read_transcript(Path(load_name).expanduser())  # a missing or broken file: before the model
         engine = load_engine(settings, system, tty_out)
         renderer = Renderer(out, err, tty=tty_out, fmt=fmt, separator=separator)
         slog = session.open_log(engine, "chat", no_log, system, lambda m: renderer.error(m), resume_id)

@@ -13,6 +13,7 @@ status counts the saved stream's evictions plus the ones since, never one total 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +23,7 @@ from sinkchat.apps.memory_view import plural
 from sinkchat.config import ConfigError, Settings, data_dir
 from sinkchat.core.events import Event
 from sinkchat.core.metrics import Metrics, human_bytes
+from sinkchat.errors import UserError
 from sinkchat.store.atomic import atomic_write
 from sinkchat.store.transcript_file import is_transcript_file, parse_transcript, transcript_data
 
@@ -234,18 +236,24 @@ def save_transcript(loop: ChatHost, arg: str) -> str | None:
     return f"saved {saved} to {path}"
 
 
+def read_transcript(path: Path, max_positions: int | None = None) -> Any:
+    """The JSON transcript at `path`, checked (`--load FILE.json` calls it before the model loads, so a missing or
+    broken file is told in a second); a UserError in one line (exit 1, as a missing snapshot)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        return parse_transcript(data, max_positions if max_positions is not None else sys.maxsize)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, ConfigError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"cannot load {path}: {e}") from None
+
+
 def load_transcript(loop: ChatHost, arg: str) -> str:
     """Replay a JSON transcript's messages into a fresh cache. The current settings stay (what the user chose for
     this run wins over what the file was saved with); the ones saved in the file are only mentioned. The replay is
     a new stream: its eviction figures are those of the replay itself."""
     path = Path(arg).expanduser()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-        tf = parse_transcript(data, loop.engine.max_positions)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, ConfigError) as e:  # JSONDecodeError is a ValueError
-        raise ConfigError(f"cannot load {path}: {e}") from None
+    tf = read_transcript(path, loop.engine.max_positions)
     eng = loop.engine
     eng.clear()
     loop.metrics.new_stream()
