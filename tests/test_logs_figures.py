@@ -15,6 +15,7 @@ from click.testing import CliRunner
 from sinkchat.apps.logs import format_transcript, logs_command
 from sinkchat.apps.runlog import open_log
 from sinkchat.config import CacheConfig, SamplingConfig
+from sinkchat.memory.events import ForgottenEvent
 from sinkchat.core.engine import Engine
 from sinkchat.store.logdb import migrate
 from sinkchat.store.sessionlog import SessionLog
@@ -177,3 +178,24 @@ def test_a_chat_that_evicts_shows_each_eviction_after_the_turn_before_it():
     created = {t["seq"]: t["created"] for t in data["turns"]}
     for e in evs:
         assert created.get(e["turn_seq"], 0.0) <= e["created"] <= created.get(e["turn_seq"] + 1, time.time())
+
+
+def test_forgotten_ranges_after_evictions_show_their_own_first_lines_and_why(tmp_path):
+    """Up to three lines of each kind in a row, then one line per kind for the rest, the forgotten one saying why by
+    reason (it printed "... and 1 more forgotten blocks" after a single forgotten line, with no reason: two damaged
+    blocks hid there); the totals keep copies of blocks read again apart from tokens lost."""
+    db = tmp_path / "s.db"
+    slog = SessionLog.open("soak", "m", {}, path=db)
+    slog.turn("user", "block", 100)
+    for i in range(3):
+        slog.eviction(_ev(4 + 8 * i, 12 + 8 * i))
+    for i, why in enumerate(["re-read", "re-read", "re-read", "damaged", "damaged", "re-read"]):
+        slog.eviction(ForgottenEvent(8, 100 + 8 * i, 108 + 8 * i, why))
+    slog.turn("assistant", "reply", 5)
+    slog.close()
+    shown = format_transcript(export(slog.id, db))
+    assert shown.count("<evicted ") == 3 and shown.count("<forgotten 8 tokens") == 3
+    assert "<forgotten ... and 3 more forgotten ranges: 24 tokens [124,148) (damaged: 16 tokens, re-read: 8 tokens)>" \
+        in shown
+    assert "16 tokens forgotten by the recall memory" in shown
+    assert "32 tokens of blocks read again let go (their blocks held)" in shown

@@ -136,6 +136,10 @@ def test_memory_off_is_not_judged():
 # ------------------------------------------------------------------------------------------------ the disk row
 def test_disk_within_the_budget_passes_and_over_it_fails():
     assert rows(recall_run())["memory disk"].status == "PASS"
+    # copies of blocks read again, let go as they left the window, are not told as lost (their blocks are held)
+    let_go = [{**s, "mem_forgotten": 200, "mem_copies": 192} for s in recall_run()]
+    v = rows(let_go)["memory disk"]
+    assert v.value.endswith("blocks, 8 forgotten (and 192 copies of blocks read again let go, their blocks held)"), v
     over = recall_run(disk=lambda t: 10 * MIB if t < 3600 else 65 * MIB)
     v = rows(over)["memory disk"]
     assert v.status == "FAIL" and "over the budget" in v.value, v

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 import click
 
 from sinkchat.store.logdb import LogError, db_path
+from sinkchat.textutil import plural
 from sinkchat.store.sessionlog import MODES
 from sinkchat.store.transcript import SessionInfo, delete_session, export, latest_session, list_sessions
 
@@ -80,14 +81,17 @@ def _between(items: list[tuple[float, Any]], markdown: bool) -> list[str]:
     run: list[dict[str, Any]] = []
 
     def close_run() -> None:
-        out.extend(_eviction_line(e, markdown) for e in run[:MAX_EVICTION_LINES])
-        for what in ("evicted", "forgotten"):
-            rest = [e for e in run[MAX_EVICTION_LINES:] if _verb(e) == what]
-            if rest:
-                n = sum(e["count"] for e in rest)
-                kind = "evictions" if what == "evicted" else "forgotten blocks"
-                text = f"... and {len(rest)} more {kind}: {n} tokens [{rest[0]['first']},{rest[-1]['last']})"
-                out.append(f"\n> *{what}* {text}" if markdown else f"  <{what} {text}>")
+        shown, rest = {"evicted": 0, "forgotten": 0}, {"evicted": [], "forgotten": []}  # type: ignore[var-annotated]
+        for e in run:  # the first few of each kind one per line, in order
+            what = _verb(e)
+            if shown[what] < MAX_EVICTION_LINES:
+                out.append(_eviction_line(e, markdown))
+                shown[what] += 1
+            else:
+                rest[what].append(e)
+        for what, evs in rest.items():
+            if evs:
+                out.append(_rest_line(what, evs, markdown))
         run.clear()
 
     for _, item in sorted(items, key=lambda x: x[0]):
@@ -98,6 +102,20 @@ def _between(items: list[tuple[float, Any]], markdown: bool) -> list[str]:
         out.append(item)
     close_run()
     return out
+
+
+def _rest_line(what: str, evs: list[dict[str, Any]], markdown: bool) -> str:
+    """One line for the rest of a run: how many, their tokens and span, and for forgotten ones why (by reason)."""
+    n = sum(e["count"] for e in evs)
+    kind = plural(len(evs), "more eviction") if what == "evicted" else plural(len(evs), "more forgotten range")
+    text = f"... and {kind}: {n} tokens [{evs[0]['first']},{evs[-1]['last']})"
+    if what == "forgotten":
+        why: dict[str, int] = {}
+        for e in evs:
+            reason = str(e.get("policy")).partition(":")[2] or "?"
+            why[reason] = why.get(reason, 0) + e["count"]
+        text += " (" + ", ".join(f"{r}: {t} tokens" for r, t in why.items()) + ")"
+    return f"\n> *{what}* {text}" if markdown else f"  <{what} {text}>"
 
 
 def _verb(ev: dict[str, Any]) -> str:
@@ -121,8 +139,12 @@ def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
     parts = []
     if evs:
         parts.append(f"{len(evs)} evictions, {sum(e['count'] for e in evs)} tokens evicted")
-    if gone:
-        parts.append(f"{sum(e['count'] for e in gone)} tokens forgotten by the recall memory")
+    copies = sum(e["count"] for e in gone if str(e.get("policy")) == "forgotten:re-read")
+    lost = sum(e["count"] for e in gone) - copies
+    if lost:
+        parts.append(f"{lost} tokens forgotten by the recall memory")
+    if copies:  # copies of blocks read again, let go as they left the window: the memory holds the originals
+        parts.append(f"{copies} tokens of blocks read again let go (their blocks held)")
     recalls = [e for e in data.get("events", []) if e["kind"] == "recalled"]
     if recalls:
         parts.append(f"{len(recalls)} replies read the recall memory")

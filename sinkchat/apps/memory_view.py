@@ -172,10 +172,10 @@ def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last:
     rows = [
         ("recall memory", f"{plural(mem.blocks, 'block')}, {plural(mem.tokens, 'token')}, "
                           f"{human_bytes(mem.disk_bytes)} on disk (budget {human_bytes(mem.budget)})"),
-        ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, or /forget)" if not mem.copies
+        ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, /forget or /memory off)" if not mem.copies
          else f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
               "holds those)" + ("" if mem.copies == mem.forgotten else
-                                ", the rest over the budget, unreadable, or /forget")),
+                                ", the rest over the budget, unreadable, /forget or /memory off")),
         ("memory RAM", f"index {human_bytes(mem.index_bytes)}, recalled blocks {human_bytes(mem.ram_bytes)}"),
     ]
     if isinstance(mem, MemoryFigures) and mem.region_bytes:

@@ -116,8 +116,10 @@ def memory_disk_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -
         if top > budget:
             over.append(f"{top / MIB:.1f} MiB by {s.get('elapsed')} s")
     last = rows[-1]
+    gone, copies = int(num(last.get("mem_forgotten")) or 0), int(num(last.get("mem_copies")) or 0)
     val = (f"peak {peak / MIB:.1f} MiB; at the end {int(num(last.get('mem_tokens')) or 0)} tokens held in "
-           f"{int(num(last.get('mem_blocks')) or 0)} blocks, {int(num(last.get('mem_forgotten')) or 0)} forgotten")
+           f"{int(num(last.get('mem_blocks')) or 0)} blocks, {gone - copies} forgotten"
+           + (f" (and {copies} copies of blocks read again let go, their blocks held)" if copies else ""))
     if over:
         return Verdict(name, f"{val}; over the budget: " + "; ".join(over[:3]), limit, "FAIL")
     return Verdict(name, val, limit, "PASS")

@@ -123,9 +123,11 @@ def disk_usage(memory: Any) -> int | None:
 
 
 def memory_figures(memory: Any) -> dict[str, Any]:
-    """What the memory holds, for a sample: blocks, tokens (blocks and queue), tokens reported forgotten, disk bytes
-    (the store's count and the folder's files) and the budget."""
+    """What the memory holds, for a sample: blocks, tokens (blocks and queue), tokens reported forgotten (and of them
+    the copies of blocks read again: their originals are held), disk bytes (the store's count and the folder's
+    files) and the budget."""
     return {"mem_blocks": memory.blocks, "mem_tokens": memory.tokens, "mem_forgotten": memory.forgotten,
+            "mem_copies": getattr(memory, "copies", 0),
             "mem_disk_bytes": memory.disk_bytes, "mem_disk_files": disk_usage(memory),
             "mem_budget": memory.store.budget}
 
