@@ -241,4 +241,7 @@ def open_memory(settings: Settings, spec: Any) -> Any:
     except OSError as e:
         raise ConfigError(f"cannot create the memory store under {root.parent}: {e.strerror}") from None
     atexit.register(memory.close)
+    from sinkchat.memory.sweep import sweep_dead_stores
+
+    sweep_dead_stores(root.parent, keep=root)  # a killed process's store stays behind (up to its budget each)
     return memory

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sinkchat.errors import UserError
+from sinkchat.memory import sweep
 from sinkchat.store.atomic import atomic_write, fsync_tree
 
 log = logging.getLogger(__name__)
@@ -241,13 +242,8 @@ def note_root(out: Path, root: Any) -> None:
 def _owner_runs(root: Path) -> bool:
     """The store's process (its folder is named `<time>-<pid>`, bootstrap.py) still runs: a copy of a run directory
     resumed beside the original names the original's live store."""
-    import re
-
-    import psutil
-
-    m = re.fullmatch(r"\d{8}-\d{6}-(\d+)(?:-[0-9a-f]{6})?", root.name)  # restored: `<time>-<pid>-<hex>`
-    # our own pid names another store only across pid namespaces (two containers' PID 1): kept, a leak at worst
-    return bool(m) and (int(m.group(1)) == os.getpid() or psutil.pid_exists(int(m.group(1))))
+    pid = sweep.owner(root)
+    return pid is not None and sweep.pid_runs(pid)
 
 
 def check_writer(out: Path, state: dict[str, Any]) -> None:
@@ -273,7 +269,7 @@ def remove_dead_stores(out: Path, engine: Any) -> None:
     for root in roots:
         if root == mine or not root.is_dir() or _owner_runs(root):
             continue
-        if all(p.is_file() and p.name.startswith("seg-") and p.name.endswith(".mem") for p in root.iterdir()):
+        if sweep.only_segments(root):
             shutil.rmtree(root, ignore_errors=True)
             log.info("removed a stopped process's memory store %s (its blocks are in the checkpoint)", root)
     (out / ".stores").write_text(f"{mine}\n" if mine else "")
