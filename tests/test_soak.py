@@ -580,3 +580,30 @@ def test_the_planned_duration_reads_as_the_user_gave_it():
     got = [criteria._plan("duration", s) for s in (20, 90, 1800, 28800, 3601, 4e6)]
     assert got == ["20 s", "90 s", "30 min", "8 h", "60.0 min", "66666.7 min"]
     assert criteria._plan("steps", 5) == "5"
+
+
+def test_tokens_the_memory_lost_to_its_disk_are_a_handled_fault_and_said(tmp_path, word_tok, caplog):
+    """A block that failed its checksum when read back (or could not be written) showed only in the session log: the
+    report said "errors 0 (+0 handled faults)". Now each is a fault record, counted by kind, and a warning line."""
+    from sinkchat.apps.soak.records import Recorder
+    from sinkchat.apps.soak.runner import MEMORY_FAULTS, Soak
+    from sinkchat.memory.events import ForgottenEvent
+
+    class Quiet:
+        def step(self, engine):
+            yield from ()
+
+    rec = Recorder(tmp_path)
+    soak = Soak(_tiny_engine(word_tok), Quiet(), rec, sample_every=1e9, steps=1)
+    with caplog.at_level("WARNING"):
+        for ev in (ForgottenEvent(64, 4, 68, "damaged"), ForgottenEvent(64, 68, 132, "damaged"),
+                   ForgottenEvent(8, 200, 208, "re-read"), ForgottenEvent(64, 300, 364, "budget")):
+            soak.fold(ev)
+    rec.close()
+    assert soak.faults == 2 and soak.fault_kinds == {MEMORY_FAULTS["damaged"]: 2} and soak.errors == 0
+    faults = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["detail"]) for r in faults if r["kind"] == "fault"] == [
+        ("fault", "64 tokens [4,68) forgotten"), ("fault", "64 tokens [68,132) forgotten")]
+    assert [r.message for r in caplog.records if "damaged" in r.message] == [
+        "memory block damaged (checksum): 64 tokens [4,68) forgotten",
+        "memory block damaged (checksum): 64 tokens [68,132) forgotten"]

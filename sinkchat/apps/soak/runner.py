@@ -37,13 +37,15 @@ from sinkchat.apps.soak.recall import Probe, RecallProbe, memory_figures
 from sinkchat.apps.soak.records import Recorder
 from sinkchat.apps.soak.steps import Fault, InputExhausted, Outcome, ToolCall
 from sinkchat.apps.soak.tap import NllTap
-from sinkchat.core.events import EvictionEvent, PrefillEvent, TokenEvent
+from sinkchat.core.events import EvictionEvent, ForgottenEvent, PrefillEvent, TokenEvent
 from sinkchat.core.metrics import cuda_bytes, percentile, rss_bytes
 from sinkchat.errors import UserError
 
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_ERRORS = 25  # a step failing this often in a row is a crash, not a fault
+# tokens the recall memory lost to its disk (ForgottenEvent reasons): a handled fault each, and a warning line
+MEMORY_FAULTS = {"damaged": "memory block damaged (checksum)", "disk": "memory block not written (disk)"}
 
 
 class Terminated(KeyboardInterrupt):
@@ -156,6 +158,11 @@ class Soak:
         elif isinstance(ev, ToolCall):
             self.calls["ok" if ev.ok else "failed"] += 1
             self.calls["invalid"] += not ev.valid
+        elif isinstance(ev, ForgottenEvent) and ev.reason in MEMORY_FAULTS:  # lost to the disk: said, and a fault
+            kind = MEMORY_FAULTS[ev.reason]
+            log.warning("%s: %d tokens [%d,%d) forgotten", kind, ev.count, ev.first, ev.last)
+            self.fold(Fault(kind, f"{ev.count} tokens [{ev.first},{ev.last}) forgotten"))
+            self.iv.fold(ev)
         elif isinstance(ev, Outcome):
             self.jobs += 1
             self.jobs_ok += bool(ev.ok)
