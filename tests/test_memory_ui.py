@@ -301,7 +301,7 @@ def test_memory_off_then_on_mid_session_moves_the_cache_exactly(tmp_path, monkey
     loop.run(lines_reader([LONG]))
     mem = eng.memory
     root, held = Path(mem.store.root), mem.tokens
-    assert held and root.is_dir()
+    assert held and root.is_dir() and loop.stats().gauge_memory is not None
     loop.run(lines_reader(["/memory off"]))  # asks first: it would drop what it holds
     assert eng.memory is mem and "Type /memory off yes" in err.getvalue()
     before = {k: v.clone() for k, v in eng.cache.state().items()}
@@ -309,6 +309,7 @@ def test_memory_off_then_on_mid_session_moves_the_cache_exactly(tmp_path, monkey
     assert eng.memory is None and not root.exists()
     assert f"⟂ forgotten {held} tokens" in err.getvalue()
     assert all(layer.base == 0 for layer in eng.cache.layers)  # no region left in the buffers
+    assert loop.stats().gauge_memory is None  # the last reply's share on recalled blocks is no figure of now
     after = eng.cache.state()
     assert after.keys() == before.keys() and all(torch.equal(before[k], after[k]) for k in before)
     mark = len(err.getvalue())

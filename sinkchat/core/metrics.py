@@ -243,7 +243,7 @@ def read_stats(engine: Any, m: Metrics, model_nbytes: int | None = None) -> Stat
         feeding=m.feeding or cache.length - v.length > 1,  # a chunk in flight: a feed began before its first event
         feed_tok_s=m.feed_tok_s if m.feeding else 0.0,
         kv_allocated=cache.nbytes,
-        gauge_memory=g.memory if g else None,
+        gauge_memory=g.memory if g and getattr(engine, "memory", None) is not None else None,  # /memory off: gone
     )
 
 
