@@ -304,6 +304,35 @@ def test_the_session_log_goes_on_from_the_checkpoints_tokens(tmp_path, engines, 
     assert get_session(other.id).tokens == other.tokens  # not appended to
 
 
+def test_a_copy_of_a_run_resumed_after_the_original_does_not_touch_its_session_log(tmp_path, engines, monkeypatch):
+    """`cp -a run copy`, resume the original to its end, then the copy: the copy opens a session of its own (it
+    took the original's turns after the checkpoint out of the log, and wrote its own into it)."""
+    import shutil
+
+    from sinkchat.store import transcript
+    from sinkchat.store.transcript import list_sessions
+
+    monkeypatch.setenv("SINKCHAT_HOME", str(tmp_path / "home"))
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    with monkeypatch.context() as m:
+        _stop_in_step(m, 6)
+        CliRunner().invoke(soak_command, ARGS + ["--out", str(run)], catch_exceptions=False)
+    shutil.copytree(run, copy, symlinks=True)
+    from sinkchat.store import procs
+
+    with monkeypatch.context() as m:  # the original resumed by another process (these runs share one pid)
+        other = procs.ProcessId(4_000_001, procs.current().started, procs.current().host)
+        m.setattr(procs, "current", lambda: other)
+        m.setattr("sinkchat.apps.soak.resume.os.getpid", lambda: other.pid)
+        CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
+    (sid,) = [x.id for x in list_sessions("soak", 10)]
+    before = [(t.seq, t.text) for t in transcript.turns(sid)]
+    r = CliRunner().invoke(soak_command, ["resume", str(copy)], catch_exceptions=False)
+    assert "which did not run this folder, continued it" in r.output and "a new one is opened" in r.output
+    assert [(t.seq, t.text) for t in transcript.turns(sid)] == before
+    assert len(list_sessions("soak", 10)) == 2
+
+
 def test_a_file_stream_goes_on_where_its_checkpoint_stood(tmp_path):
     """The stream's reader state (lap, byte offset, undecoded bytes of a split character, text not yet cut, tokens
     read but not fed) through JSON: the rebuilt stream feeds the same blocks, across a lap; stdin is not resumable."""

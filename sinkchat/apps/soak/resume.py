@@ -6,6 +6,8 @@ the session log continued from the checkpoint's token count."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import time
@@ -54,7 +56,7 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
         checkpoint.note_root(out, state["memory_root"])
     checkpoint.remove_dead_stores(out, engine)
     scen.load_state(state["scenario"])
-    session = _reopen_session(engine, settings, header["scenario"], state.get("session"),
+    session = _reopen_session(out, engine, settings, header["scenario"], state.get("session"),
                               int(state["runner"]["tokens"]), state.get("taken"), say)
     scen.slog = session
     n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
@@ -88,8 +90,8 @@ def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, 
         f"work after the checkpoint is done again ({plural(n, 'record')} set aside)")
 
 
-def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens: int, taken: float | None,
-                    say: Callable[[str], None]) -> Any:
+def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: Any, tokens: int,
+                    taken: float | None, say: Callable[[str], None]) -> Any:
     """The run's session log, continued from the checkpoint's token count (`sinkchat logs show` tells the whole
     run once: what it logged after the checkpoint `taken`, done again now, is deleted); a new one where that log
     is not here (another data dir: a session of that id there is another's)."""
@@ -104,15 +106,34 @@ def _reopen_session(engine: Any, settings: Any, scenario: str, ref: Any, tokens:
             info = get_session(int(ref["id"]))
             started = ref["started"]
             mine = info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3)
-            if mine and info.status not in ("running", "other host"):
+            ours = info.pid is None or info.pid in run_pids(out)  # not a copy of this folder, resumed elsewhere
+            if mine and ours and info.status not in ("running", "other host"):
                 return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
                                 drop_after=taken)
-            why = ("a process still writes it (a copy of the run resumed beside the original?)" if mine else
-                   "that id names another session here")
+            why = ("that id names another session here" if not mine else
+                   f"process {info.pid}, which did not run this folder, continued it (a copy of the run resumed "
+                   "elsewhere?)" if not ours else
+                   "a process still writes it (a copy of the run resumed beside the original?)")
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
             why = str(e)
         warn(f"the run's session log {ref.get('id')} cannot be continued ({why}); a new one is opened")
     return open_session(engine, settings, scenario)
+
+
+def run_pids(out: Path) -> set[int]:
+    """The processes that ran the soak in `out` (its start and resume records, those set aside too): the session
+    log is continued, and what it holds past the checkpoint taken out, only when one of them held it last."""
+    pids = set()
+    for name in ("metrics.jsonl", "metrics.discarded.jsonl"):
+        try:
+            with open(out / name, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if '"pid"' in line and ('"start"' in line or '"resume"' in line):
+                        with contextlib.suppress(ValueError, AttributeError, TypeError):
+                            pids.add(int(json.loads(line).get("pid")))
+        except OSError:
+            continue
+    return pids
 
 
 def open_session(engine: Any, settings: Any, scenario: str) -> Any:
