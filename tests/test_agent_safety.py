@@ -191,6 +191,25 @@ def test_a_full_disk_while_writing_changes_nothing_and_leaves_no_entry(ws, monke
     assert (ws / "notes.txt").read_text() == NOTES and entries(ws) == []
 
 
+def test_an_append_stays_in_place_and_a_long_name_is_written(ws):
+    """An append is made to the same file (its hard links see it, its mode stays, a read-only file is refused), as
+    O_APPEND did before writes became whole-or-nothing; a name near NAME_MAX is written (a temporary name built
+    from it would not fit)."""
+    box = build_default_tools(ws)
+    os.link(ws / "notes.txt", ws / "alias.txt")
+    os.chmod(ws / "notes.txt", 0o640)
+    assert box.call("write_file", {"path": "notes.txt", "content": "+1", "append": True}).ok
+    assert (ws / "alias.txt").read_text() == NOTES + "+1" and (ws / "notes.txt").stat().st_mode & 0o777 == 0o640
+    os.chmod(ws / "notes.txt", 0o444)
+    if os.geteuid() != 0:  # root writes a read-only file regardless
+        r = box.call("write_file", {"path": "notes.txt", "content": "+2", "append": True})
+        assert not r.ok and (ws / "notes.txt").read_text() == NOTES + "+1"
+    long = "n" * 250 + ".txt"
+    r = box.call("write_file", {"path": long, "content": "long"})
+    assert r.ok, r.text
+    assert (ws / long).read_text() == "long" and not [p for p in ws.iterdir() if p.name.startswith(".")]
+
+
 def test_undo_never_destroys_a_later_edit_and_can_be_run_again(ws, monkeypatch):
     box = build_default_tools(ws)
     assert box.call("write_file", {"path": "notes.txt", "content": "agent", "overwrite": True}).ok

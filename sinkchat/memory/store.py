@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from sinkchat.memory.blocks import HEADER, Block, Shape, layer_of, tokens_of
+from sinkchat.memory.sweep import claim
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class BlockStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
+        claim(self.root)  # so that a store this process leaves behind (killed) can be swept (sweep.py)
         self.budget, self.bits = budget, bits  # bits: how records are written (8: int8 keys / values)
         self.segment_bytes = max(1, budget // SEGMENTS)
         self.where: dict[int, Where] = {}  # block id -> location, oldest first

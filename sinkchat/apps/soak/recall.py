@@ -113,11 +113,13 @@ def memory_spans(memory: Any) -> list[tuple[int, int, int]]:
 
 
 def disk_usage(memory: Any) -> int | None:
-    """Bytes the memory's files take on disk, read from the folder itself (not the store's own bookkeeping)."""
+    """Bytes the memory's segment files take on disk, read from the folder itself (not the store's own
+    bookkeeping; its small owner file is no block's)."""
     import os
 
     try:
-        return sum(e.stat().st_size for e in os.scandir(memory.store.root) if e.is_file())
+        return sum(e.stat().st_size for e in os.scandir(memory.store.root)
+                   if e.is_file() and e.name.startswith("seg-"))
     except OSError:
         return None
 

@@ -9,12 +9,14 @@ user's input overwritten). Every write is journaled first, with the previous con
 
 A change is made whole or not at all: a new file is written to a temporary file, then linked under its name
 (`os.link` fails if the name exists: a file that appeared since the check is refused, never truncated); an
-overwrite or an append writes the whole new content to a temporary file and renames it over the target. A call
-stopped midway (its timeout or the user's Ctrl-C: the tool's process gets SIGTERM) or a full disk leaves the file
-as it was (a half-written file used to be left, which `--undo` refused as "changed after the agent's write")."""
+overwrite writes the whole new content to a temporary file and renames it over the target; an append writes in
+place (O_APPEND: the same file, owner, mode and links) and is cut back to its old size if it does not finish. A
+call stopped midway (its timeout or the user's Ctrl-C: the tool's process gets SIGTERM) or a full disk leaves the
+file as it was (a half-written file used to be left, which `--undo` refused as "changed after the agent's write")."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -62,8 +64,10 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
     try:
         if op == "write":
             _create(workspace, real, data)
+        elif op == "append":
+            _append(workspace, real, data)
         else:
-            _replace(workspace, real, before + data)
+            _replace(workspace, real, data)
     except ToolError:  # refused, or the disk full: nothing changed, and an entry left would only make undo say so
         entry.file.unlink(missing_ok=True)
         raise  # (a stopped call keeps its entry: undo finds its file as before, or as written, and acts on either)
@@ -82,7 +86,7 @@ def _create(workspace: Workspace, real: Path, data: bytes) -> None:
     """Write a new file whole or not at all: a temporary file in its folder, fsynced, then hard-linked under its
     name (an existing name is refused, never replaced). A file system without hard links gets the file opened with
     O_EXCL and written in place (a stop midway can then leave it partly written)."""
-    tmp = real.parent / f".{real.name}.sinkchat-{uuid.uuid4().hex[:8]}"
+    tmp = _temp_name(real)
     try:
         fd = workspace.open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
@@ -98,7 +102,35 @@ def _create(workspace: Workspace, real: Path, data: bytes) -> None:
             raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
         _create_in_place(workspace, real, data)
     finally:
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
+
+
+def _temp_name(real: Path) -> Path:
+    """A hidden temporary file beside `real`, short (a name near NAME_MAX plus a suffix would not fit)."""
+    return real.parent / f".sinkchat-{uuid.uuid4().hex[:12]}.tmp"
+
+
+def _unlink_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def _append(workspace: Workspace, real: Path, data: bytes) -> None:
+    """Append in place (O_APPEND: the same file, its owner, mode and hard links; a read-only file refused), and on
+    any failure or stop midway cut it back to its size before: whole or not at all short of a SIGKILL mid-write."""
+    fd = workspace.open_regular(real, os.O_WRONLY | os.O_APPEND)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            _write_all(fd, data)
+        except BaseException as e:  # a full disk, the call stopped (ToolCancelled): nothing of it stays
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            if isinstance(e, OSError):
+                raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
+            raise
+    finally:
+        os.close(fd)
 
 
 def _create_in_place(workspace: Workspace, real: Path, data: bytes) -> None:
@@ -120,7 +152,7 @@ def _replace(workspace: Workspace, real: Path, data: bytes) -> None:
         mode = stat.S_IMODE(os.fstat(fd).st_mode)
     finally:
         os.close(fd)
-    tmp = real.parent / f".{real.name}.sinkchat-{uuid.uuid4().hex[:8]}"
+    tmp = _temp_name(real)
     try:
         fd = workspace.open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
@@ -133,7 +165,7 @@ def _replace(workspace: Workspace, real: Path, data: bytes) -> None:
     except OSError as e:
         raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        _unlink_quietly(tmp)
 
 
 def _read(workspace: Workspace, real: os.PathLike[str]) -> bytes:
