@@ -163,7 +163,10 @@ def setup_logging(verbose: int) -> None:
 
 class _UserFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        return f"{record.levelname.lower()}: {record.getMessage()}"
+        text = f"{record.levelname.lower()}: {record.getMessage()}"
+        if record.exc_info:  # log.exception: a bug's traceback is kept (serve's "generation failed")
+            text += "\n" + self.formatException(record.exc_info)
+        return text
 
 
 def read_prompt(name: str) -> str:

@@ -51,6 +51,11 @@ def test_a_flag_typed_for_this_run_wins_over_the_loaded_snapshots_setting(tmp_pa
     (rec,) = [json.loads(ln) for ln in b.stdout.splitlines()]
     assert rec["tokens"] == 3, rec
     assert "kept this run's --max-tokens 3 (the snapshot's 16)" in b.stderr
+    # /set is the user's latest word: a /load after it keeps it too
+    c = run_chat(["--format", "jsonl", "--max-tokens", "3"], "/set max_tokens 5\n/load snapm\nWrite a long story.\n",
+                 tmp_path)
+    (rec,) = [json.loads(ln) for ln in c.stdout.splitlines()]
+    assert rec["tokens"] == 5 and "kept this run's --max-tokens 5 (the snapshot's 16)" in c.stderr, c.stderr[-800:]
 
 
 @pytest.mark.slow  # two CLI runs on the bundled model, ~11 s idle
@@ -121,3 +126,30 @@ def test_kill_9_mid_reply_then_resume(tmp_path):
     assert len(after) > len(before)
     assert after[-1].role == "assistant" and after[-2].role == "user" and after[-2].text == "Thanks, bye."
     assert after[-1].text.strip()
+
+
+def test_library_records_read_as_the_apps_lines_and_a_bugs_traceback_is_kept(capsys):
+    """Under the CLI a library warning is `warning: ...` (it was `WARNING sinkchat.store.snapshot: ...`), and
+    `log.exception` still prints the traceback a bug needs."""
+    import logging
+
+    from sinkchat.bootstrap import setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    root.handlers.clear()
+    try:
+        setup_logging(0)
+        log = logging.getLogger("sinkchat.store.snapshot")
+        log.warning("the snapshot's recall memory (%d blocks) is not loaded", 2)
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("sinkchat.apps.serve").exception("generation failed")
+        log.info("not shown")
+    finally:
+        root.handlers[:], root.level = saved[0], saved[1]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "warning: the snapshot's recall memory (2 blocks) is not loaded"
+    assert err[1] == "error: generation failed" and err[2].startswith("Traceback") and err[-1] == "RuntimeError: boom"
+    assert "not shown" not in "\n".join(err)

@@ -306,7 +306,8 @@ def test_the_session_log_goes_on_from_the_checkpoints_tokens(tmp_path, engines, 
 
 def test_a_copy_of_a_run_resumed_after_the_original_does_not_touch_its_session_log(tmp_path, engines, monkeypatch):
     """`cp -a run copy`, resume the original to its end, then the copy: the copy opens a session of its own (it
-    took the original's turns after the checkpoint out of the log, and wrote its own into it)."""
+    took the original's turns after the checkpoint out of the log, and wrote its own into it). Its records name
+    the process that held the log last (these runs share one pid), but a folder that is not the copy's."""
     import shutil
 
     from sinkchat.store import transcript
@@ -317,20 +318,17 @@ def test_a_copy_of_a_run_resumed_after_the_original_does_not_touch_its_session_l
     with monkeypatch.context() as m:
         _stop_in_step(m, 6)
         CliRunner().invoke(soak_command, ARGS + ["--out", str(run)], catch_exceptions=False)
-    shutil.copytree(run, copy, symlinks=True)
-    from sinkchat.store import procs
-
-    with monkeypatch.context() as m:  # the original resumed by another process (these runs share one pid)
-        other = procs.ProcessId(4_000_001, procs.current().started, procs.current().host)
-        m.setattr(procs, "current", lambda: other)
-        m.setattr("sinkchat.apps.soak.resume.os.getpid", lambda: other.pid)
-        CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
+    shutil.copytree(run, copy, symlinks=True)  # its records name the original's process, and the original folder
+    CliRunner().invoke(soak_command, ["resume", str(run)], catch_exceptions=False)
     (sid,) = [x.id for x in list_sessions("soak", 10)]
     before = [(t.seq, t.text) for t in transcript.turns(sid)]
     r = CliRunner().invoke(soak_command, ["resume", str(copy)], catch_exceptions=False)
     assert "which did not run this folder, continued it" in r.output and "a new one is opened" in r.output
     assert [(t.seq, t.text) for t in transcript.turns(sid)] == before
     assert len(list_sessions("soak", 10)) == 2
+    new = max(x.id for x in list_sessions("soak", 10))
+    (ev,) = [e for e in transcript.events(new) if e.kind == "resume"]
+    assert "done again in this new log" in ev.text, ev.text
 
 
 def test_a_file_stream_goes_on_where_its_checkpoint_stood(tmp_path):

@@ -160,6 +160,8 @@ def cmd_set(loop: ChatHost, arg: str) -> str | None:
         loop.r.error(f"/set {key}: {msg}; nothing changed")
         return None
     loop.engine.set_sampling(**{key: value})
+    if key in loop.sampling_flags:  # the user's latest word on it: a /load after this keeps it, as a flag
+        loop.sampling_flags[key] = value
     loop.r.info(f"{key} = {value}")
     return f"{key} = {value}"
 

@@ -22,7 +22,7 @@ from sinkchat.apps.soak import checkpoint
 from sinkchat.apps.soak.criteria import EXIT_CODES, overall
 from sinkchat.apps.soak.records import Recorder, load_run
 from sinkchat.apps.soak.report import verdict_table, write_report
-from sinkchat.apps.soak.resume import ENDED, open_session, session_ref
+from sinkchat.apps.soak.resume import ENDED, folder_id, open_session, session_ref
 from sinkchat.apps.soak.runner import Soak, run_until_stopped
 from sinkchat.apps.soak.scenario_stream import check_input
 from sinkchat.apps.soak.scenarios import SCENARIOS, make_scenario
@@ -100,7 +100,7 @@ def soak_command(ctx: click.Context, duration: str | None, tokens: int | None, s
             scen.slog = session
             rec = Recorder(out, session, warn=lambda m: click.echo(f"warning: {m}", err=True))
             limits = {"duration": secs, "tokens": tokens, "steps": steps}
-            rec.write(_start_record(engine, scenario, sample_every, limits, th, input_path))
+            rec.write(_start_record(out, engine, scenario, sample_every, limits, th, input_path))
             soak = Soak(engine, scen, rec, sample_every=sample_every, duration=secs, tokens=tokens, steps=steps)
             checkpoint.arm(soak, out, {"settings": asdict(settings), "every": every, "allow_shell": allow_shell,
                                        "max_tokens": opts.get("max_tokens"), "session": session_ref(session)})
@@ -131,11 +131,12 @@ def _stream_input(scenario: str, input_path: str | None) -> str | None:
     return input_path
 
 
-def _start_record(engine: Any, scenario: str, sample_every: float, limits: dict[str, Any], th: Any,
+def _start_record(out: Path, engine: Any, scenario: str, sample_every: float, limits: dict[str, Any], th: Any,
                   input_path: str | None) -> dict[str, Any]:
     """What the run was: `soak report` judges a killed run later with the thresholds recorded here."""
     c = engine.cache_cfg
     return {"kind": "start", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(),
+            "folder": folder_id(out),
             "scenario": scenario, "policy": c.policy, "capacity": c.capacity, "n_sink": c.n_sink,
             "evict_chunk": c.evict_chunk, "model": getattr(engine.loaded, "source", None),
             "quant": getattr(engine.loaded, "quant", None),

@@ -78,10 +78,12 @@ def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, 
     """The resume record, the session log's event and the line on stderr: where the run goes on, what is redone."""
     redo = max(0.0, float(last) - at) if last is not None else 0.0
     rec.write({"kind": "resume", "elapsed": round(at, 3), "segment": soak.segment, "checkpoint": folder.name,
-               "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "discarded_records": n,
+               "resumed": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "pid": os.getpid(), "folder": folder_id(out),
+               "discarded_records": n,
                "discarded_s": round(redo, 3)})
     n_turns = session.dropped
-    gone = ("the turns logged after it are done again" if not taken else  # a checkpoint from before `taken`
+    gone = ("the work after it is done again in this new log" if not getattr(session, "continued", False) else
+            "the turns logged after it are done again" if not taken else  # a checkpoint from before `taken`
             f"{plural(n_turns, 'turn')} logged after it {'was' if n_turns == 1 else 'were'} taken out of this log, "
             "to be done again")
     session.event("resume", f"resumed from the checkpoint at {at:.0f} s of soak time; {gone} ({redo:.0f} s of "
@@ -108,8 +110,10 @@ def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: A
             mine = info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3)
             ours = info.pid is None or info.pid in run_pids(out)  # not a copy of this folder, resumed elsewhere
             if mine and ours and info.status not in ("running", "other host"):
-                return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
+                log_ = open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
                                 drop_after=taken)
+                log_.continued = True
+                return log_
             why = ("that id names another session here" if not mine else
                    f"process {info.pid}, which did not run this folder, continued it (a copy of the run resumed "
                    "elsewhere?)" if not ours else
@@ -120,17 +124,30 @@ def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: A
     return open_session(engine, settings, scenario)
 
 
+def folder_id(out: Path) -> str | None:
+    """The run folder's identity (device and inode: a copy, `cp -a`, has its own), in its start and resume
+    records."""
+    try:
+        st = os.stat(out)
+    except OSError:
+        return None
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def run_pids(out: Path) -> set[int]:
-    """The processes that ran the soak in `out` (its start and resume records, those set aside too): the session
-    log is continued, and what it holds past the checkpoint taken out, only when one of them held it last."""
-    pids = set()
+    """The processes that ran the soak in this very folder (its start and resume records, those set aside too; a
+    record copied from another folder names that folder): the session log is continued, and what it holds past
+    the checkpoint taken out, only when one of them held it last."""
+    here, pids = folder_id(out), set()
     for name in ("metrics.jsonl", "metrics.discarded.jsonl"):
         try:
             with open(out / name, encoding="utf-8", errors="replace") as f:
                 for line in f:
                     if '"pid"' in line and ('"start"' in line or '"resume"' in line):
                         with contextlib.suppress(ValueError, AttributeError, TypeError):
-                            pids.add(int(json.loads(line).get("pid")))
+                            rec = json.loads(line)
+                            if rec.get("folder") in (None, here):  # None: a record from before folders were named
+                                pids.add(int(rec.get("pid")))
         except OSError:
             continue
     return pids
