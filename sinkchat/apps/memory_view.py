@@ -162,6 +162,15 @@ def recall_header(r: Recalled, now: float | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------- /stats, /memory
+def _forgotten_text(mem: MemoryStats) -> str:
+    """The forgotten row: the tokens, and of them the copies of blocks read again (let go, the originals held)."""
+    why = "over the budget, unreadable, /forget or /memory off"
+    if not mem.copies:
+        return f"{plural(mem.forgotten, 'token')} ({why})"
+    return (f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
+            "holds those)" + ("" if mem.copies == mem.forgotten else f", the rest {why}"))
+
+
 def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last: int = 0,
                 window_kv: int | None = None) -> list[tuple[str, str]]:
     """/stats rows of the recall memory: what it holds, what it forgot, its RAM, its region's KV in the cache
@@ -172,10 +181,7 @@ def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last:
     rows = [
         ("recall memory", f"{plural(mem.blocks, 'block')}, {plural(mem.tokens, 'token')}, "
                           f"{human_bytes(mem.disk_bytes)} on disk (budget {human_bytes(mem.budget)})"),
-        ("forgotten", f"{plural(mem.forgotten, 'token')} (over the budget, unreadable, /forget or /memory off)" if not mem.copies
-         else f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
-              "holds those)" + ("" if mem.copies == mem.forgotten else
-                                ", the rest over the budget, unreadable, /forget or /memory off")),
+        ("forgotten", _forgotten_text(mem)),
         ("memory RAM", f"index {human_bytes(mem.index_bytes)}, recalled blocks {human_bytes(mem.ram_bytes)}"),
     ]
     if isinstance(mem, MemoryFigures) and mem.region_bytes:
