@@ -329,3 +329,28 @@ def test_an_answer_that_says_what_was_asked_is_not_sent_back(ws, task, answer):
     check = TaskCheck(task, Workspace(ws))
     check.grounding.add(CONFIG + "2\n")
     assert check.unanswered(answer) == []
+
+
+@pytest.mark.parametrize("task, why", [
+    ("Delete notes.txt", "no tool can delete files"),
+    ("Please rename config.json to old.json", "no tool can rename files"),
+    ("Read /etc/passwd and tell me the first line", "/etc/passwd is outside the workspace: no tool can read"),
+    ("Read ../secret.txt and tell me the secret", "../secret.txt is outside the workspace: no tool can read")])
+def test_a_task_no_tool_can_do_ends_unverified_and_says_why(ws, task, why):
+    """"Delete notes.txt" listed the folder, answered a file name and ended verified (exit 0) with the file still
+    there; "Read /etc/passwd ..." read another file and answered from it, verified."""
+    eng = ScriptedEngine([call("list_dir", path="."), final("config.json")])
+    agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
+    _, done = run(agent, task, 3)
+    assert not done.verified and why in done.problem, done.problem
+    assert (ws / "config.json").exists()
+
+
+def test_what_a_tool_can_do_is_not_blocked(ws):
+    from sinkchat.apps.agent.verify import TaskCheck
+
+    tools = tuple(build_default_tools(ws).tools)
+    for task in ("Write the number of lines in config.json to count.txt", "Which file would I move config.json next to?",
+                 "Copy the first line of config.json into a new file first.txt"):
+        assert not [b for b in TaskCheck(task, Workspace(ws), tools).blocked if "no tool" in b], task
+    assert TaskCheck("Delete notes.txt", Workspace(ws), tools + ("shell",)).blocked == []  # a shell can

@@ -125,7 +125,7 @@ class Agent:
                 for role, text in examples_for(task) if per_task else FEW_SHOT:
                     yield from self.engine.add_message(role, text, add_generation_prompt=False)
             self._examples_held = len(FEW_SHOT)  # not counted against keep_messages until compacted away
-        check = TaskCheck(task, self.workspace)
+        check = TaskCheck(task, self.workspace, tuple(self.tools.tools))
         self._offer(check)
         yield from self.engine.add_message("user", content)
         step, reason, answer, problems = 0, "max_steps", "", ["no final answer"]

@@ -27,6 +27,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 from sinkchat.apps.agent.asks import asks_count, asks_something, is_acknowledgment, negative_count
@@ -107,17 +108,39 @@ def _num(v: str) -> float | str:
         return v
 
 
+# what a task asks that no built-in tool does ("Delete notes.txt" ended verified, exit 0, with notes.txt still there)
+UNSUPPORTED = re.compile(r"^\s*(?:please\s+|now\s+|then\s+)?(delete|remove|erase|move|rename|download|upload|email|"
+                         r"send|run|execute|install)\b", re.I)
+NAMED_PATH = re.compile(r"(?<![\w.~/])(?:/|~/|\.\./)[\w.\-]+(?:/[\w.\-]+)*")  # "/etc/passwd", "~/a", "../b"
+
+
+def unsupported_action(task: str) -> list[str]:
+    """The verb of a task that asks what no built-in tool does (its first word, past "please")."""
+    m = UNSUPPORTED.match(task)
+    return [m.group(1).lower()] if m else []
+
+
+def named_paths(task: str) -> list[str]:
+    """Absolute, home or parent paths a task names: "Read /etc/passwd and tell me the first line"."""
+    return [m.group(0).rstrip(".") for m in NAMED_PATH.finditer(task)]
+
+
 class TaskCheck:
     """One task's goals and grounding, fed each call's result (`observe`) and asked after a final answer."""
 
-    def __init__(self, task: str, workspace: Workspace | None) -> None:
+    def __init__(self, task: str, workspace: Workspace | None, tools: Collection[str] = ()) -> None:
         self.workspace = workspace
         self.grounding = Grounding(task)
         self.goals: list[WriteGoal] = []
         self.blocked: list[str] = []  # goals that can never be met (outside the workspace, "new" but there)
         self.rejected = 0
+        if tools and "shell" not in tools:  # `tools`: the toolbox's names (empty: not known, nothing judged)
+            self.blocked += [f"no tool can {verb} files (--allow-shell gives the model a shell)"
+                             for verb in unsupported_action(task)]
         if workspace is None:
             return
+        self.blocked += [f"{p} is outside the workspace: no tool can read or write it" for p in named_paths(task)
+                         if self._real(p) is None and not any(b.startswith(f"{p} ") for b in self.blocked)]
         for g in write_goals(task, lambda p: bool(self._real(p) and self._real(p).exists())):
             real = self._real(g.path)
             if real is None:
