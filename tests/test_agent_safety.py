@@ -39,8 +39,11 @@ def test_write_file_never_replaces_a_file_unless_told_to(ws):
     assert not r.ok and (ws / "notes.txt").read_text() == NOTES
     r = box.call("write_file", {"path": "notes.txt", "content": "new text", "overwrite": True})
     assert r.ok and r.text == "replaced notes.txt with 8 bytes" and (ws / "notes.txt").read_text() == "new text"
-    r = box.call("write_file", {"path": "notes.txt", "content": "+", "append": True})
-    assert r.ok and (ws / "notes.txt").read_text() == "new text+"
+    r = box.call("write_file", {"path": "notes.txt", "content": "+", "append": True})  # on a line of its own
+    assert r.ok and (ws / "notes.txt").read_text() == "new text\n+", r.text
+    assert r.text == "appended 2 bytes to notes.txt (on a new line: it did not end with one)"
+    r = box.call("write_file", {"path": "notes.txt", "content": " more", "append": True})  # it says where itself
+    assert r.ok and (ws / "notes.txt").read_text() == "new text\n+ more" and r.text == "appended 5 bytes to notes.txt"
 
 
 def test_the_copy_task_cannot_overwrite_its_source(ws):

@@ -38,7 +38,7 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
     Args:
         path: file path relative to the workspace
         content: the text to write
-        append: add to the end of an existing file the task names
+        append: add to the end of an existing file the task names (on a new line)
         overwrite: replace an existing file the task names
     """
     if len(content) > MAX_WRITE_CHARS:
@@ -60,6 +60,10 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
     workspace.resolve(workspace.rel(parent), kind="dir")  # re-check after creating folders
     before = _read(workspace, real) if exists and append else b""
     op = "write" if not exists else "append" if append else "overwrite"
+    newline = op == "append" and before and not before.endswith(b"\n") and not data[:1].isspace()
+    if newline:  # an appended line goes on a line of its own ("alpha line onezeta six" was verified, exit 0);
+        # content that starts with a space or a newline says where it goes itself
+        data = b"\n" + data
     entry = workspace.record_change(real, op, before + data)
     try:
         if op == "write":
@@ -73,7 +77,9 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
         raise  # (a stopped call keeps its entry: undo finds its file as before, or as written, and acts on either)
     if op == "overwrite":
         return f"replaced {rel} with {len(data)} bytes"
-    return f"{'wrote' if op == 'write' else 'appended'} {len(data)} bytes to {rel}"
+    if op == "append":
+        return f"appended {len(data)} bytes to {rel}" + (" (on a new line: it did not end with one)" if newline else "")
+    return f"wrote {len(data)} bytes to {rel}"
 
 
 def _write_all(fd: int, data: bytes) -> None:
