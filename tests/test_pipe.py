@@ -641,3 +641,13 @@ def test_cli_real_dpkg_log_gets_an_exact_digest_window_sized_chunks_and_binary_s
         assert b["digest"]["lines"] == b["summarized"] + b["deduped"]
         assert sum(t["count"] for t in b["digest"]["templates"]) == b["digest"]["lines"]
     assert not any(b"Traceback" in l for l in err.splitlines())
+
+
+def test_a_file_named_like_ppl_FILE_is_read_as_with_file(run_inprocess, tmp_path):
+    """`sinkchat summarize app.log` said "Got unexpected extra argument (app.log)" (`ppl FILE` takes one)."""
+    log = tmp_path / "app.log"
+    log.write_bytes(b"".join(b"event %d\n" % i for i in range(12)))
+    res, blocks = run_inprocess(b"", str(log), "--every", "6", "--cache", "64", "--max-tokens", "3")
+    assert res.exit_code == 0 and [(b["first_line"], b["last_line"]) for b in blocks] == [(1, 6), (7, 12)], res.output
+    res, _ = run_inprocess(b"", str(log), "--file", str(tmp_path / "other.log"))
+    assert res.exit_code == 2 and "two files given" in res.output

@@ -40,6 +40,7 @@ def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
 
 
 @click.command("summarize")
+@click.argument("file_arg", metavar="[FILE]", required=False, type=click.Path(dir_okay=False))
 @click.option("--file", "file_path", type=click.Path(dir_okay=False), default=None, help="read this file instead of stdin")
 @click.option("--follow", "follow_path", type=click.Path(dir_okay=False), default=None,
               help="follow this file like `tail -F` (survives rotation and truncation); ends with Ctrl-C")
@@ -67,11 +68,12 @@ def _compile(pattern: str | None, flag: str) -> re.Pattern[str] | None:
 @click.option("--no-log", is_flag=True, help="do not write the SQLite session log")
 @common_options
 @click.pass_context
-def summarize_command(ctx: click.Context, file_path: str | None, follow_path: str | None, from_end: bool, every: int,
+def summarize_command(ctx: click.Context, file_arg: str | None, file_path: str | None, follow_path: str | None,
+                      from_end: bool, every: int,
                       interval: float, chunk_lines: int, chunk_tokens: int, grep: str | None, exclude: str | None,
                       dedupe: bool, max_line_chars: int, backpressure: str | None, queue_lines: int, fmt: str,
                       prompt_path: str | None, quiet: bool, no_log: bool, **kw: Any) -> None:
-    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize`.
+    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize` (or `sinkchat summarize FILE`).
 
     Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
     what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
@@ -82,6 +84,9 @@ def summarize_command(ctx: click.Context, file_path: str | None, follow_path: st
     setup_logging(opts["verbose"] or 0)
     status = Status(sys.stderr, quiet)
     with user_errors():
+        if file_arg and file_path and file_arg != file_path:
+            raise click.UsageError(f"two files given: {file_arg} and --file {file_path}")
+        file_path = file_path or file_arg  # `summarize app.log`, as `--file app.log`
         if file_path and follow_path:
             raise click.UsageError("use either --file or --follow, not both")
         grep_re, exclude_re = _compile(grep, "--grep"), _compile(exclude, "--exclude")

@@ -42,7 +42,7 @@ def counts_text(b: dict[str, Any]) -> str:
     full = b.get("lines_in_full")
     if full is not None and b["summarized"] and full < b["summarized"]:
         parts.append(f"{full} read in full, {b.get('lines_digest_only', 0)} only through the digest")
-    return f"{b['lines']} lines: " + ", ".join(parts)
+    return f"{plural(b['lines'], 'line')}: " + ", ".join(parts)
 
 
 def summary_text(b: dict[str, Any]) -> str:
