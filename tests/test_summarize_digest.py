@@ -332,3 +332,24 @@ def test_the_labelled_slice_through_the_summarizer_with_a_model_that_invents_and
     f = ev.score(runs)
     assert f["incidents"] >= 4 and f["clean_lines"] == 120
     assert f["invented_per_10k"] == 0.0 and f["recall_prose"] == 1.0 and f["cut_share"] == 0.0, f
+
+
+def test_a_summary_that_only_copies_a_log_line_gets_the_digests_sentences():
+    """A whole summary was `WARN disk: /var usage at 91%".`: a piece of one line, kept (every word is backed), with
+    no count and no time, so nothing else was written. The digest's own summary of the period says it instead; a
+    sentence in words of its own is left alone."""
+    from sinkchat.apps.summarize.digest import Digest
+    from sinkchat.apps.summarize.guard import guard
+
+    lines = [f"2026-12-01 10:00:{i:02d} INFO api: GET /health 200" for i in range(8)]
+    lines.insert(4, "2026-12-01 10:00:04 WARN disk: /var usage at 91%")
+    d = Digest()
+    for i, line in enumerate(lines, 1):
+        d.add(i, line)
+    rec = d.take()
+    g = guard('WARN disk: /var usage at 91%".', False, Support(lines, rec), rec)
+    assert g.prose == "digest" and g.text.startswith("9 lines from 2026-12-01 10:00:00"), g.text
+    assert "1 line shows warning, first at line 5 (2026-12-01 10:00:04)" in g.text, g.text
+    assert g.dropped == ['WARN disk: /var usage at 91%".'] and "copied a log line" in g.why
+    g = guard("One warning: disk usage on /var at 91%.", False, Support(lines, rec), rec)
+    assert g.prose == "model" and g.text == "One warning: disk usage on /var at 91%.", g.text

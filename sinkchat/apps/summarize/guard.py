@@ -163,6 +163,14 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
     return [], None
 
 
+def copied_line(sentence: str, support: Support) -> bool:
+    """The sentence is a piece of one log line and nothing more: no summary of the period (`WARN disk: /var usage
+    at 91%".` was a whole summary: no count, no time), so the digest's sentences say it instead. A sentence that
+    quotes a line inside words of its own is a summary."""
+    bare = re.sub(r"\s+", " ", sentence.strip().strip("\"'`.,;: -")).lower()
+    return len(bare) >= 12 and any(bare in re.sub(r"\s+", " ", line) for line in support.lines)
+
+
 def _kind(line: str) -> frozenset[str]:
     """The severity and state-change keys of a line: two lines of one kind report the same sort of incident."""
     return frozenset(severities(line)) | frozenset(changes(line))
@@ -241,7 +249,7 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
                 g.why.append(why)
         else:
             kept.append(claim)
-    return _complete(g, kept, digest)
+    return _complete(g, kept, digest, support)
 
 
 def _refers(prose: str, stems: set[str], inc: Incident) -> bool:
@@ -254,11 +262,16 @@ def _refers(prose: str, stems: set[str], inc: Incident) -> bool:
     return any(stem(w) in stems for w in words) or any(n in prose.lower() for n in names)
 
 
-def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None) -> Guarded:
+def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None, support: Support) -> Guarded:
     """The kept prose, with the digest's incidents it leaves out stated by code; the digest's own summary when no
-    model sentence is left."""
-    own = [k for k in kept if k not in g.earlier]  # sentences about this period's lines
+    model sentence is left that summarizes this period (one citing earlier lines, or a copied line, does not)."""
+    own = [k for k in kept if k not in g.earlier and not copied_line(k, support)]  # this period's, in its own words
     if digest is not None and not own:  # nothing said of this period (a kept sentence may cite earlier lines)
+        copies = [k for k in kept if k not in g.earlier]  # pieces of a line: the digest says them with counts
+        kept = [k for k in kept if k not in copies]
+        g.dropped += copies
+        if copies and "copied a log line" not in g.why:
+            g.why.append("copied a log line")
         g.added = digest_summary(digest)
         g.prose = "model+digest" if kept else "digest"
         kept = g.added + kept
