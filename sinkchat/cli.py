@@ -47,7 +47,7 @@ SUMMARIES: dict[str, str] = {
     "probe-sinks": "Which early positions act as attention sinks for this model, and how many --sinks it needs (by "
                    "ppl).",
     "bench": "Measure prefill/decode speed, p50/p99 latency, RSS and KV bytes for sink, dense and recompute.",
-    "summarize": "Summarize a log as it arrives: `tail -f app.log | sinkchat summarize`.",
+    "summarize": "Summarize a log as it arrives: `tail -f app.log | sinkchat summarize` or a FILE.",
     "agent": "Run a tool-using agent on TASK (no TASK: type tasks at a prompt, or pipe one task per line).",
     "soak": "Run a scenario on the one persistent cache for hours; record metrics, then judge them (report.md, "
             "PNGs).",

@@ -17,6 +17,7 @@ from sinkchat.apps.chat.host import ChatHost
 from sinkchat.apps.memory_view import plural
 from sinkchat.apps.render import eviction_text, stats_table
 from sinkchat.config import POLICIES, ConfigError, SamplingConfig
+from sinkchat.errors import UserError
 
 SET_KEYS: dict[str, Callable[[str], Any]] = {
     "temperature": float, "top_p": float, "top_k": int, "max_tokens": int, "repetition_penalty": float,
@@ -211,7 +212,7 @@ def cmd_load(loop: ChatHost, arg: str) -> str | None:
         return session.load(loop, arg)
     try:
         return session.load_transcript(loop, arg)
-    except ConfigError as e:
+    except UserError as e:  # a missing or broken file (ConfigError: a setting it holds): one line, nothing changed
         loop.r.error(str(e))
         return None
 

@@ -73,7 +73,7 @@ def summarize_command(ctx: click.Context, file_arg: str | None, file_path: str |
                       interval: float, chunk_lines: int, chunk_tokens: int, grep: str | None, exclude: str | None,
                       dedupe: bool, max_line_chars: int, backpressure: str | None, queue_lines: int, fmt: str,
                       prompt_path: str | None, quiet: bool, no_log: bool, **kw: Any) -> None:
-    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize` (or `sinkchat summarize FILE`).
+    """Summarize a log as it arrives: `tail -f app.log | sinkchat summarize` or a FILE.
 
     Lines are fed once into the one persistent sink cache; every --every lines or --interval seconds a summary of
     what happened since the last one is printed to stdout, headed by a timestamp and its line range. At the end of
