@@ -157,7 +157,7 @@ def test_a_write_stopped_midway_leaves_the_workspace_as_it_was(ws, monkeypatch, 
 
     from sinkchat.apps.agent.tools import write_file as wf
 
-    real = wf._write_all
+    real = wf.write_all
 
     def half_then_hang(fd, data):
         real(fd, data[: len(data) // 2])
@@ -165,7 +165,7 @@ def test_a_write_stopped_midway_leaves_the_workspace_as_it_was(ws, monkeypatch, 
 
     box = build_default_tools(ws)
     assert box.call("write_file", {"path": "first.txt", "content": "meeting at noon"}).ok
-    monkeypatch.setattr(wf, "_write_all", half_then_hang)
+    monkeypatch.setattr(wf, "write_all", half_then_hang)
     box.tools["write_file"].timeout = 0.5
     before = {p.name: p.read_bytes() for p in ws.rglob("*") if p.is_file()}
     r = box.call("write_file", {**args, "content": "x" * 100_000})
@@ -185,7 +185,7 @@ def test_a_full_disk_while_writing_changes_nothing_and_leaves_no_entry(ws, monke
         os.write(fd, data[:3])
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(wf, "_write_all", full)
+    monkeypatch.setattr(wf, "write_all", full)
     box = build_default_tools(ws)
     for args in ({"path": "new.txt"}, {"path": "notes.txt", "append": True}):
         r = box.call("write_file", {**args, "content": "some text"})

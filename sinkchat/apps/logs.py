@@ -13,9 +13,9 @@ from typing import Any, Iterator
 import click
 
 from sinkchat.store.logdb import LogError, db_path
-from sinkchat.textutil import plural
 from sinkchat.store.sessionlog import MODES
 from sinkchat.store.transcript import SessionInfo, delete_session, export, latest_session, list_sessions
+from sinkchat.textutil import plural
 
 
 # ------------------------------------------------------------------------------------------------ formatting

@@ -9,13 +9,18 @@ import uuid
 from pathlib import Path
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """All of `data` to `fd` (os.write may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_synced(path: Path, data: bytes, mode: int = 0o600) -> None:
     """Write `path` (created with `mode`) and fsync it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), mode)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

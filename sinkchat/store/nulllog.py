@@ -18,6 +18,7 @@ class NullLog:
     path: Path | None = None
     turn_count = 0
     warning: str | None = None
+    resumed = False  # an existing session continued (SessionLog.resume), not a new one
     dropped = 0  # turns deleted when resumed from a soak's checkpoint (SessionLog.resume's drop_after)
 
     def turn(self, role: str, text: str, tokens: int = 0, seconds: float = 0.0, *, reason: str | None = None,

@@ -94,7 +94,7 @@ class SessionLog(NullLog):
                                (session_id,)).fetchone()
             before = int(held[0] if held[0] is not None else row[1]) if tokens_before is None else tokens_before
             out = cls(conn, session_id, p, int(row[0] or 0), warn, tokens, before)
-            out.dropped = dropped
+            out.resumed, out.dropped = True, dropped
             return out
         except (sqlite3.Error, OSError) as e:
             return _fallback(f"session log disabled: cannot write {p}: {e}", warn)

@@ -26,8 +26,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from sinkchat.apps.agent.asks import asks_count, asks_something, is_acknowledgment, negative_count

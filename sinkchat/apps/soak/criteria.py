@@ -119,7 +119,8 @@ def _cache_verdict(samples: list[dict[str, Any]], header: dict[str, Any]) -> Ver
     longest it was after any model call of the interval, not just at the sample: an agent task rewound before the
     next sample would hide its peak), at every sample exactly as many as the ledger, its bytes never change, and
     its buffers are never reallocated (their addresses stay the same within a process). RSS growth (the slope
-    above) is what catches memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its samples' lengths."""
+    above) is what catches memory leaked anywhere else. A run recorded before `cache_peak` existed is judged by its
+    samples' lengths."""
     name, limit = "cache bounded", "len <= capacity, == ledger; bytes and buffers unchanged"
     cap_h = num(header.get("capacity"))
     rows = [s for s in samples if num(s.get("cache_len")) is not None]

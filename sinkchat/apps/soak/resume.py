@@ -6,8 +6,6 @@ the session log continued from the checkpoint's token count."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import time
@@ -56,7 +54,7 @@ def resume_run(out: Path, threads: int | None, start: Callable[..., Any],
         checkpoint.note_root(out, state["memory_root"])
     checkpoint.remove_dead_stores(out, engine)
     scen.load_state(state["scenario"])
-    session = _reopen_session(out, engine, settings, header["scenario"], state.get("session"),
+    session = _reopen_session(out, header, engine, settings, state.get("session"),
                               int(state["runner"]["tokens"]), state.get("taken"), say)
     scen.slog = session
     n, last = checkpoint.cut_records(out, int(state["metrics_bytes"]))
@@ -82,7 +80,7 @@ def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, 
                "discarded_records": n,
                "discarded_s": round(redo, 3)})
     n_turns = session.dropped
-    gone = ("the work after it is done again in this new log" if not getattr(session, "continued", False) else
+    gone = ("the work after it is done again in this new log" if not session.resumed else
             "the turns logged after it are done again" if not taken else  # a checkpoint from before `taken`
             f"{plural(n_turns, 'turn')} logged after it {'was' if n_turns == 1 else 'were'} taken out of this log, "
             "to be done again")
@@ -92,7 +90,7 @@ def _announce(out: Path, soak: Soak, rec: Recorder, session: Any, folder: Path, 
         f"work after the checkpoint is done again ({plural(n, 'record')} set aside)")
 
 
-def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: Any, tokens: int,
+def _reopen_session(out: Path, header: dict[str, Any], engine: Any, settings: Any, ref: Any, tokens: int,
                     taken: float | None, say: Callable[[str], None]) -> Any:
     """The run's session log, continued from the checkpoint's token count (`sinkchat logs show` tells the whole
     run once: what it logged after the checkpoint `taken`, done again now, is deleted); a new one where that log
@@ -108,12 +106,10 @@ def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: A
             info = get_session(int(ref["id"]))
             started = ref["started"]
             mine = info.mode == "soak" and (started is None or abs(info.started - float(started)) < 1e-3)
-            ours = info.pid is None or info.pid in run_pids(out)  # not a copy of this folder, resumed elsewhere
+            ours = info.pid is None or info.pid in run_pids(out, header)  # not a copy of this folder, resumed elsewhere
             if mine and ours and info.status not in ("running", "other host"):
-                log_ = open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
+                return open_log(engine, "soak", False, None, warn=warn, resume_id=info.id, tokens_before=tokens,
                                 drop_after=taken)
-                log_.continued = True
-                return log_
             why = ("that id names another session here" if not mine else
                    f"process {info.pid}, which did not run this folder, continued it (a copy of the run resumed "
                    "elsewhere?)" if not ours else
@@ -121,7 +117,7 @@ def _reopen_session(out: Path, engine: Any, settings: Any, scenario: str, ref: A
         except Exception as e:  # noqa: BLE001 - the log is evidence, never a reason not to go on
             why = str(e)
         warn(f"the run's session log {ref.get('id')} cannot be continued ({why}); a new one is opened")
-    return open_session(engine, settings, scenario)
+    return open_session(engine, settings, header["scenario"])
 
 
 def folder_id(out: Path) -> str | None:
@@ -134,23 +130,14 @@ def folder_id(out: Path) -> str | None:
     return f"{st.st_dev}:{st.st_ino}"
 
 
-def run_pids(out: Path) -> set[int]:
-    """The processes that ran the soak in this very folder (its start and resume records, those set aside too; a
-    record copied from another folder names that folder): the session log is continued, and what it holds past
-    the checkpoint taken out, only when one of them held it last."""
-    here, pids = folder_id(out), set()
-    for name in ("metrics.jsonl", "metrics.discarded.jsonl"):
-        try:
-            with open(out / name, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if '"pid"' in line and ('"start"' in line or '"resume"' in line):
-                        with contextlib.suppress(ValueError, AttributeError, TypeError):
-                            rec = json.loads(line)
-                            if rec.get("folder") in (None, here):  # None: a record from before folders were named
-                                pids.add(int(rec.get("pid")))
-        except OSError:
-            continue
-    return pids
+def run_pids(out: Path, header: dict[str, Any]) -> set[int]:
+    """The processes that ran the soak in this very folder: its start and resume records (`load_run`'s header; a
+    record copied from another folder names that folder). The session log is continued, and what it holds past
+    the checkpoint taken out, only when one of them held it last (the last holder's record is always among them:
+    a resume sets records aside only after it took the log over itself)."""
+    here = folder_id(out)
+    return {int(r["pid"]) for r in [header, *header.get("resumes", [])]
+            if isinstance(r.get("pid"), int) and r.get("folder") in (None, here)}  # None: before folders were named
 
 
 def open_session(engine: Any, settings: Any, scenario: str) -> Any:

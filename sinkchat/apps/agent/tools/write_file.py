@@ -25,6 +25,7 @@ from pathlib import Path
 
 from sinkchat.apps.agent.tools.schema import Arg, ToolError, tool
 from sinkchat.apps.agent.tools.workspace import Workspace
+from sinkchat.store.atomic import write_all
 
 MAX_WRITE_CHARS = 1_000_000
 
@@ -82,12 +83,6 @@ def write_file(path: str, content: str, append: bool = False, overwrite: bool = 
     return f"wrote {len(data)} bytes to {rel}"
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _create(workspace: Workspace, real: Path, data: bytes) -> None:
     """Write a new file whole or not at all: a temporary file in its folder, fsynced, then hard-linked under its
     name (an existing name is refused, never replaced). A file system without hard links gets the file opened with
@@ -96,7 +91,7 @@ def _create(workspace: Workspace, real: Path, data: bytes) -> None:
     try:
         fd = workspace.open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -128,7 +123,7 @@ def _append(workspace: Workspace, real: Path, data: bytes) -> None:
     try:
         size = os.fstat(fd).st_size
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
         except BaseException as e:  # a full disk, the call stopped (ToolCancelled): nothing of it stays
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, size)
@@ -142,7 +137,7 @@ def _append(workspace: Workspace, real: Path, data: bytes) -> None:
 def _create_in_place(workspace: Workspace, real: Path, data: bytes) -> None:
     fd = workspace.open_regular(real, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
-        _write_all(fd, data)
+        write_all(fd, data)
     except OSError as e:  # the file is ours (O_EXCL): a partial one goes
         real.unlink(missing_ok=True)
         raise ToolError(f"cannot write {workspace.rel(real)!r}: {e.strerror or e}") from None
@@ -162,7 +157,7 @@ def _replace(workspace: Workspace, real: Path, data: bytes) -> None:
     try:
         fd = workspace.open_regular(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fchmod(fd, mode)
             os.fsync(fd)
         finally:
