@@ -138,3 +138,16 @@ def test_a_model_sentence_about_an_earlier_restart_is_kept_citing_its_line():
     later, _ = _digest(lines[60:], 61, d)
     g = guard("The database was restarted.", False, Support(lines[60:], later), later, "", list(d.notable))
     assert g.dropped and "database" in g.unsupported
+
+
+def test_a_slot_keeps_the_brackets_of_its_values_whole():
+    """`{api[2231, api[2290}]` was shown: the "]" both values end with was taken out of the braces, leaving each
+    value's "[" unclosed inside them."""
+    lines = [f"2025-06-24 10:00:{i:02d} host api[{2231 if i % 2 else 2290}]: worker started" for i in range(12)]
+    lines += [f"2025-06-24 10:01:{i:02d} INFO api: handled request {i}" for i in range(20)]
+    rec, _ = _digest(lines)
+    text = " ".join(digest_summary(rec))
+    assert "api[2231" not in text or "api[2231]" in text, text
+    assert "}]" not in text and "[2231," not in text and "[2290," not in text, text
+    assert text.count("[") == text.count("]"), text
+    _passes_the_rule(text, lines, rec)

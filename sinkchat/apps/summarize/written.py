@@ -32,6 +32,7 @@ VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
 NO_INCIDENT = "No line shows a severity word (no errors or warnings)."  # negated: checked against the lines
 UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _EDGE_RE = re.compile(r"^([^\w]*)(.*?)([^\w]*)$", re.DOTALL)
+_CLOSE = {")": "(", "]": "[", "}": "{", ">": "<"}
 
 
 @dataclass
@@ -107,6 +108,20 @@ def quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
     return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2:] else cut).rstrip() + "…"
 
 
+def _balanced(text: str) -> bool:
+    """Whether every bracket in `text` closes one it opened: "api[2231" is not, so the "]" the values share stays
+    with them ("{api[2231], api[2290]}", not "{api[2231, api[2290}]")."""
+    depth = {o: 0 for o in "([{<"}
+    for ch in text:
+        if ch in depth:
+            depth[ch] += 1
+        elif ch in _CLOSE and depth[_CLOSE[ch]] > 0:
+            depth[_CLOSE[ch]] -= 1
+        elif ch in _CLOSE:
+            return False
+    return not any(depth.values())
+
+
 def _slot(values: list[str], n: int) -> str:
     """One `<*>` slot as its values: one as itself, more in braces, past two as the first two and how many
     ("{half-installed, unpacked}", "{a, b, … 8 in all}"), integers that fill a range as "1 to 8". Punctuation all
@@ -114,7 +129,8 @@ def _slot(values: list[str], n: int) -> str:
     head = tail = ""
     if n == len(values) and n > 1:
         parts = [_EDGE_RE.match(v).groups() for v in values]  # type: ignore[union-attr]
-        if len({p[0] for p in parts}) == 1 and len({p[2] for p in parts}) == 1 and all(p[1] for p in parts):
+        if (len({p[0] for p in parts}) == 1 and len({p[2] for p in parts}) == 1 and all(p[1] for p in parts)
+                and all(_balanced(p[1]) for p in parts)):
             head, tail, values = parts[0][0], parts[0][2], [p[1] for p in parts]
     vals = [quote(v, VALUE_CHARS) for v in values]
     if n == 1:
