@@ -182,3 +182,23 @@ def test_a_loaded_store_fills_its_last_segment_and_forgets_as_the_saved_one_woul
     assert {k: (w.segment, w.first) for k, w in b.store.where.items()} == \
         {k: (w.segment, w.first) for k, w in a.store.where.items()}
     assert (b.forgotten, b.tokens, b.store.sizes) == (a.forgotten, a.tokens, a.store.sizes)
+
+
+def test_saving_a_session_leaves_the_memory_of_one_whose_name_extends_it(tmp_path: Path) -> None:
+    """Saving `zed` removed `zed.memory-1.memory-<hex>/` (session `zed.memory-1`'s memory): earlier saves were found
+    by the glob `zed.memory-*`. A stem holding glob characters ("a[1]") is matched as written."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a"))
+    list(eng.feed_ids(IDS[:70]))
+    other = save_snapshot(eng, tmp_path / "zed.memory-1.safetensors")
+    brackets = save_snapshot(eng, tmp_path / "a[1].safetensors")
+    theirs = {p.name for p in tmp_path.iterdir() if p.is_dir() and ".memory-" in p.name}
+    save_snapshot(eng, tmp_path / "zed.safetensors")
+    save_snapshot(eng, tmp_path / "zed.safetensors")
+    save_snapshot(eng, tmp_path / "a.safetensors")
+    now = {p.name for p in tmp_path.iterdir() if p.is_dir() and ".memory-" in p.name}
+    assert theirs <= now and len(now) == len(theirs) + 2, (theirs, now)
+    for snap in (other, brackets):
+        fresh = engine(model, memory(model, tmp_path / f"b-{snap.stem}"))
+        load_snapshot(fresh, snap)
+        assert fresh.ledger.ids == eng.ledger.ids

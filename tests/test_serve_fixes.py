@@ -175,3 +175,44 @@ def test_sigterm_lets_a_stream_finish_or_ends_it_properly(served):
     got = chunks(lines)
     assert [c["choices"][0]["finish_reason"] for c in got if c["choices"]][-1] == "length"
     assert 0 < got[-1]["usage"]["completion_tokens"] < 1 << 20
+
+
+def test_a_refused_request_leaves_its_session_as_it_was(served):
+    """A user audit: a 400 for a system prompt too large to pin (cache 512) wiped the session it was sent to
+    (cache_len 0, 0 messages), and its history was then fed again from scratch."""
+    url = served[0]
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}]
+    r1 = post(url, {"model": MODEL, "messages": msgs}, "keep").json()
+    before = httpx.get(url + "/v1/sessions/keep").json()
+    big = [{"role": "system", "content": "rule " * 900}, {"role": "user", "content": "hello"}]
+    r = post(url, {"model": MODEL, "messages": big}, "keep")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    after = httpx.get(url + "/v1/sessions/keep").json()
+    assert {k: after[k] for k in ("cache_len", "messages", "seen")} == {k: before[k] for k in
+                                                                         ("cache_len", "messages", "seen")}
+    msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}, {"role": "user", "content": "x"}]
+    r2 = post(url, {"model": MODEL, "messages": msgs}, "keep").json()
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]
+
+
+def test_an_unreadable_session_is_a_409_that_says_why_and_can_be_deleted(served):
+    """A damaged session file made its id answer `500 internal error: SnapshotError` to every request, with no
+    way out but deleting the file by hand; there was no DELETE route."""
+    url, _, home = served
+    root = home / "serve" / "sessions"
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "broken.safetensors").write_bytes(b"garbage\n")
+    hi = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for r in (post(url, hi, "broken"), httpx.get(url + "/v1/sessions/broken")):
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert err["code"] == "session_unreadable" and "DELETE /v1/sessions/broken" in err["message"], err
+    assert post(url, hi, "other").status_code == 200  # the engine was left in order
+    d = httpx.delete(url + "/v1/sessions/broken")
+    assert d.status_code == 200 and d.json()["deleted"] is True and not (root / "broken.safetensors").exists()
+    assert post(url, hi, "broken").status_code == 200  # a new session under the same id
+    assert (root / "broken.safetensors").is_file()
+    assert httpx.delete(url + "/v1/sessions/broken").status_code == 200
+    assert httpx.get(url + "/v1/sessions/broken").status_code == 404
+    assert not (root / "broken.safetensors").exists()
+    assert httpx.delete(url + "/v1/sessions/nobody").status_code == 404

@@ -211,7 +211,7 @@ def completion_body(res: Result, req: ChatRequest, model: str, chat: bool) -> di
 
 
 def build_app(server: Server) -> Starlette:
-    """The routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions/{id}, /health."""
+    """The routes: /v1/chat/completions, /v1/completions, /v1/models, /v1/sessions/{id} (GET, DELETE), /health."""
 
     async def chat_completions(request: Request) -> Response:
         req = parse_chat(await server.body(request))
@@ -231,6 +231,11 @@ def build_app(server: Server) -> Starlette:
     async def session(request: Request) -> Response:
         server.check_auth(request)
         sid = request.path_params["sid"]
+        if request.method == "DELETE":
+            gone = await asyncio.get_running_loop().run_in_executor(server.executor, server.runner.store.delete, sid)
+            if not gone:
+                raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+            return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
         st = server.runner.store.status(sid)
         if st is None:
             raise ApiError(404, f"no session {sid!r}", code="session_not_found")
@@ -255,7 +260,7 @@ def build_app(server: Server) -> Starlette:
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
-              Route("/v1/sessions/{sid}", session, methods=["GET"]),
+              Route("/v1/sessions/{sid}", session, methods=["GET", "DELETE"]),
               Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
                                                         Exception: crash})

@@ -124,7 +124,7 @@ class Runner:
 
     def _feed_raw(self, sess: ServeSession, prompt: str) -> int:
         """/v1/completions: the prompt as raw text on a fresh stream (the session's own cache, if it has one)."""
-        self.store.reset(sess, None)
+        self.store.reset(sess, None)(True)
         sess.key = "completion"
         for ev in self.engine.feed(prompt):
             sess.evictions += type(ev).__name__ == "EvictionEvent"
@@ -140,9 +140,10 @@ class Runner:
             k -= 1  # the whole request is history, but not fed to be answered (or reloaded without its logits)
         end = sess.marks.get(len(sess.history))
         moved = end is not None and (end.cache_len, end.seen) != (eng.cache.length, eng.ledger.seen)
+        reset: Callable[[bool], None] | None = None
         if key != sess.key or k < len(sess.history) or moved:  # moved: a reply that failed half-way
             if k == 0 and eng.ledger.evicted == 0:
-                self.store.reset(sess, system)
+                reset = self.store.reset(sess, system)
             elif k not in sess.marks or not rollback(eng, sess.marks[k]):
                 raise ApiError(409, f"the messages differ from this session's history at message {k + 1}, and the "
                                     "tokens to go back to were evicted already: send the history the session holds, "
@@ -151,6 +152,19 @@ class Runner:
             del sess.history[k:]
             sess.marks = {i: m for i, m in sess.marks.items() if i <= k}
         sess.key = key
+        try:
+            cached, fed = self._feed(sess, req, k)
+        except BaseException:  # refused (a system prompt too large to pin) or failed: one started over is put back
+            if reset is not None:
+                reset(False)
+            raise
+        if reset is not None:
+            reset(True)
+        return cached, fed
+
+    def _feed(self, sess: ServeSession, req: ChatRequest, k: int) -> tuple[int, int]:
+        """Feed the request's messages from the k-th on."""
+        eng = self.engine
         seen0 = eng.ledger.seen
         cached = seen0 - eng.ledger.start
         for i, m in enumerate(req.messages[k:], start=k):

@@ -23,10 +23,11 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sinkchat.api import EngineState, capture, fresh_state, install, release
 from sinkchat.apps.serve.requests import ApiError, Msg
+from sinkchat.memory import persist
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,9 @@ class SessionStore:
         disk = p.stat().st_mtime_ns if p.is_file() else 0
         if sess is None or disk > sess.mtime:
             if sess is not None:  # another server wrote it since: the copy here goes
+                del self.ram[sid]
+                if sess.log is not None:
+                    sess.log.close()
                 release(sess.state)
             sess = self._load(sid, p, disk) if disk else self._new(sid, system)
             self.ram[sid] = sess
@@ -187,10 +191,16 @@ class SessionStore:
 
     def _load(self, sid: str, p: Path, mtime: int) -> ServeSession:
         """A session from its snapshot file: the engine state, history and counters it recorded."""
-        from sinkchat.store.snapshot import load_snapshot
+        from sinkchat.store.snapshot import SnapshotError, load_snapshot
 
-        install(self.engine, fresh_state(self.engine, None))
-        head = load_snapshot(self.engine, p)
+        fresh = fresh_state(self.engine, None)
+        install(self.engine, fresh)
+        try:
+            head = load_snapshot(self.engine, p)
+        except SnapshotError as e:  # was a 500 on every request to the id, for good
+            install(self.engine, self.idle)
+            release(fresh)
+            raise unreadable(sid, e) from None
         extra = (head.get("extra") or {}).get(EXTRA_KEY) or {}
         sess = ServeSession(sid, capture(self.engine), str(extra.get("key", "")),
                             [msg_from_json(m) for m in extra.get("history", [])],
@@ -204,13 +214,24 @@ class SessionStore:
         log.info("session %s loaded from %s (%d messages)", sid, p, len(sess.history))
         return sess
 
-    def reset(self, sess: ServeSession, system: str | None) -> None:
-        """Start the session's conversation over (a new system prompt or tools, nothing evicted yet)."""
-        old = sess.state
+    def reset(self, sess: ServeSession, system: str | None) -> Callable[[bool], None]:
+        """Start the session's conversation over (a new system prompt or tools, nothing evicted yet). Returns
+        `end(keep)`: keep=True lets the old conversation go; keep=False puts it back, as it was (a request refused
+        while its first messages were fed, e.g. a system prompt too large to pin, wiped the session it was sent to)."""
+        old = (sess.state, sess.history, sess.marks, sess.key)
         sess.state = fresh_state(self.engine, system)
         install(self.engine, sess.state)
-        release(old)
         sess.history, sess.marks = [], {0: mark(self.engine)}
+
+        def end(keep: bool) -> None:
+            if keep:
+                release(old[0])
+                return
+            new = sess.state
+            sess.state, sess.history, sess.marks, sess.key = old
+            install(self.engine, sess.state)
+            release(new)
+        return end
 
     def save(self, sess: ServeSession) -> None:
         """Write the active session through to its snapshot file (and forget marks that can no longer be used)."""
@@ -240,6 +261,25 @@ class SessionStore:
         if self.active is not None:
             release(capture(self.engine))
 
+    def delete(self, sid: str) -> bool:
+        """DELETE /v1/sessions/{id}: the session goes from RAM and disk (its snapshot, its recall memory's folders,
+        its log closed); False if there was none. Run between requests (the generation thread)."""
+        if not SESSION_ID.match(sid):
+            return False
+        sess = self.ram.pop(sid, None)
+        if sess is not None:
+            if sess is self.active:
+                self._park()
+            if sess.log is not None:
+                sess.log.close()
+            release(sess.state)
+        p = self.path(sid)
+        on_disk = p.is_file()
+        p.unlink(missing_ok=True)
+        persist.prune(p, None)
+        log.info("session %s deleted", sid)
+        return sess is not None or on_disk
+
     def status(self, sid: str) -> dict[str, Any] | None:
         """GET /v1/sessions/{id}: the session's figures, from RAM or from its file's header."""
         sess = self.ram.get(sid)
@@ -249,15 +289,25 @@ class SessionStore:
         p = self.path(sid) if SESSION_ID.match(sid) else None
         if p is None or not p.is_file():
             return None
-        from sinkchat.store.snapshot import snapshot_info
+        from sinkchat.store.snapshot import SnapshotError, snapshot_info
 
-        head = snapshot_info(p)
+        try:
+            head = snapshot_info(p)
+        except SnapshotError as e:
+            raise unreadable(sid, e) from None
         extra = (head.get("extra") or {}).get(EXTRA_KEY) or {}
         led = head.get("ledger") or {}
         return {"id": sid, "object": "session", "in_ram": False, "cache_len": head.get("cache_len"),
                 "capacity": (head.get("cache") or {}).get("capacity"), "evicted": led.get("evicted", 0),
                 "evictions": extra.get("evictions", 0), "messages": len(extra.get("history", [])),
                 "requests": extra.get("requests", 0), "seen": led.get("seen", 0)}
+
+
+def unreadable(sid: str, e: Exception) -> ApiError:
+    """A session whose file this server cannot load (damaged, or saved with another --cache or model): a 409 that
+    says why and how to go on."""
+    return ApiError(409, f"session {sid!r} cannot be loaded: {e}; DELETE /v1/sessions/{sid} removes it, or use "
+                         "another X-Session-Id", type_="invalid_request_error", code="session_unreadable")
 
 
 def figures(sess: ServeSession, st: EngineState) -> dict[str, Any]:
