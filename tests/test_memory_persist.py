@@ -202,3 +202,20 @@ def test_saving_a_session_leaves_the_memory_of_one_whose_name_extends_it(tmp_pat
         fresh = engine(model, memory(model, tmp_path / f"b-{snap.stem}"))
         load_snapshot(fresh, snap)
         assert fresh.ledger.ids == eng.ledger.ids
+
+
+def test_a_snapshot_saved_again_with_the_memory_off_lets_its_memory_folder_go(tmp_path: Path, caplog: Any) -> None:
+    """A memory-on snapshot overwritten by a memory-off session left `s.memory-<hex>/` (the old conversation's
+    keys and values) on disk, named by no snapshot; the load's warning now says the next save lets it go."""
+    model = tiny_model("llama", layers=1, score_std=3.0)
+    eng = engine(model, memory(model, tmp_path / "a"))
+    list(eng.feed_ids(IDS[:70]))
+    snap = save_snapshot(eng, tmp_path / "s.safetensors")
+    assert len(list(tmp_path.glob("s.memory-*"))) == 1
+    off = engine(model, None)
+    with caplog.at_level("WARNING"):
+        load_snapshot(off, snap)
+    assert any("saved again with the memory off" in r.message for r in caplog.records)
+    save_snapshot(off, snap)
+    assert list(tmp_path.glob("s.memory-*")) == []
+    load_snapshot(engine(model, None), snap)  # the snapshot itself names no memory: it loads

@@ -193,6 +193,11 @@ def test_logs_cli(home):
     b.turn("user", "only one")
     auto_snapshot_path(b.id).parent.mkdir(parents=True)
     auto_snapshot_path(b.id).write_bytes(b"snap")
+    mem = auto_snapshot_path(b.id).with_name(f"session-{b.id}.memory-0123abcd")  # its recall memory's folder
+    mem.mkdir()
+    (mem / "seg-000001.mem").write_bytes(b"kv")
+    other = auto_snapshot_path(a.id).with_name(f"session-{b.id}0.memory-0123abcd")  # another session's
+    other.mkdir()
     r = run(logs_command, [])
     assert r.exit_code == 0, r.output
     rows = r.output.splitlines()
@@ -213,6 +218,7 @@ def test_logs_cli(home):
     r = run(logs_command, ["rm", str(b.id)])
     assert r.exit_code == 0 and f"removed session {b.id}" in r.output
     assert not auto_snapshot_path(b.id).exists() and [s.id for s in list_sessions()] == [a.id]
+    assert not mem.exists() and other.is_dir()  # `logs rm` left the memory folder (the conversation's KV) behind
     r = run(logs_command, ["show", "999"])
     assert r.exit_code == 1 and "no session 999" in r.output and "Traceback" not in r.output
     r = run(logs_command, ["rm", "999"])

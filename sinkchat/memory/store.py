@@ -48,7 +48,8 @@ class BlockStore:
 
     def __init__(self, root: Path, budget: int, bits: int = 16) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for d in reversed([p for p in (self.root, *self.root.parents) if not p.exists()]):
+            d.mkdir(mode=0o700, exist_ok=True)  # the folders it makes above too (mkdir(parents=True): 0755)
         os.chmod(self.root, 0o700)
         claim(self.root)  # so that a store this process leaves behind (killed) can be swept (sweep.py)
         self.budget, self.bits = budget, bits  # bits: how records are written (8: int8 keys / values)

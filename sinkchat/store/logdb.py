@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from sinkchat.errors import UserError
+from sinkchat.store.atomic import private_dir, private_file
 from sinkchat.textutil import utf8_safe
 
 SCHEMA_VERSION = 4
@@ -123,8 +124,8 @@ def connect(path: Path | str | None = None, create: bool = True) -> sqlite3.Conn
     p = Path(path) if path is not None else db_path()
     if not create and not p.exists():
         raise LogError(f"no sessions logged yet ({p} does not exist)")
-    if create:
-        p.parent.mkdir(parents=True, exist_ok=True)
+    if create:  # the user's conversations: 0600 (SQLite gives the -wal and -shm files the database's mode)
+        private_file(private_dir(p.parent) / p.name)
     conn = sqlite3.connect(str(p), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
     try:
         conn.row_factory = sqlite3.Row

@@ -27,7 +27,8 @@ import torch
 
 from sinkchat.errors import UserError
 from sinkchat.config import SamplingConfig, data_dir
-from sinkchat.memory import persist
+from sinkchat.store.atomic import private_dir
+from sinkchat.memory import folders, persist
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +138,7 @@ def save_snapshot(engine: Any, path: str | os.PathLike[str], extra: dict[str, An
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
         raise
-    if getattr(engine, "memory", None) is not None:
-        persist.prune(path, folder.name if folder is not None else None)
+    folders.prune(path, folder.name if folder is not None else None)  # saved with the memory off: none is kept
     log.info("snapshot %s: %d tokens in cache, %d messages", path, engine.cache.length, len(engine.conv.messages))
     return path
 
@@ -148,9 +148,9 @@ def _save_memory(engine: Any, path: Path, head: dict[str, Any], tensors: dict[st
     memory = getattr(engine, "memory", None)
     if memory is None:
         return None
-    folder = persist.new_folder(path)
+    folder = folders.new_folder(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         mem_head, mem_tensors = persist.save(memory, folder)
     except (OSError, persist.MemoryStateError) as e:
         shutil.rmtree(folder, ignore_errors=True)
@@ -166,7 +166,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: P
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -277,7 +277,8 @@ def _prepare_memory(engine: Any, head: dict[str, Any], tensors: dict[str, torch.
     if saved is None or memory is None:
         if saved is not None and saved.get("blocks"):
             log.warning("the snapshot's recall memory (%d blocks) is not loaded: this session runs with --memory off "
-                        "(--memory on loads it)", len(saved["blocks"]))
+                        "(--memory on loads it; saved again with the memory off, the snapshot lets it go)",
+                        len(saved["blocks"]))
         return None
     mem = {k[len("memory."):]: v for k, v in tensors.items() if k.startswith("memory.")}
     try:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sinkchat.memory import folders
 from sinkchat.store import procs
 from sinkchat.store.logdb import LogError, auto_snapshot_path, open_reader, transaction
 from sinkchat.store.sessionlog import NullLog, SessionLog
@@ -163,3 +164,4 @@ def delete_session(session_id: int, path: Path | str | None = None) -> None:
         c.execute("DELETE FROM sessions WHERE id = ?", (session_id,))
     snap = auto_snapshot_path(session_id, Path(path).parent if path is not None else None)
     snap.unlink(missing_ok=True)
+    folders.prune(snap, None)  # and its recall memory's folder (the conversation's keys and values)

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
+from sinkchat.store.atomic import private_dir, private_file
+
 log = logging.getLogger(__name__)
 
 Reader = Callable[[bool], str]  # read(continuation) -> one line; EOFError ends, KeyboardInterrupt cancels the line
@@ -58,8 +60,7 @@ def make_prompt_session(loop: Any, history_file: Path | None = None) -> Any:
     history: History = InMemoryHistory()
     if history_file is not None:
         try:
-            history_file.parent.mkdir(parents=True, exist_ok=True)
-            history_file.touch(exist_ok=True)
+            private_file(private_dir(history_file.parent) / history_file.name)  # what the user typed: 0600
             history = FileHistory(str(history_file))
         except OSError as e:
             log.warning("history disabled: cannot write %s (%s)", history_file, e.strerror)

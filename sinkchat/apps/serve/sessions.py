@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from sinkchat.api import EngineState, capture, fresh_state, install, release
 from sinkchat.apps.serve.requests import ApiError, Msg
-from sinkchat.memory import persist
+from sinkchat.memory import folders
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class SessionStore:
         p = self.path(sid)
         on_disk = p.is_file()
         p.unlink(missing_ok=True)
-        persist.prune(p, None)
+        folders.prune(p, None)
         log.info("session %s deleted", sid)
         return sess is not None or on_disk
 
