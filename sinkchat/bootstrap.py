@@ -105,6 +105,8 @@ def build_settings(opts: dict[str, Any], names: dict[str, str] | None = None) ->
            "reread": opts.get("memory_reread")}
     mc = replace(base.memory, **{k: v for k, v in mem.items() if v is not None})
     gauge = opts.get("gauge_every")
+    if mc.on and c.policy != "sink":  # refused before the model loads (it was after)
+        raise ConfigError("--memory on keeps what the sink policy evicts: use --policy sink")
     return replace(base, model=m, cache=c, sampling=s, memory=mc,
                    gauge_every=base.gauge_every if gauge is None else gauge)
 
@@ -224,6 +226,25 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
                   gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, memory=open_memory(settings, loaded.spec))
 
 
+def block_bytes(cfg: Any, spec: Any) -> int:
+    """Bytes of one stored block's keys and values at least (its record on disk is this plus a header and its token
+    ids): 16 bits (a float32 cache stores 32), or int8 with an fp32 scale per token, layer, KV head and K / V."""
+    rows = cfg.block * len(spec.global_layers) * spec.n_kv * 2  # per token, layer and KV head: a key and a value
+    return rows * spec.head_dim * 2 if cfg.bits == 16 else rows * (spec.head_dim + 4)
+
+
+def check_budget(cfg: Any, spec: Any) -> None:
+    """ConfigError when --memory-budget cannot hold one block of this model (every block was then reported
+    forgotten, each with `[Errno 27] one block (1475740 bytes) exceeds the memory budget`)."""
+    from sinkchat.core.metrics import human_bytes
+
+    need = block_bytes(cfg, spec)
+    if need > cfg.budget_mb << 20:
+        raise ConfigError(f"--memory-budget {cfg.budget_mb} MiB holds no block: a block of {cfg.block} tokens takes "
+                          f"at least {human_bytes(need)} on this model (a larger --memory-budget, or a smaller "
+                          "--memory-block or --memory-bits 8)")
+
+
 def open_memory(settings: Settings, spec: Any) -> Any:
     """The recall memory the settings ask for (None: off): its store in a folder of its own under the data dir,
     readable by the user alone and removed when the process ends (the session's memory goes with it)."""
@@ -238,6 +259,7 @@ def open_memory(settings: Settings, spec: Any) -> Any:
 
     if settings.cache.policy != "sink":
         raise ConfigError("--memory on keeps what the sink policy evicts: use --policy sink")
+    check_budget(settings.memory, spec)
     root = data_dir() / "memory" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         memory = RecallMemory.for_spec(settings.memory, spec, root)

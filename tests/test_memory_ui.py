@@ -344,3 +344,59 @@ def test_memory_commands_with_the_memory_off_say_so(tmp_path, cmd):
     loop.run(lines_reader(["hi", cmd]))
     assert "off" in err.getvalue().splitlines()[-1] and "Traceback" not in err.getvalue()
     assert loop.engine.memory is None
+
+
+def test_a_live_policy_switch_away_from_sink_is_refused_with_the_memory_on(tmp_path):
+    """`/policy window` was taken live with the memory on (refused at start): the sinks and the system prompt then
+    went to the memory, and a block's header named one token of the two ranges it held."""
+    loop, _, err = make(tmp_path / "m")
+    loop.run(lines_reader(["/policy window"]))
+    assert loop.engine.cache_cfg.policy == "sink" and "/memory off first" in err.getvalue()
+    loop.run(lines_reader(["/memory off yes", "/policy window"]))
+    assert loop.engine.memory is None and loop.engine.cache_cfg.policy == "window"
+
+
+def test_a_load_lets_the_last_replys_recalled_blocks_go_and_says_what_memory_it_replaced(tmp_path):
+    """After `/load`, /recall showed the loaded store's blocks under this session's ids, ranges and ages (another
+    conversation's text); and the memory the session held went without a word."""
+    loop, _, err = make(tmp_path / "m")
+    loop.run(lines_reader(["hi", f"/save {tmp_path / 'early'}", LONG]))
+    assert loop.last_recalled and loop.engine.memory.tokens > 0
+    held = loop.engine.memory.tokens
+    shown = Shown(loop)
+    loop.run(lines_reader([f"/load {tmp_path / 'early'}", "/recall"]))
+    text = "\n".join(shown.texts())
+    assert f"the recall memory's {held} tokens of the conversation before it were let go" in text, text
+    assert not re.search(r"block \d+ · tokens", text), text
+    assert loop.last_recalled == []
+
+
+def test_a_memory_budget_that_holds_no_block_is_refused_at_start(tmp_path):
+    """`--memory-budget 1` (MiB) on the bundled model's shape: every block was then reported forgotten with a raw
+    `[Errno 27] ... exceeds the memory budget`; the check's size is a real block's (a tiny model's, stored)."""
+    from types import SimpleNamespace
+
+    from sinkchat.bootstrap import block_bytes, check_budget
+    from sinkchat.config import ConfigError
+
+    smol = SimpleNamespace(global_layers=range(30), n_kv=3, head_dim=64)
+    with pytest.raises(ConfigError, match=r"--memory-budget 1 MiB holds no block: a block of 64 tokens takes at least 1\.4 MiB"):
+        check_budget(MemoryConfig("on", 1), smol)
+    check_budget(MemoryConfig("on", 2), smol)
+    check_budget(MemoryConfig("on", 1, bits=8), smol)  # 0.74 MiB a block
+    loop, _, _ = make(tmp_path / "m")
+    loop.run(lines_reader([LONG]))
+    mem = loop.engine.memory
+    spec = ModelSpec.from_model(loop.engine.model)
+    record = mem.disk_bytes // mem.blocks
+    wide = next(loop.engine.model.parameters()).element_size() // 2  # this tiny model's cache is float32
+    assert mem.blocks and 0 <= record - wide * block_bytes(mem.cfg, spec) <= 8 * 8 + 512, (record, wide)
+
+
+def test_memory_on_with_another_policy_is_refused_before_the_model_loads():
+    from sinkchat.bootstrap import build_settings
+    from sinkchat.config import ConfigError
+
+    with pytest.raises(ConfigError, match="use --policy sink"):
+        build_settings({"memory": "on", "policy": "window"})
+    assert build_settings({"memory": "on"}).memory.on

@@ -90,6 +90,9 @@ def cmd_policy(loop: ChatHost, arg: str) -> str | None:
     if arg not in POLICIES:
         loop.r.error(f"usage: /policy {'|'.join(POLICIES)}  (now {loop.engine.cache_cfg.policy})")
         return None
+    if arg != "sink" and loop.engine.memory is not None:  # as at start (the sinks and system prompt went to it)
+        loop.r.error(f"/policy {arg}: the recall memory keeps what the sink policy evicts: /memory off first")
+        return None
     return _reconfigure(loop, policy=arg)
 
 

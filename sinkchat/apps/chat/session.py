@@ -168,6 +168,7 @@ def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
     from sinkchat.store.snapshot import SnapshotError, load_snapshot, snapshot_path
 
     before, before_sampling = loop.engine.cache_cfg, loop.engine.sampling
+    held = loop.engine.memory.tokens if loop.engine.memory is not None else 0
     try:
         head = load_snapshot(loop.engine, snapshot_path(arg))
     except SnapshotError as e:
@@ -176,10 +177,16 @@ def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
         loop.r.error(f"/load: {e}")
         return None
     eng, m = loop.engine, loop.metrics
+    # the blocks the last reply read were this conversation's: /recall showed the loaded store's blocks under
+    # their ids (another conversation's text, with these ranges and ages)
+    loop.last_recalled = []
+    loop.metrics.gauge = None
     known = restore_evictions(m, head.get("extra"))
     figures = (f"; {plural(m.evicted, 'token')} evicted in {plural(m.eviction_count, 'eviction')} before it"
                if known
                else "; it records no eviction figures, so evictions count from here")
+    if held:
+        figures += f"; the recall memory's {plural(held, 'token')} of the conversation before it were let go"
     what = (f"loaded snapshot {head.get('path', arg)}: {plural(len(eng.conv.messages), 'message')}, "
             f"{eng.cache.length}/{eng.cache_cfg.capacity} tokens in cache")
     loop.r.info(what + figures)
