@@ -34,6 +34,7 @@ __all__ = ["load", "start", "Session", "EngineState", "capture", "install", "fre
 # ConfigError naming it)
 FRIENDLY = {"cache": "cache_size"}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "seed")
+ROLES = ("user", "system", "assistant")  # what Session.chat / stream feed (a chat template knows these)
 
 
 # ------------------------------------------------------------------------------------------------ engine state
@@ -117,9 +118,16 @@ class Session:
 
     def stream(self, text: str, role: str = "user", **sampling: Any) -> Iterator[str]:
         """Send one message and yield the reply as it is generated. Closing the iterator early stops the reply;
-        what was generated stays in the cache and the conversation, as after a Ctrl-C in the chat REPL."""
+        what was generated stays in the cache and the conversation, as after a Ctrl-C in the chat REPL. A bad
+        setting, role or message is a ConfigError before anything is fed (it was fed, then refused: the
+        conversation held the message and a copy of the previous reply)."""
+        plan = self._plan(dict(sampling))
+        if not isinstance(text, str):
+            raise ConfigError(f"the message must be a string, not {type(text).__name__}")
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
         self._drain(self.engine.add_message(role, text, recall=role == "user"))
-        yield from self._reply(**sampling)
+        yield from self._reply(*plan)
 
     def feed(self, text: str) -> int:
         """Feed raw text (no chat template) into the cache; returns how many tokens it was."""
@@ -131,27 +139,43 @@ class Session:
                  logits_processors: Sequence[Any] = (), **sampling: Any) -> str:
         """Continue the stream from what is in the cache (after `feed`, a raw completion); returns the text, up to
         the first of the `stop` strings (left out, as OpenAI's API leaves it out; the cache holds it)."""
-        return "".join(self._tokens(max_tokens, tuple(stop), logits_processors, sampling))
+        max_tokens, stop, cfg = self._plan({**sampling, "max_tokens": max_tokens, "stop": stop})
+        return "".join(self._tokens(max_tokens, stop, logits_processors, cfg))
 
-    def _reply(self, **sampling: Any) -> Iterator[str]:
-        eng = self.engine
+    def _plan(self, sampling: dict[str, Any]) -> tuple[int | None, tuple[str, ...], Any]:
+        """(max_tokens, stop, sampling config or None) from a call's keywords, every one checked: ConfigError
+        naming it (a misspelled key, `max_tokens=0`, which meant the default, `temperature="x"`, a TypeError)."""
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS) - {"stop"})
+        if unknown:
+            raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}; "
+                              f"sampling: {', '.join(SAMPLING_KEYS)}, stop")
+        stop = sampling.pop("stop", None) or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(x, str) and x for x in stop):
+            raise ConfigError("stop must be a string or a list of non-empty strings")
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        for k, v in sampling.items():
+            whole = k in ("max_tokens", "top_k", "seed")
+            if isinstance(v, bool) or not isinstance(v, int if whole else (int, float)):
+                raise ConfigError(f"{k} must be {'a whole number' if whole else 'a number'}, not {v!r}")
         max_tokens = sampling.pop("max_tokens", None)
-        stop = tuple(sampling.pop("stop", ()))
+        if max_tokens is not None and max_tokens < 1:
+            raise ConfigError("max_tokens must be >= 1")
+        cfg = replace(self.engine.sampling, **sampling) if sampling else None
+        return max_tokens, stop, cfg
+
+    def _reply(self, max_tokens: int | None, stop: tuple[str, ...], cfg: Any) -> Iterator[str]:
+        eng = self.engine
         try:
-            yield from self._tokens(max_tokens, stop, (), sampling)
+            yield from self._tokens(max_tokens, stop, (), cfg)
         finally:
             eng.conv.add_reply(eng.reply_text())
 
     def _tokens(self, max_tokens: int | None, stop: tuple[str, ...], procs: Sequence[Any],
-                sampling: dict[str, Any]) -> Iterator[str]:
+                cfg: Any) -> Iterator[str]:
         from sinkchat.core.events import DoneEvent, EvictionEvent, TokenEvent
         from sinkchat.core.stops import StopText
 
-        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
-        if unknown:
-            raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}; "
-                              f"sampling: {', '.join(SAMPLING_KEYS)}, stop")
-        cfg = replace(self.engine.sampling, **sampling) if sampling else None
         out = StopText(stop)  # the stop string itself is left out of the text, as OpenAI's API does
         for ev in self.engine.generate(max_tokens, stop, cfg, logits_processors=procs):
             if isinstance(ev, TokenEvent) and ev.text:

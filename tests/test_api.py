@@ -130,3 +130,43 @@ def test_readme_example_runs(tiny_dir, tmp_path, monkeypatch):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "talk.safetensors").is_file()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"temperature": -1}, "temperature must be between 0 and 10"),
+    ({"temprature": 0}, "'temprature'"),
+    ({"top_p": 5}, r"top_p must be in \(0, 1\]"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": -3}, "max_tokens must be >= 1"),
+    ({"temperature": "x"}, "temperature must be a number, not 'x'"),
+    ({"max_tokens": 2.5}, "max_tokens must be a whole number"),
+    ({"stop": [""]}, "stop must be"),
+    ({"role": "bogus"}, "role must be one of user, system, assistant"),
+])
+def test_a_refused_call_changes_nothing(tiny_dir, bad, match):
+    """A user audit: `s.chat(..., temperature=-1)` raised ConfigError after the message was fed: the cache grew
+    42 -> 59 and the conversation gained the message and a copy of the previous reply; `max_tokens=0` gave a
+    full reply, `temperature="x"` a raw TypeError."""
+    from sinkchat.config import ConfigError
+
+    s = _load(tiny_dir)
+    s.chat("Name a planet.")
+    before = (s.stats()["seen"], s.stats()["cache_len"], [dict(m) for m in s.engine.conv.messages])
+    with pytest.raises(ConfigError, match=match):
+        s.chat("Tell me about Jupiter please.", **bad)
+    with pytest.raises(ConfigError, match=match):
+        list(s.stream("Tell me about Jupiter please.", **bad))
+    assert (s.stats()["seen"], s.stats()["cache_len"], [dict(m) for m in s.engine.conv.messages]) == before
+    if "role" not in bad:
+        with pytest.raises(ConfigError, match=match):
+            s.generate(**bad)
+        assert s.stats()["seen"] == before[0]
+
+
+def test_a_message_that_is_not_text_is_refused():
+    import sinkchat.api as api
+    from sinkchat.config import ConfigError
+
+    s = api.Session(engine=None)  # refused before the engine is touched
+    with pytest.raises(ConfigError, match="the message must be a string, not NoneType"):
+        s.chat(None)  # type: ignore[arg-type]
