@@ -327,8 +327,26 @@ def test_an_answer_that_says_what_was_asked_is_not_sent_back(ws, task, answer):
     from sinkchat.apps.agent.verify import TaskCheck
 
     check = TaskCheck(task, Workspace(ws))
-    check.grounding.add(CONFIG + "2\n")
+    read = build_default_tools(ws).tools["read_file"]
+    check.observe(read, {"path": "config.json"}, True, CONFIG + "2\n")  # a call that ran ok
     assert check.unanswered(answer) == []
+
+
+def test_done_after_every_call_failed_is_sent_back_and_an_honest_answer_is_not(ws):
+    """A user audit: an MCP tool's only call failed (`Error executing tool explode`), the model said `done`, and
+    the task ended `answer: done`, verified, exit 0."""
+    script = [call("read_file", path="missing.txt"), final("done"), final("Task complete."), final("done")]
+    eng = ScriptedEngine(script)
+    events, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "Do the cleanup in the workspace", 6)
+    rejected = [e for e in events if isinstance(e, FinalRejectedEvent)]
+    assert rejected and "no tool call of this task ran ok (1 failed)" in rejected[0].problems[0], rejected
+    assert not done.verified
+    eng = ScriptedEngine([call("read_file", path="missing.txt"), final("the file could not be read")])
+    _, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "Do the cleanup in the workspace", 4)
+    assert done.verified and done.answer == "the file could not be read"
+    eng = ScriptedEngine([final("done")] * 4)  # no call at all: "done" without doing
+    _, done = run(Agent(eng, build_default_tools(ws), ws, few_shot=False), "Do the cleanup in the workspace", 4)
+    assert not done.verified and "no tool call of this task ran ok:" in done.problem, done.problem
 
 
 @pytest.mark.parametrize("task, why", [

@@ -134,6 +134,7 @@ class TaskCheck:
         self.goals: list[WriteGoal] = []
         self.blocked: list[str] = []  # goals that can never be met (outside the workspace, "new" but there)
         self.rejected = 0
+        self.calls_ok = self.calls_failed = 0  # this task's tool calls that ran ok / failed or were refused
         if tools and "shell" not in tools:  # `tools`: the toolbox's names (empty: not known, nothing judged)
             self.blocked += [f"no tool can {verb} files (--allow-shell gives the model a shell)"
                              for verb in unsupported_action(task)]
@@ -157,6 +158,9 @@ class TaskCheck:
             return None
 
     def observe(self, tool: Tool | None, kwargs: dict[str, Any], ok: bool, text: str) -> None:
+        ran = tool is not None and ok
+        self.calls_ok += ran
+        self.calls_failed += not ran
         if tool is not None and ok and tool.returns_data(kwargs):
             whole = all(kwargs.get(p.name, p.default) == p.default for p in tool.params
                         if p.type in (int, float) and not p.required)
@@ -215,6 +219,12 @@ class TaskCheck:
         task, g = self.grounding.task, self.grounding
         if self.goals or self.blocked:
             return []  # the file is the result: "done" after writing it is an answer
+        if not self.calls_ok and is_acknowledgment(answer, "\n".join(g.results)):
+            # an MCP tool's only call failed ("Error executing tool explode") and the task ended `answer: done`,
+            # verified, exit 0
+            failed = f" ({self.calls_failed} failed)" if self.calls_failed else ""
+            return [f'your answer says "{answer.strip()[:40]}", but no tool call of this task ran ok{failed}: say '
+                    "what went wrong, or call a tool that does the task"]
         if asks_something(task) and is_acknowledgment(answer, "\n".join(g.results)):
             return [f'your answer only says "{answer.strip()[:40]}"; the task asks for something: answer with what '
                     "the tools returned"]
