@@ -400,3 +400,26 @@ def test_memory_on_with_another_policy_is_refused_before_the_model_loads():
     with pytest.raises(ConfigError, match="use --policy sink"):
         build_settings({"memory": "on", "policy": "window"})
     assert build_settings({"memory": "on"}).memory.on
+
+
+def test_a_blocks_age_is_its_texts_not_the_time_it_was_stored(tmp_path, monkeypatch):
+    """A fact typed at 10:32:21 showed `1 s ago` when it left the window at 10:33:30: the age was the block's
+    storing time. It is the time its first token was fed (a fake clock: each message fed at its own minute)."""
+    import time as time_module
+
+    clock = {"now": 1_000_000.0}
+    monkeypatch.setattr(time_module, "time", lambda: clock["now"])
+    loop, _, _ = make(tmp_path / "m")
+    eng = loop.engine
+    fed_at: list[tuple[int, float]] = []
+    for i, text in enumerate(["my locker code is XK-4471 and more", LONG, LONG, LONG]):
+        clock["now"] = 1_000_000.0 + 60 * i
+        fed_at.append((int(eng.ledger.seen), clock["now"]))
+        loop.run(lines_reader([text]))
+    mem = eng.memory
+    assert mem.blocks >= 2
+    for bid, w in mem.store.where.items():
+        want = max(t for start, t in fed_at if start <= w.first)
+        assert mem.born[bid] == want, (bid, w.first, mem.born[bid], want)
+    assert len({mem.born[b] for b in mem.store.where}) > 1  # blocks of different messages, different ages
+    assert len(mem.fed_at) <= 8  # entries no block needs any more went

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Iterator
 from sinkchat.config import ConfigError
 from sinkchat.core.events import Event
 from sinkchat.core.interrupts import deferred_sigint
+from sinkchat.core.literal import control_pattern, text_ids
 
 if TYPE_CHECKING:
     from sinkchat.core.engine import Engine
@@ -30,7 +31,7 @@ def pinned_prefix(eng: Engine) -> str:
     if c.pin != "system" or c.policy != "sink" or eng.cache.length or not eng.conv.system:
         return ""
     block = eng.conv.system_block()
-    n = len(eng.encode(block)) if block else 0
+    n = len(message_ids(eng, block)) if block else 0
     least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
     if n and c.capacity - n < least:
         need = n + 8
@@ -77,17 +78,27 @@ def add_message(eng: Engine, role: str, content: str, add_generation_prompt: boo
         close = closing(eng) if recall and role == "user" else ""
         delta = eng.conv.delta_for(role, content, add_generation_prompt)
         if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
-            yield from eng.feed(prefix)
+            yield from eng.feed_ids(message_ids(eng, prefix))
             eng.ledger.pinned = eng.cache.length
             delta = delta[len(prefix) :]
+        ids = message_ids(eng, delta, content)
         if recall and role == "user":  # what the memory holds that the message names, read again before it, at
-            ids, head = eng.encode(delta), eng.encode(close) if close and delta.startswith(close) else []
-            if head and head + eng.encode(delta[len(close) :]) != ids:  # a turn boundary: after the last turn's
-                head = []  # close (not inside it), where the text splits there into the same tokens
+            head = eng.encode(close) if close and delta.startswith(close) else []
+            if head and head + message_ids(eng, delta[len(close) :], content) != ids:  # a turn boundary: after the
+                head = []  # last turn's close (not inside it), where the text splits there into the same tokens
             yield from eng.feed_query(ids[len(head) :], head)
         else:
-            yield from eng.feed(delta)
+            yield from eng.feed_ids(ids)
         eng.reply_turn = add_generation_prompt
+
+
+def message_ids(eng: Engine, text: str, content: str | None = None) -> list[int]:
+    """Token ids of template text, the message's `content` and the system prompt read as text (core/literal.py:
+    a control token's text typed in them is not that token)."""
+    pattern = eng.__dict__.get("_control_re", False)
+    if pattern is False:
+        pattern = eng.__dict__["_control_re"] = control_pattern(eng.tokenizer)
+    return text_ids(eng.encode, pattern, text, (content, eng.conv.system))
 
 
 def closing(eng: Engine) -> str:
@@ -120,7 +131,7 @@ def feed_system(eng: Engine) -> Iterator[Event]:
     with taken_back(eng):
         pin = pinned_prefix(eng) == block
         conv.fed = block  # before the feed, as `delta_for` records it: a cut feed that evicted keeps what it fed
-        yield from eng.feed(block)
+        yield from eng.feed_ids(message_ids(eng, block))
         if pin:
             eng.ledger.pinned = eng.cache.length
         eng.reply_turn = False
