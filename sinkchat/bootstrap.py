@@ -38,7 +38,7 @@ COMMON = [
     click.option("--max-tokens", type=click.IntRange(1, None), default=None, help="max tokens per reply [env SINKCHAT_MAX_TOKENS; default 512]"),
     click.option("--seed", type=int, default=None, help="random seed [env SINKCHAT_SEED]"),
     click.option("--memory", type=click.Choice(MEMORY_MODES), default=None, help="recall memory: on = tokens evicted from the window are kept in blocks on disk and the blocks a query needs are attended again (nothing forgotten without a 'forgotten' event) [env SINKCHAT_MEMORY; default off]"),
-    click.option("--memory-budget", type=click.IntRange(1, None), default=None, help="disk budget of the session's recall memory in MB; past it the oldest blocks are forgotten [env SINKCHAT_MEMORY_BUDGET; default 1024]"),
+    click.option("--memory-budget", type=click.IntRange(1, None), default=None, help="disk budget of the session's recall memory in MiB; past it the oldest blocks are forgotten [env SINKCHAT_MEMORY_BUDGET; default 1024]"),
     click.option("--memory-block", type=click.IntRange(8, 1024), default=None, help="tokens per recall-memory block [env SINKCHAT_MEMORY_BLOCK; default 64]"),
     click.option("--memory-topk", type=click.IntRange(1, 64), default=None, help="recall-memory blocks each layer attends to [env SINKCHAT_MEMORY_TOPK; default 4]"),
     click.option("--memory-reread", type=click.IntRange(0, 9), default=None, help="recall-memory blocks read again as text before a message that names what one holds: the block it names and its neighbours, so a small model answers from it (passkey at 4k through cache 1,024: 19/20 against 9/20 attending alone) [env SINKCHAT_MEMORY_REREAD; default 3; 0 = none]"),

@@ -61,13 +61,13 @@ ENV_SETTINGS: dict[str, tuple[str, str]] = {
     "SINKCHAT_GAUGE_EVERY": ("4", "compute the sink-attention gauge every N decode steps (0 = off)"),
     "SINKCHAT_MEMORY": ("off", "recall memory: on (tokens evicted from the window go to an on-disk block store and "
                         "the blocks a query needs join attention again) or off (evicted tokens are dropped)"),
-    "SINKCHAT_MEMORY_BUDGET": ("1024", "disk budget of a session's recall memory in MB (past it the oldest blocks "
+    "SINKCHAT_MEMORY_BUDGET": ("1024", "disk budget of a session's recall memory in MiB (past it the oldest blocks "
                                "are forgotten, and that is reported)"),
     "SINKCHAT_MEMORY_BLOCK": ("64", "tokens per recall-memory block"),
     "SINKCHAT_MEMORY_TOPK": ("4", "recall-memory blocks each layer attends to at a time"),
     "SINKCHAT_MEMORY_REREAD": ("3", "recall-memory blocks read again as text before a message that names what they hold "
                                "(the block it names and its neighbours; 0 = none)"),
-    "SINKCHAT_MEMORY_RAM": ("64", "MB of recalled blocks kept in RAM (least recently used go first)"),
+    "SINKCHAT_MEMORY_RAM": ("64", "MiB of recalled blocks kept in RAM (least recently used go first)"),
     "SINKCHAT_MEMORY_BITS": ("16", "bits a stored key / value takes in the recall memory: 16 (the cache's own, exact) "
                                    "or 8 (int8 with a scale per token and head: half the disk)"),
 }
@@ -278,13 +278,13 @@ class MemoryConfig:
         if self.mode not in MEMORY_MODES:
             raise ConfigError(f"--memory must be on or off, not {self.mode!r}")
         if self.budget_mb < 1:
-            raise ConfigError("--memory-budget must be at least 1 (MB)")
+            raise ConfigError("--memory-budget must be at least 1 (MiB)")
         if not 8 <= self.block <= 1024:
             raise ConfigError("--memory-block must be between 8 and 1024 tokens")
         if not 1 <= self.topk <= 64:
             raise ConfigError("--memory-topk must be between 1 and 64")
         if self.ram_mb < 1:
-            raise ConfigError("--memory-ram must be at least 1 (MB)")
+            raise ConfigError("--memory-ram must be at least 1 (MiB)")
         if self.bits not in (8, 16):
             raise ConfigError(f"--memory-bits must be 8 or 16, not {self.bits!r}")
         if not 0 <= self.reread <= 9:

@@ -423,3 +423,19 @@ def test_a_blocks_age_is_its_texts_not_the_time_it_was_stored(tmp_path, monkeypa
         assert mem.born[bid] == want, (bid, w.first, mem.born[bid], want)
     assert len({mem.born[b] for b in mem.store.where}) > 1  # blocks of different messages, different ages
     assert len(mem.fed_at) <= 8  # entries no block needs any more went
+
+
+def test_memory_words_a_user_audit_found_wrong(tmp_path):
+    """`/memory off no` printed the usage line; /save did not say the memory's blocks were saved beside the
+    snapshot; /stats said copies let go were held by "the memory" after /forget had emptied it."""
+    loop, _, err = make(tmp_path / "m")
+    loop.run(lines_reader([LONG, "tell me more about things"]))
+    mem = loop.engine.memory
+    shown = Shown(loop)
+    loop.run(lines_reader(["/memory off no", f"/save {tmp_path / 's'}"]))
+    assert "('no' is not yes)" in err.getvalue() and loop.engine.memory is mem
+    assert any(f"the recall memory's {mem.blocks} blocks ({mem.tokens} tokens) beside it" in t for t in shown.texts())
+    loop.run(lines_reader(["/forget yes", "/memory"]))
+    text = "\n".join(shown.texts())
+    assert "the memory holds those" not in text and ("let go while the memory held their blocks" in text
+                                                      or not mem.copies)

@@ -164,11 +164,11 @@ def recall_header(r: Recalled, now: float | None = None) -> str:
 # ------------------------------------------------------------------------------------------------- /stats, /memory
 def _forgotten_text(mem: MemoryStats) -> str:
     """The forgotten row: the tokens, and of them the copies of blocks read again (let go, the originals held)."""
-    why = "over the budget, unreadable, /forget or /memory off"
+    why = "over the budget, unreadable, /forget, /memory off or /clear"
     if not mem.copies:
         return f"{plural(mem.forgotten, 'token')} ({why})"
-    return (f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again (the memory "
-            "holds those)" + ("" if mem.copies == mem.forgotten else f", the rest {why}"))
+    return (f"{plural(mem.forgotten, 'token')}: {count(mem.copies)} of them copies of blocks read again, let go while "
+            "the memory held their blocks" + ("" if mem.copies == mem.forgotten else f", the rest {why}"))
 
 
 def memory_rows(mem: MemoryStats | None, replies: int = 0, reads: int = 0, last: int = 0,

@@ -128,6 +128,9 @@ def cmd_memory(loop: ChatHost, arg: str) -> str | None:
             loop.r.info("the recall memory is already on")
             return None
         return _turn_on(loop)
+    if arg.startswith("off ") and arg != "off yes":  # `/memory off no`: said why, as /forget says it
+        loop.r.error(f"usage: /memory off, then /memory off yes to confirm ({arg[4:].strip()!r} is not yes)")
+        return None
     if arg not in ("off", "off yes"):
         loop.r.error(f"usage: /memory on|off  (now {'on' if mem is not None else 'off'})")
         return None

@@ -156,9 +156,12 @@ def save(loop: ChatHost, arg: str) -> str | None:
     except (SnapshotError, OSError) as e:
         loop.r.error(f"/save: {e}")
         return None
-    held = plural(loop.engine.cache.length, "token")
-    loop.r.info(f"saved snapshot ({held} in cache) to {path}; /load {arg} restores it")
-    return f"saved snapshot ({held} in cache) to {path}"
+    held = plural(loop.engine.cache.length, "token") + " in cache"
+    mem = loop.engine.memory
+    if mem is not None and mem.tokens:  # saved beside it, in its own folder
+        held += f", the recall memory's {plural(mem.blocks, 'block')} ({plural(mem.tokens, 'token')}) beside it"
+    loop.r.info(f"saved snapshot ({held}) to {path}; /load {arg} restores it")
+    return f"saved snapshot ({held}) to {path}"
 
 
 def load(loop: ChatHost, arg: str, strict: bool = False) -> str | None:
