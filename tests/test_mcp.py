@@ -102,3 +102,24 @@ def test_no_builtin_tools_without_others_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sinkchat", "agent", "x", "--no-builtin-tools", "--workspace", str(ws),
                           "--no-log"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert out.returncode == 2 and "no tools to offer" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_server_that_writes_other_lines_to_stdout_is_one_warning_line(tmp_path, caplog):
+    """A user audit: a server printing a line that is not JSON-RPC to its stdout dumped the SDK's whole pydantic
+    traceback on the terminal (`Error: Failed to parse JSONRPC message ...`); the docs promise one line."""
+    from sinkchat.apps.agent.tools.mcp_client import McpServers
+    from sinkchat.apps.agent.tools.toolbox import Toolbox
+
+    path = tmp_path / "chatty_server.py"
+    path.write_text(SERVER.replace('if __name__ == "__main__":', 'if __name__ == "__main__":\n'
+                                   '    print("starting the ports server...", flush=True)'))
+    servers = McpServers([f"{sys.executable} {path}"], warn=lambda _: None, call_timeout=10)
+    with caplog.at_level("WARNING"):
+        try:
+            tools = servers.start()
+            assert Toolbox(tools).call("port_of", {"service": "redis"}).text == "6379"
+        finally:
+            servers.close()
+    said = [r for r in caplog.records if r.name.startswith("mcp")]
+    assert said and all(r.exc_info is None and r.exc_text is None and "\n" not in r.getMessage() for r in said)
+    assert any("not JSON-RPC" in r.getMessage() for r in said)

@@ -251,6 +251,19 @@ def _quiet_reaped(record: logging.LogRecord) -> bool:
 logging.getLogger("asyncio").addFilter(_quiet_reaped)
 
 
+def _one_line_parse_error(record: logging.LogRecord) -> bool:
+    """The SDK logs a server's stdout line that is not JSON-RPC with its whole pydantic traceback (`Error: Failed to
+    parse JSONRPC message ...` then ~40 lines): one warning line instead, the line ignored as the SDK ignores it."""
+    if str(record.msg).startswith("Failed to parse JSONRPC message"):
+        record.msg, record.args = "an MCP server wrote a line that is not JSON-RPC to its stdout (ignored)", ()
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_one_line_parse_error)
+
+
 def _children() -> list[Any]:
     """This process's child processes now (psutil.Process objects: a reused pid is not mistaken for ours)."""
     import psutil
