@@ -216,3 +216,51 @@ def test_an_unreadable_session_is_a_409_that_says_why_and_can_be_deleted(served)
     assert httpx.get(url + "/v1/sessions/broken").status_code == 404
     assert not (root / "broken.safetensors").exists()
     assert httpx.delete(url + "/v1/sessions/nobody").status_code == 404
+
+
+def test_regenerating_the_last_reply_works_once_the_cache_is_full(served):
+    """A user audit: with the cache full, the reply's first token evicts the oldest tokens, so every regeneration
+    (the same messages sent again without the last reply) from turn 4 on was a 409 `session_diverged`, though
+    the user's message was all still in the cache. Now the session goes back to right after that message and
+    answers again, any number of times; going back past an evicted token is still a 409."""
+    url = served[0]
+    msgs: list[dict[str, Any]] = []
+    evicted = 0
+    for turn in range(12):
+        msgs.append({"role": "user", "content": f"turn {turn}: " + "tell me more about the sea " * 6})
+        r = post(url, {"model": MODEL, "messages": msgs}, "regen").json()
+        msgs.append({"role": "assistant", "content": r["choices"][0]["message"]["content"]})
+        evicted = r["x_sinkchat"]["evicted"]
+        if evicted and turn >= 4:
+            break
+    assert evicted > 0, "the cache never filled"
+    asked = msgs[:-1]  # regenerate: the history without the last reply
+    for _ in range(2):
+        again = post(url, {"model": MODEL, "messages": asked}, "regen")
+        assert again.status_code == 200, again.text
+        body = again.json()
+        assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == r["usage"]["prompt_tokens"]
+        assert body["usage"]["prompt_tokens"] == r["usage"]["prompt_tokens"]  # nothing fed again but one token
+        st = httpx.get(url + "/v1/sessions/regen").json()
+        assert st["messages"] == len(asked) + 1 and st["cache_len"] <= st["capacity"]
+    edited = msgs[:-2] + [{"role": "user", "content": "a different last question"}]  # edit the last turn
+    assert post(url, {"model": MODEL, "messages": edited}, "regen").status_code == 200
+    first = msgs[:1] + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    gone = post(url, {"model": MODEL, "messages": first}, "regen")  # back past evicted tokens
+    assert gone.status_code == 409 and "goes back to message 1 of" in gone.json()["error"]["message"], gone.text
+
+
+def test_a_client_that_gives_up_on_a_reply_not_streamed_stops_it(served):
+    """A user audit: a client that disconnected 1.5 s into a non-streamed 400-token request still had all of it
+    generated, and the next request waited behind it (8.9 s). The reply now stops at the next token: the session
+    saw far fewer than the 20,000 tokens asked for (uncancelled, it would see them all)."""
+    url = served[0]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "go on and on"}], "max_tokens": 20000}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes the connection
+        httpx.post(url + "/v1/chat/completions", json=body, headers={"X-Session-Id": "gave-up"}, timeout=1.0)
+    deadline = time.time() + 120
+    while httpx.get(url + "/health").json()["queue"] and time.time() < deadline:
+        time.sleep(0.05)
+    st = httpx.get(url + "/v1/sessions/gave-up").json()
+    assert 0 < st["seen"] < 20000, st
+    assert post(url, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, "gave-up").status_code == 200

@@ -82,6 +82,7 @@ class Runner:
 
     def __init__(self, engine: Any, store: SessionStore, default_system: str | None = None) -> None:
         self.engine, self.store, self.default_system = engine, store, default_system
+        self.cancelled = threading.Event()  # the running request's
 
     def chat(self, req: ChatRequest, sid: str | None, emit: Callable[[str], None], cancelled: threading.Event,
              on_ready: Callable[[], None] = lambda: None) -> Result:
@@ -89,6 +90,7 @@ class Runner:
         call, whose arguments are only whole at the end); `cancelled` set stops the reply. `on_ready` is called
         once the prompt is in the cache: a streaming response starts then, so every error before it (a bad
         schema, a diverged session) is still an HTTP status, not an event in a started stream."""
+        self.cancelled = cancelled  # also checked between a long prompt's chunks (`_feed`)
         constraint = self._constraint(req)  # a schema that does not compile: 400 before the session is touched
         if req.system is None and req.raw_prompt is None:
             req.system = self.default_system
@@ -126,8 +128,14 @@ class Runner:
         """/v1/completions: the prompt as raw text on a fresh stream (the session's own cache, if it has one)."""
         self.store.reset(sess, None)(True)
         sess.key = "completion"
-        for ev in self.engine.feed(prompt):
-            sess.evictions += type(ev).__name__ == "EvictionEvent"
+        gen = self.engine.feed(prompt)
+        try:
+            for ev in gen:
+                sess.evictions += type(ev).__name__ == "EvictionEvent"
+                if self.cancelled.is_set():
+                    raise ApiError(499, "the client closed the request", code="client_closed")
+        finally:
+            gen.close()
         return int(self.engine.ledger.seen)
 
     def _sync(self, sess: ServeSession, req: ChatRequest, system: str | None) -> tuple[int, int]:
@@ -145,10 +153,10 @@ class Runner:
             if k == 0 and eng.ledger.evicted == 0:
                 reset = self.store.reset(sess, system)
             elif k not in sess.marks or not rollback(eng, sess.marks[k]):
-                raise ApiError(409, f"the messages differ from this session's history at message {k + 1}, and the "
-                                    "tokens to go back to were evicted already: send the history the session holds, "
-                                    "or use a new X-Session-Id", type_="invalid_request_error",
-                               code="session_diverged")
+                raise ApiError(409, f"this request goes back to message {k} of this session's history (of "
+                                    f"{len(sess.history)}), and the tokens to go back to were evicted already: send "
+                                    "the history the session holds, or use a new X-Session-Id",
+                               type_="invalid_request_error", code="session_diverged")
             del sess.history[k:]
             sess.marks = {i: m for i, m in sess.marks.items() if i <= k}
         sess.key = key
@@ -171,8 +179,14 @@ class Runner:
             role, text = feed_as(m)
             before, t0 = eng.ledger.seen, time.perf_counter()
             last = i == len(req.messages) - 1  # the request's new message (not history, not a tool result)
-            for ev in eng.add_message(role, text, add_generation_prompt=last, recall=last and m.role == "user"):
-                sess.evictions += type(ev).__name__ == "EvictionEvent"
+            gen = eng.add_message(role, text, add_generation_prompt=last, recall=last and m.role == "user")
+            try:
+                for ev in gen:
+                    sess.evictions += type(ev).__name__ == "EvictionEvent"
+                    if self.cancelled.is_set():  # the client went away mid-prompt: the message is taken back
+                        raise ApiError(499, "the client closed the request", code="client_closed")
+            finally:
+                gen.close()
             sess.history.append(m)
             sess.marks[i + 1] = mark(eng)
             if sess.log is not None:

@@ -76,14 +76,45 @@ def mark(engine: Any) -> Mark:
                 engine.last_logits, engine.reply_turn)
 
 
+def refeed_slot(engine: Any, m: Mark) -> int | None:
+    """Where `m`'s last token sits in the cache when something was evicted since `m` but not it nor anything fed
+    after it (None: gone, or in the pinned prefix)."""
+    led = engine.ledger
+    at = len(led.abs_index) - (led.seen - m.seen) - 1
+    ok = m.seen > 0 and at >= engine.pinned_slots() and led.abs_index[at] == m.seen - 1
+    return at if ok else None
+
+
+def reachable(engine: Any, m: Mark) -> bool:
+    """Whether `rollback` can go back to `m`."""
+    return m.evicted == engine.ledger.evicted or refeed_slot(engine, m) is not None
+
+
 def rollback(engine: Any, m: Mark) -> bool:
-    """Back to `m` if nothing was evicted since (and the cache can drop its tail); False where it cannot."""
-    if engine.ledger.evicted != m.evicted or not engine.cache.can_truncate(m.cache_len):
-        return False
-    engine.cache.truncate(m.cache_len)
-    engine.ledger.truncate(m.cache_len)
-    engine.conv.messages[:] = [dict(x) for x in m.messages]
-    engine.conv.fed, engine.last_logits, engine.reply_turn = m.fed, m.last_logits, m.reply_turn
+    """Back to `m`: exactly when nothing was evicted since. When something was (once the cache is full a reply's
+    first token evicts the oldest tokens, so regenerating or editing the last turn was a 409 from turn 4 on), the
+    tokens fed after `m` are taken off the end and `m`'s last token is fed again, so the next token's logits are
+    this cache's own (the evicted tokens stay evicted). False where it cannot (the cache cannot drop its tail, or
+    tokens fed after `m` were evicted)."""
+    eng, led = engine, engine.ledger
+    if led.evicted == m.evicted:
+        if not eng.cache.can_truncate(m.cache_len):
+            return False
+        eng.cache.truncate(m.cache_len)
+        led.truncate(m.cache_len)
+        last = m.last_logits
+    else:
+        at = refeed_slot(eng, m)
+        if at is None or not eng.cache.can_truncate(at):
+            return False
+        tok = led.ids[at]
+        eng.cache.truncate(at)
+        led.truncate(at)
+        for _ in eng.feed_ids([tok]):
+            pass
+        last = eng.last_logits
+    eng.conv.messages[:] = [dict(x) for x in m.messages]
+    eng.conv.fed, eng.last_logits, eng.reply_turn = m.fed, last, m.reply_turn
     return True
 
 
@@ -238,7 +269,7 @@ class SessionStore:
         from sinkchat.store.snapshot import save_snapshot
 
         evicted = self.engine.ledger.evicted
-        sess.marks = {i: m for i, m in sess.marks.items() if m.evicted == evicted}
+        sess.marks = {i: m for i, m in sess.marks.items() if reachable(self.engine, m)}
         if sess.sid is None:  # a stateless request is over: its conversation (and memory) goes now
             if sess is self.active:
                 self._park()
