@@ -235,6 +235,12 @@ def test_completions_and_models(served):
     url = served[0]
     models = httpx.get(url + "/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
+    one = httpx.get(url + f"/v1/models/{MODEL}")  # the openai client's models.retrieve (it was a 404: no route)
+    assert one.status_code == 200 and one.json()["id"] == MODEL and one.json()["object"] == "model"
+    assert httpx.get(url + "/v1/models/gpt-4o").json()["error"]["code"] == "model_not_found"
+    for msg in ({"role": "user"}, {"role": "user", "content": None}):  # OpenAI: a 400 (was a 200)
+        r0 = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": [msg]})
+        assert r0.status_code == 400 and "content is required" in r0.json()["error"]["message"], r0.text
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 3}).json()
     assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 3
 
@@ -307,6 +313,7 @@ def test_queue_limit_and_disconnect(served):
             time.sleep(0.02)
         third = post(url, {"model": MODEL, "messages": [{"role": "user", "content": "third"}]})
         assert third.status_code == 429 and third.json()["error"]["code"] == "queue_full"
+        assert third.headers.get("retry-after") == "1"
     # the client is gone: the stream stopped well before 5000 tokens, and the queued request got its answer
     waiting.join(60)
     assert box["r"].status_code == 200

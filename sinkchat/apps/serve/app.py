@@ -31,7 +31,8 @@ SESSION_HEADER = "x-session-id"
 
 
 def error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": "1"} if e.status == 429 else None  # the openai client waits this long, then retries
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class Server:
@@ -241,6 +242,15 @@ def build_app(server: Server) -> Starlette:
         return JSONResponse({"object": "list", "data": [{"id": server.model_id, "object": "model",
                                                           "created": server.created, "owned_by": "sinkchat"}]})
 
+    async def model(request: Request) -> Response:
+        server.check_auth(request)
+        mid = request.path_params["mid"]
+        if mid not in (server.model_id, "sinkchat"):
+            raise ApiError(404, f"the model {mid!r} does not exist; this server serves {server.model_id!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse({"id": server.model_id, "object": "model", "created": server.created,
+                             "owned_by": "sinkchat"})
+
     async def session(request: Request) -> Response:
         server.check_auth(request)
         sid = request.path_params["sid"]
@@ -273,6 +283,7 @@ def build_app(server: Server) -> Starlette:
     routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{mid:path}", model, methods=["GET"]),
               Route("/v1/sessions/{sid}", session, methods=["GET", "DELETE"]),
               Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,

@@ -107,6 +107,8 @@ def _message(m: Any, i: int) -> Msg:
     call_id = m.get("tool_call_id")
     if role == "tool" and not isinstance(call_id, str):
         raise bad(f"{where}: a tool message needs tool_call_id", f"{where}.tool_call_id")
+    if m.get("content") is None and not (role == "assistant" and calls):  # as OpenAI: only a tool-calling
+        raise bad(f"{where}.content is required for a {role} message", f"{where}.content")  # assistant turn has none
     return Msg(role, _text(m.get("content"), f"{where}.content"), tuple(calls), call_id if role == "tool" else None)
 
 
