@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -435,7 +436,9 @@ def test_memory_words_a_user_audit_found_wrong(tmp_path):
     loop.run(lines_reader(["/memory off no", f"/save {tmp_path / 's'}"]))
     assert "('no' is not yes)" in err.getvalue() and loop.engine.memory is mem
     assert any(f"the recall memory's {mem.blocks} blocks ({mem.tokens} tokens) beside it" in t for t in shown.texts())
+    loop.metrics.gauge = replace(loop.metrics.gauge, memory=0.24)  # as measured at the last reply
     loop.run(lines_reader(["/forget yes", "/memory"]))
+    assert loop.metrics.gauge.memory == 0.0  # the toolbar showed `mem 0.24` beside `mem 0 blk`
     text = "\n".join(shown.texts())
     assert "the memory holds those" not in text and ("let go while the memory held their blocks" in text
                                                       or not mem.copies)

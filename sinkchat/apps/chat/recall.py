@@ -168,6 +168,9 @@ def _drop(loop: ChatHost, reason: str) -> list[Any]:
         loop.slog.eviction(ev)
         loop.r.eviction(ev)
     loop.last_recalled = []
+    g = loop.metrics.gauge
+    if g is not None and getattr(g, "memory", None):  # its share on recalled slots measured a memory now gone
+        loop.metrics.gauge = replace(g, memory=0.0, memory_per_layer=tuple(0.0 for _ in g.memory_per_layer))
     return events
 
 
