@@ -374,6 +374,27 @@ def test_api_key_and_host_guard():
     assert out.returncode == 2 and "give --api-key" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_port_in_use_is_one_line_before_the_model_loads(served, tmp_path):
+    """A user audit: a port already in use was found after the model loaded (`sinkchat serve: model ...` printed),
+    then uvicorn's `ERROR: [Errno 98]`, exit 3."""
+    import socket
+
+    _, model, _ = served
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        env = {**os.environ, "SINKCHAT_HOME": str(tmp_path / "home")}
+        out = subprocess.run([sys.executable, "-m", "sinkchat", "serve", "--model", str(model), "--quant", "none",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        busy.close()
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in out.stderr, out.stderr
+    assert "sinkchat serve: model" not in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.slow  # two real servers on the bundled model, ~13 s idle; the CLI's memory through a kill -9: test_memory_persist / test_resume
 def test_sessions_keep_their_own_recall_memory_through_a_kill_9(tmp_path):
     """--memory on: each session evicts into a memory of its own (its figures add up: evicted == held + forgotten),

@@ -6,6 +6,7 @@ anyone who reaches the port could otherwise run the model and read every session
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import signal
@@ -71,6 +72,7 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     from sinkchat.apps.serve.runner import Runner
     from sinkchat.apps.serve.sessions import SessionStore
 
+    sock = _bind(host, port)  # before the model loads: a port in use was found only after it (uvicorn's error)
     engine = start(settings, None, lambda m: click.echo(m, err=True)).engine
     mid = model_id(getattr(engine.loaded, "source", None) or settings.model.model)
     store = SessionStore(engine, store_dir, max_sessions, None if no_log else _log_opener(engine, mid))
@@ -84,7 +86,7 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     _announce(srv, host)
     signal.signal(signal.SIGTERM, _terminated)  # uvicorn drains, puts this back and raises the signal again
     try:
-        srv.run()
+        srv.run(sockets=[sock])
     except SystemExit as e:  # (`_terminated`): say so, as a user stopping the service reads its log
         if e.code == 128 + signal.SIGTERM:
             click.echo(f"sinkchat serve: stopped by SIGTERM (requests in flight had up to {STOP_GRACE:g} s to finish); "
@@ -93,6 +95,27 @@ def _serve(settings: Any, host: str, port: int, api_key: str | None, system: str
     finally:
         server.executor.shutdown(wait=True, cancel_futures=True)
         store.close()
+
+
+def _bind(host: str, port: int) -> Any:
+    """The server's socket, bound now (uvicorn listens on it): ConfigError in one line when the address is taken
+    or cannot be had."""
+    import socket
+
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError as e:
+        sock.close()
+        why = "the port is in use (another server?)" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _terminated(signum: int, frame: Any) -> None:
