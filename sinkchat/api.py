@@ -150,7 +150,7 @@ class Session:
             raise ConfigError(f"unknown sampling setting {', '.join(map(repr, unknown))}; "
                               f"sampling: {', '.join(SAMPLING_KEYS)}, stop")
         stop = sampling.pop("stop", None) or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(stop)
+        stop = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else (None,)
         if not all(isinstance(x, str) and x for x in stop):
             raise ConfigError("stop must be a string or a list of non-empty strings")
         sampling = {k: v for k, v in sampling.items() if v is not None}

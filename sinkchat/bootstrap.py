@@ -226,19 +226,21 @@ def open_engine(settings: Settings, system: str | None, progress: Callable[[str]
                   gauge_every=settings.gauge_every, kv_dtype=m.kv_dtype, memory=open_memory(settings, loaded.spec))
 
 
-def block_bytes(cfg: Any, spec: Any) -> int:
+def block_bytes(cfg: Any, spec: Any, width: int = 2) -> int:
     """Bytes of one stored block's keys and values at least (its record on disk is this plus a header and its token
-    ids): 16 bits (a float32 cache stores 32), or int8 with an fp32 scale per token, layer, KV head and K / V."""
+    ids): the cache's own `width` bytes a value at 16 bits (a float32 cache stores 4), or int8 with an fp32 scale
+    per token, layer, KV head and K / V."""
     rows = cfg.block * len(spec.global_layers) * spec.n_kv * 2  # per token, layer and KV head: a key and a value
-    return rows * spec.head_dim * 2 if cfg.bits == 16 else rows * (spec.head_dim + 4)
+    return rows * spec.head_dim * width if cfg.bits == 16 else rows * (spec.head_dim + 4)
 
 
-def check_budget(cfg: Any, spec: Any) -> None:
+def check_budget(cfg: Any, spec: Any, kv_dtype: str = "auto") -> None:
     """ConfigError when --memory-budget cannot hold one block of this model (every block was then reported
-    forgotten, each with `[Errno 27] one block (1475740 bytes) exceeds the memory budget`)."""
+    forgotten, each with `[Errno 27] one block (1475740 bytes) exceeds the memory budget`). `auto` is taken as
+    bfloat16 (what the native step stores); a float32 cache that `auto` gives elsewhere is still reported per block."""
     from sinkchat.core.metrics import human_bytes
 
-    need = block_bytes(cfg, spec)
+    need = block_bytes(cfg, spec, 4 if kv_dtype == "float32" else 2)
     if need > cfg.budget_mb << 20:
         raise ConfigError(f"--memory-budget {cfg.budget_mb} MiB holds no block: a block of {cfg.block} tokens takes "
                           f"at least {human_bytes(need)} on this model (a larger --memory-budget, or a smaller "
@@ -259,7 +261,7 @@ def open_memory(settings: Settings, spec: Any) -> Any:
 
     if settings.cache.policy != "sink":
         raise ConfigError("--memory on keeps what the sink policy evicts: use --policy sink")
-    check_budget(settings.memory, spec)
+    check_budget(settings.memory, spec, settings.model.kv_dtype)
     root = data_dir() / "memory" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     try:
         memory = RecallMemory.for_spec(settings.memory, spec, root)

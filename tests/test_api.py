@@ -141,6 +141,7 @@ def test_readme_example_runs(tiny_dir, tmp_path, monkeypatch):
     ({"temperature": "x"}, "temperature must be a number, not 'x'"),
     ({"max_tokens": 2.5}, "max_tokens must be a whole number"),
     ({"stop": [""]}, "stop must be"),
+    ({"stop": 5}, "stop must be"),
     ({"role": "bogus"}, "role must be one of user, system, assistant"),
 ])
 def test_a_refused_call_changes_nothing(tiny_dir, bad, match):

@@ -385,6 +385,8 @@ def test_a_memory_budget_that_holds_no_block_is_refused_at_start(tmp_path):
         check_budget(MemoryConfig("on", 1), smol)
     check_budget(MemoryConfig("on", 2), smol)
     check_budget(MemoryConfig("on", 1, bits=8), smol)  # 0.74 MiB a block
+    with pytest.raises(ConfigError, match=r"takes at least 2\.8 MiB"):  # a float32 cache: 4 bytes a value
+        check_budget(MemoryConfig("on", 2), smol, "float32")
     loop, _, _ = make(tmp_path / "m")
     loop.run(lines_reader([LONG]))
     mem = loop.engine.memory

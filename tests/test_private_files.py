@@ -57,3 +57,21 @@ def test_the_chat_input_history_is_private(tmp_path: Path) -> None:
         assert hist.is_file() and mode(hist) == 0o600 and mode(hist.parent) == 0o700
     finally:
         os.umask(old)
+
+
+def test_a_snapshot_file_is_private(tmp_path: Path) -> None:
+    """A reviewer: safetensors wrote the snapshot with the umask's 0644, and its header holds the conversation."""
+    from fakes import CharTokenizer, tiny_model
+    from sinkchat.config import CacheConfig, SamplingConfig
+    from sinkchat.core.engine import Engine
+    from sinkchat.store.snapshot import save_snapshot
+
+    old = os.umask(0o022)
+    try:
+        eng = Engine(tiny_model("llama", layers=1), CharTokenizer(), CacheConfig(capacity=64),
+                     SamplingConfig(temperature=0, max_tokens=2), system="be brief")
+        list(eng.add_message("user", "my pin is 8812"))
+        p = save_snapshot(eng, tmp_path / "snaps" / "s.safetensors")
+        assert mode(p) == 0o600 and mode(p.parent) == 0o700
+    finally:
+        os.umask(old)

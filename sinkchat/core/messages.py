@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterator
 
 from sinkchat.config import ConfigError
 from sinkchat.core.events import Event
 from sinkchat.core.interrupts import deferred_sigint
-from sinkchat.core.literal import control_pattern, text_ids
+from sinkchat.core.literal import Span, control_pattern, placed, shifted, text_ids
 
 if TYPE_CHECKING:
     from sinkchat.core.engine import Engine
@@ -31,7 +32,7 @@ def pinned_prefix(eng: Engine) -> str:
     if c.pin != "system" or c.policy != "sink" or eng.cache.length or not eng.conv.system:
         return ""
     block = eng.conv.system_block()
-    n = len(message_ids(eng, block)) if block else 0
+    n = len(spans_ids(eng, block, system_spans(eng, block))) if block else 0
     least = max(8, c.capacity // 4)  # a window under a quarter of the cache would evict every few tokens
     if n and c.capacity - n < least:
         need = n + 8
@@ -77,28 +78,60 @@ def add_message(eng: Engine, role: str, content: str, add_generation_prompt: boo
     with taken_back(eng):
         close = closing(eng) if recall and role == "user" else ""
         delta = eng.conv.delta_for(role, content, add_generation_prompt)
+        spans = literal_spans(eng, delta, content, add_generation_prompt)  # fed as text (core/literal.py)
         if prefix and delta.startswith(prefix):  # the system block first, on its own: it is what gets pinned
-            yield from eng.feed_ids(message_ids(eng, prefix))
+            yield from eng.feed_ids(spans_ids(eng, prefix, spans))
             eng.ledger.pinned = eng.cache.length
-            delta = delta[len(prefix) :]
-        ids = message_ids(eng, delta, content)
+            delta, spans = delta[len(prefix) :], shifted(spans, -len(prefix))
+        ids = spans_ids(eng, delta, spans)
         if recall and role == "user":  # what the memory holds that the message names, read again before it, at
             head = eng.encode(close) if close and delta.startswith(close) else []
-            if head and head + message_ids(eng, delta[len(close) :], content) != ids:  # a turn boundary: after the
-                head = []  # last turn's close (not inside it), where the text splits there into the same tokens
+            if head and head + spans_ids(eng, delta[len(close) :], shifted(spans, -len(close))) != ids:  # a turn
+                head = []  # boundary: after the last turn's close (not inside it), where the text splits the same
             yield from eng.feed_query(ids[len(head) :], head)
         else:
             yield from eng.feed_ids(ids)
         eng.reply_turn = add_generation_prompt
 
 
-def message_ids(eng: Engine, text: str, content: str | None = None) -> list[int]:
-    """Token ids of template text, the message's `content` and the system prompt read as text (core/literal.py:
-    a control token's text typed in them is not that token)."""
+def literal_spans(eng: Engine, delta: str, content: str, add_generation_prompt: bool) -> list[Span]:
+    """Where the new message's content and the system prompt sit in `delta` (core/literal.py), for those that hold a
+    control token's text: found by rendering the same turn with a placeholder in their place."""
+    pattern, conv = _pattern(eng), eng.conv
+    if pattern is None:
+        return []
+    spans = []
+    if content and pattern.search(content):
+        span = placed(lambda x: conv.last_delta_with(x, delta, add_generation_prompt), delta, content)
+        if span is None:
+            log.warning("a message holds a control token's text and the chat template changed it: fed as rendered")
+        spans += [span] if span else []
+    return spans + system_spans(eng, delta)
+
+
+def system_spans(eng: Engine, text: str) -> list[Span]:
+    """Where the system prompt sits in `text` when `text` starts with the system block and the prompt holds a
+    control token's text."""
+    pattern, conv = _pattern(eng), eng.conv
+    if pattern is None or not conv.system or not pattern.search(conv.system):
+        return []
+    block = conv.system_block()
+    if not block or not text.startswith(block):
+        return []
+    span = placed(lambda x: replace(conv, system=x, messages=[], fed="").system_block() or None, block, conv.system)
+    return [span] if span else []
+
+
+def _pattern(eng: Engine) -> Any:
     pattern = eng.__dict__.get("_control_re", False)
     if pattern is False:
         pattern = eng.__dict__["_control_re"] = control_pattern(eng.tokenizer)
-    return text_ids(eng.encode, pattern, text, (content, eng.conv.system))
+    return pattern
+
+
+def spans_ids(eng: Engine, text: str, spans: list[Span]) -> list[int]:
+    """Token ids of `text`, the control texts inside `spans` read as text (`literal.text_ids`)."""
+    return text_ids(eng.encode, _pattern(eng), text, spans)
 
 
 def closing(eng: Engine) -> str:
@@ -131,7 +164,7 @@ def feed_system(eng: Engine) -> Iterator[Event]:
     with taken_back(eng):
         pin = pinned_prefix(eng) == block
         conv.fed = block  # before the feed, as `delta_for` records it: a cut feed that evicted keeps what it fed
-        yield from eng.feed_ids(message_ids(eng, block))
+        yield from eng.feed_ids(spans_ids(eng, block, system_spans(eng, block)))
         if pin:
             eng.ledger.pinned = eng.cache.length
         eng.reply_turn = False

@@ -39,19 +39,29 @@ class Conversation:
         if len(self.messages) >= self.max_messages:
             self.trim(self.max_messages // 2)
         self.messages.append({"role": role, "content": content})
-        full = self._render(self.messages, add_generation_prompt)
-        if full.startswith(self.fed):
-            delta = full[len(self.fed) :]
-        else:
-            # Templates that rewrite history (date stamps, dropped reasoning) cannot be extended by prefix; fall back
-            # to rendering the closing of the last turn plus the new message alone.
-            log.warning("chat template is not prefix-stable; templating the new turn on its own")
-            prev = self._render(self.messages[:-1], False)
-            alone = self._render(self.messages, add_generation_prompt)
-            common = _common_prefix_len(prev, alone)
-            delta = _closing(self.fed, prev) + alone[common:]
+        delta = self._delta(self.messages, self.fed, add_generation_prompt, warn=True)
         self.fed += delta
         return delta
+
+    def _delta(self, messages: list[dict[str, str]], fed: str, add_generation_prompt: bool, warn: bool = False
+               ) -> str:
+        full = self._render(messages, add_generation_prompt)
+        if full.startswith(fed):
+            return full[len(fed) :]
+        # Templates that rewrite history (date stamps, dropped reasoning) cannot be extended by prefix; fall back
+        # to rendering the closing of the last turn plus the new message alone.
+        if warn:
+            log.warning("chat template is not prefix-stable; templating the new turn on its own")
+        prev = self._render(messages[:-1], False)
+        alone = self._render(messages, add_generation_prompt)
+        common = _common_prefix_len(prev, alone)
+        return _closing(fed, prev) + alone[common:]
+
+    def last_delta_with(self, content: str, delta: str, add_generation_prompt: bool) -> str:
+        """The last message's delta (`delta`, as `delta_for` returned it) had its content been `content`: a probe
+        for where the template put the content (core/literal.py); nothing is recorded."""
+        last = {**self.messages[-1], "content": content}
+        return self._delta(self.messages[:-1] + [last], self.fed[: len(self.fed) - len(delta)], add_generation_prompt)
 
     def system_block(self) -> str:
         """The template text of the system message alone (what a conversation's rendering starts with), or "" where

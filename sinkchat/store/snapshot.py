@@ -169,6 +169,7 @@ def _atomic_save(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: P
         private_dir(path.parent)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=meta)
         with open(tmp, "rb+") as f:
+            os.fchmod(f.fileno(), 0o600)  # the conversation's text is in its header: the user's alone
             os.fsync(f.fileno())
         os.replace(tmp, path)
         try:

@@ -107,10 +107,11 @@ class Server:
             loop.call_soon_threadsafe(lambda: ready.done() or ready.set_result(True))
 
         halted = threading.Event()  # the shutdown's grace ran out (not the client going away)
+        gone = threading.Event()  # the client went away: a prompt being fed stops too (the deadline lets it end)
         fut = loop.run_in_executor(self.executor, self.runner.chat, req, sid, put if req.stream else _noop,
-                                   cancelled, on_ready)
+                                   cancelled, on_ready, gone)
         watch = loop.create_task(self._deadline(cancelled, halted))
-        client = loop.create_task(self._client_gone(request, req.stream, fut, ready, cancelled))
+        client = loop.create_task(self._client_gone(request, req.stream, fut, ready, cancelled, gone))
         fut.add_done_callback(lambda f: self._release(f, queue, ready, watch, client))
         if not req.stream:
             try:
@@ -127,12 +128,13 @@ class Server:
         return EventSourceResponse(self.events(req, chat, queue, fut, cancelled, halted), ping=15)
 
     async def _client_gone(self, request: Request | None, stream: bool, fut: Any, ready: Any,
-                           cancelled: threading.Event) -> None:
+                           cancelled: threading.Event, gone: threading.Event) -> None:
         """A client that goes away stops its request: a reply not streamed, or a stream's prompt still being fed
         (a disconnect 1.5 s into a 400-token reply still generated all of it, and the next request waited 8.9 s;
         a started stream is watched by sse-starlette, which ends the reply at the next token)."""
         while request is not None and not fut.done() and not (stream and ready.done()):
             if await request.is_disconnected():
+                gone.set()
                 cancelled.set()
                 return
             await asyncio.sleep(0.2)

@@ -3,9 +3,10 @@ generate (constrained when the request has tools or a response_format), and reco
 
 How a request meets its session (documented in docs/serve.md):
 - its messages extend the history: only the new ones are fed (`cached_tokens` says how much was already there);
-- they diverge from it: the cache goes back to the last message both share, when nothing was evicted since (a
-  truncation), and the rest is fed; when the tokens to go back to are evicted already, the answer is a 409
-  `session_diverged` error (start a new session id, or send the history the session holds);
+- they diverge from it: the cache goes back to the last message both share while its tokens are in the cache (a
+  truncation, and its last token fed again when older tokens were evicted since), and the rest is fed; when the
+  tokens to go back to are evicted already, the answer is a 409 `session_diverged` error (start a new session id,
+  or send the history the session holds);
 - a different system prompt or tool list is a new conversation in the same session (same rule: only while nothing
   was evicted).
 Tool results are fed as user messages (`[tool result]` + text), so any chat template takes them; tool calls are fed
@@ -82,15 +83,15 @@ class Runner:
 
     def __init__(self, engine: Any, store: SessionStore, default_system: str | None = None) -> None:
         self.engine, self.store, self.default_system = engine, store, default_system
-        self.cancelled = threading.Event()  # the running request's
+        self.client_gone = threading.Event()  # the running request's client went away (not the shutdown's deadline)
 
     def chat(self, req: ChatRequest, sid: str | None, emit: Callable[[str], None], cancelled: threading.Event,
-             on_ready: Callable[[], None] = lambda: None) -> Result:
+             on_ready: Callable[[], None] = lambda: None, client_gone: threading.Event | None = None) -> Result:
         """Answer `req` in session `sid` (None: stateless); `emit` gets text pieces as they come (not for a tool
         call, whose arguments are only whole at the end); `cancelled` set stops the reply. `on_ready` is called
         once the prompt is in the cache: a streaming response starts then, so every error before it (a bad
         schema, a diverged session) is still an HTTP status, not an event in a started stream."""
-        self.cancelled = cancelled  # also checked between a long prompt's chunks (`_feed`)
+        self.client_gone = client_gone or threading.Event()  # checked between a long prompt's chunks (`_feed`)
         constraint = self._constraint(req)  # a schema that does not compile: 400 before the session is touched
         if req.system is None and req.raw_prompt is None:
             req.system = self.default_system
@@ -132,7 +133,7 @@ class Runner:
         try:
             for ev in gen:
                 sess.evictions += type(ev).__name__ == "EvictionEvent"
-                if self.cancelled.is_set():
+                if self.client_gone.is_set():
                     raise ApiError(499, "the client closed the request", code="client_closed")
         finally:
             gen.close()
@@ -183,7 +184,7 @@ class Runner:
             try:
                 for ev in gen:
                     sess.evictions += type(ev).__name__ == "EvictionEvent"
-                    if self.cancelled.is_set():  # the client went away mid-prompt: the message is taken back
+                    if self.client_gone.is_set():  # the client went away mid-prompt: the message is taken back
                         raise ApiError(499, "the client closed the request", code="client_closed")
             finally:
                 gen.close()

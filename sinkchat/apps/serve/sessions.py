@@ -2,8 +2,8 @@
 
 A session is an `api.EngineState` (its own cache buffers, ledger, template state) plus what the client has sent and
 been answered (`history`, normalized `Msg`s) and `marks`: the cache length after each message, so a request that
-diverges from the history can go back to the common prefix while nothing was evicted since (a truncation, no
-recompute). Every session is written through to its snapshot file (`<store>/<id>.safetensors`, the chat REPL's
+diverges from the history can go back to the common prefix while its tokens are still in the cache (a truncation;
+when older tokens were evicted since, the prefix's last token is fed again: `rollback`). Every session is written through to its snapshot file (`<store>/<id>.safetensors`, the chat REPL's
 snapshot format, with the history and the marks in its `extra`) after each request, so:
 
 - at most `max_ram` sessions stay in RAM; the least recently used one is simply dropped and reloaded on demand;
