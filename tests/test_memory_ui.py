@@ -425,7 +425,7 @@ def test_a_blocks_age_is_its_texts_not_the_time_it_was_stored(tmp_path, monkeypa
         want = max(t for start, t in fed_at if start <= w.first)
         assert mem.born[bid] == want, (bid, w.first, mem.born[bid], want)
     assert len({mem.born[b] for b in mem.store.where}) > 1  # blocks of different messages, different ages
-    assert len(mem.fed_at) <= 8  # entries no block needs any more went
+    assert len(mem.fed) <= 8  # entries no block needs any more went
 
 
 def test_memory_words_a_user_audit_found_wrong(tmp_path):

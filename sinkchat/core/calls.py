@@ -55,7 +55,7 @@ def recall(eng: Engine, ids: list[int]) -> tuple[int, int]:
     (`Engine._forgotten`)."""
     if eng.memory is None:
         return 0, 0
-    eng.memory.note_fed(int(eng.ledger.seen))  # the stream index of this call's first token (its text's age)
+    eng.memory.fed.note(int(eng.ledger.seen))  # the stream index of this call's first token (its text's age)
     used, lost = eng.memory.prepare(eng.cache, eng.pinned_slots(), len(ids) == 1, ids=ids)
     eng._forgotten += lost
     return eng.memory.region, used

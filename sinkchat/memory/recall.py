@@ -21,11 +21,8 @@ Blocks the budget removes, or that fail to write or to read back, are reported (
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +32,7 @@ import torch
 from sinkchat.config import MemoryConfig
 from sinkchat.memory.blocks import Block, bound_queries, bounds, representatives, rotate
 from sinkchat.memory.events import ForgottenEvent
+from sinkchat.memory.fedclock import FedClock
 from sinkchat.memory.heap import trim_heap
 from sinkchat.memory.index import Index
 from sinkchat.memory.lexical import Lexicon
@@ -97,7 +95,7 @@ class RecallMemory:
         self.copies = 0  # of them: copies of stored blocks read again (`Engine.feed_query`) let go, nothing lost
         self.held = 0  # queued tokens at the queue's front not attended: set aside (`hold_queue`), not the window's
         self.born: dict[int, float] = {}  # block id -> wall time its first token was fed (its text's age)
-        self.fed_at: list[tuple[int, float]] = []  # (stream index, wall time) of calls not yet stored (`note_fed`)
+        self.fed = FedClock()  # when each call's tokens were fed (`note_fed`): the age `born` is
         self.recalled: dict[int, int] = {}  # block id -> most layers it was in at one call, since `take_recalled`
         self.reread: set[int] = set()  # blocks read again as text since `take_recalled` (`Engine.feed_query`)
 
@@ -210,29 +208,10 @@ class RecallMemory:
             log.warning("recall memory: block of tokens %d..%d not stored (%s)", block.first, block.last, e)
             return [self._forgot(block.n, block.first, block.last, "disk")]
         events = [self._unindex(w, bid) for bid, w in dropped]
-        self.born[block.id] = self._fed_time(block.first, block.last)
+        self.born[block.id] = self.fed.time_of(block.first, block.last)
         self.index.add(block.id, self.index_rows(block))
         self.lexicon.add(block.id, block.ids.tolist())
         return events
-
-    def note_fed(self, start: int) -> None:
-        """A model call feeds the stream from index `start` now: the age a block's text is shown with (`born`) is
-        the time its first token was fed, not the time the block was stored (a fact typed a minute before showed
-        "1 s ago" when it left the window). One entry a second at most; a stream started over starts them over."""
-        now = time.time()
-        if self.fed_at and start < self.fed_at[-1][0]:
-            self.fed_at = []
-        if not self.fed_at or now - self.fed_at[-1][1] >= 1.0:
-            self.fed_at.append((start, now))
-
-    def _fed_time(self, first: int, last: int) -> float:
-        """When stream index `first` was fed (now, where no call recorded it: a loaded session's window); the
-        entries only blocks before `last` needed go."""
-        at = bisect.bisect_right(self.fed_at, (first, math.inf)) - 1
-        t = self.fed_at[at][1] if at >= 0 else time.time()
-        keep = max(0, bisect.bisect_right(self.fed_at, (last, math.inf)) - 1)
-        del self.fed_at[:keep]
-        return t
 
     def index_rows(self, block: Block) -> torch.Tensor:
         """A block's index rows [M, H_kv, r, W] in its keys' dtype, from its un-rotated keys (`RULE`)."""

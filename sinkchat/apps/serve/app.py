@@ -89,6 +89,20 @@ class Server:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
+    async def session(self, request: Request) -> Response:
+        """GET /v1/sessions/{id}: its figures; DELETE: the session goes (between requests: the generation thread)."""
+        self.check_auth(request)
+        sid = request.path_params["sid"]
+        if request.method == "DELETE":
+            gone = await asyncio.get_running_loop().run_in_executor(self.executor, self.runner.store.delete, sid)
+            if not gone:
+                raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+            return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
+        st = self.runner.store.status(sid)
+        if st is None:
+            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+        return JSONResponse(st)
+
     # ---------------------------------------------------------------------------------------- running
     async def run(self, req: ChatRequest, sid: str | None, chat: bool, request: Request | None = None) -> Response:
         if self.admitted > self.max_queue:
@@ -253,19 +267,6 @@ def build_app(server: Server) -> Starlette:
         return JSONResponse({"id": server.model_id, "object": "model", "created": server.created,
                              "owned_by": "sinkchat"})
 
-    async def session(request: Request) -> Response:
-        server.check_auth(request)
-        sid = request.path_params["sid"]
-        if request.method == "DELETE":
-            gone = await asyncio.get_running_loop().run_in_executor(server.executor, server.runner.store.delete, sid)
-            if not gone:
-                raise ApiError(404, f"no session {sid!r}", code="session_not_found")
-            return JSONResponse({"id": sid, "object": "session.deleted", "deleted": True})
-        st = server.runner.store.status(sid)
-        if st is None:
-            raise ApiError(404, f"no session {sid!r}", code="session_not_found")
-        return JSONResponse(st)
-
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": server.model_id, "queue": server.admitted})
 
@@ -286,7 +287,7 @@ def build_app(server: Server) -> Starlette:
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/models", models, methods=["GET"]),
               Route("/v1/models/{mid:path}", model, methods=["GET"]),
-              Route("/v1/sessions/{sid}", session, methods=["GET", "DELETE"]),
+              Route("/v1/sessions/{sid}", server.session, methods=["GET", "DELETE"]),
               Route("/health", health, methods=["GET"])]
     return Starlette(routes=routes, exception_handlers={ApiError: api_error, HTTPException: http_error,
                                                         Exception: crash})
