@@ -243,6 +243,13 @@ def test_completions_and_models(served):
         assert r0.status_code == 400 and "content is required" in r0.json()["error"]["message"], r0.text
     r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon", "max_tokens": 3}).json()
     assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 3
+    ask = {"model": MODEL, "prompt": "Once upon", "max_tokens": 1}
+    for extra, param in (({"n": 3}, "n"), ({"best_of": 2}, "best_of"), ({"echo": True}, "echo"),
+                         ({"logprobs": 2}, "logprobs"), ({"suffix": "end"}, "suffix")):  # were silently ignored
+        r1 = httpx.post(url + "/v1/completions", json={**ask, **extra})
+        assert r1.status_code == 400 and r1.json()["error"]["param"] == param, r1.text
+    ok = {**ask, "n": 1, "best_of": 1, "echo": False, "logprobs": None, "suffix": None}  # what clients send unset
+    assert httpx.post(url + "/v1/completions", json=ok).status_code == 200
 
 
 def test_second_server_continues_a_session_and_drains_on_sigterm(served, tmp_path):

@@ -224,9 +224,7 @@ def parse_chat(body: Any) -> ChatRequest:
     rest = msgs[lead:]
     if not rest or rest[-1].role == "assistant":
         raise bad("the last message must be a user, tool or system message (one to answer)", "messages")
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1 or not isinstance(n, int)):
-        raise bad("n must be 1: one choice per request", "n")
+    _one_choice(body)
     tools, choice = _tools(body)
     req = ChatRequest(body["model"], system, rest, tools, choice, _schema(body))
     if req.schema is not None and choice not in ("none", "auto"):
@@ -243,6 +241,18 @@ def parse_completion(body: Any) -> ChatRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise bad("prompt must be a non-empty string", "prompt")
+    _one_choice(body, "best_of")
+    for key, off in (("echo", False), ("suffix", ""), ("logprobs", 0)):  # were ignored while a chat request's n
+        if body.get(key) not in (None, off):  # was refused: the client would get less than it asked for
+            raise bad(f"{key} is not supported", key)
     req = ChatRequest(body["model"], None, [], raw_prompt=prompt)
     _common(body, req)
     return req
+
+
+def _one_choice(body: dict[str, Any], *more: str) -> None:
+    """`n` (and `best_of` for completions) other than 1 are refused: one choice per request."""
+    for key in ("n", *more):
+        v = body.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v != 1):
+            raise bad(f"{key} must be 1: one choice per request", key)
