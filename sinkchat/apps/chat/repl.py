@@ -311,7 +311,7 @@ def load_engine(settings: Any, system: str, tty: bool) -> Any:
               help="text: replies as plain text; jsonl: one JSON object per message line read (keys: question, "
                    "answer, tokens, finish_reason, seconds, prompt_tokens, prefill_seconds; error if it failed; "
                    "with --memory on, recalled: the memory blocks the turn read, each block, first, last (the stream "
-                   "range [first, last)), age_seconds, layers, of)")
+                   "range [first, last)), age_seconds (since its text was fed), layers, of, reread (read again as text))")
 @click.option("--separator", default=None, metavar="LINE",
               help="text format: print LINE on a line of its own after every answer (e.g. '---'), so answers "
                    "spanning several lines can be split")
