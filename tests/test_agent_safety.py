@@ -272,7 +272,7 @@ def test_a_policy_denial_says_who_denied_and_the_tool_is_no_longer_offered(bundl
     root = tmp_path / "ws"
     root.mkdir()
     approve = make_approver("never-shell", interactive=False, explicit=False)
-    eng = ScriptedEngine([call("shell", command="ls")] * 2 + [final("done")])
+    eng = ScriptedEngine([call("shell", command="ls")] * 2 + [final("the shell calls were not allowed")])
     agent = Agent(eng, build_default_tools(root, allow_shell=True), root, few_shot=False, approve=approve)
     events = list(agent.run("Use the shell tool to run: ls", 5))
     why = "shell calls are off without a terminal: --approve auto allows them"

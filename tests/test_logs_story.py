@@ -93,7 +93,8 @@ def test_agent_error_feedback_is_logged_after_its_reply(tmp_path):
     """Before: a reply with no valid tool call left no trace but the reply; what the model was told was lost."""
     slog = SessionLog.open("agent", "scripted", {})
     ws = Workspace(tmp_path / "ws", create=True)
-    eng = ScriptedEngine(["I will just chat instead.", '{"tool": "no_such_tool", "args": {}}', '{"final": "done"}'])
+    eng = ScriptedEngine(["I will just chat instead.", '{"tool": "no_such_tool", "args": {}}',
+                          '{"final": "there is no such tool"}'])  # not "done": no call ran ok (verify.py)
     agent = Agent(eng, build_default_tools(ws), ws, few_shot=False)
     fake = SimpleNamespace(cache=SimpleNamespace(length=0), ledger=SimpleNamespace(seen=0, evicted=0))
     display = Display(fake, Metrics(), False, 0, AgentLog(slog, fake))
@@ -105,7 +106,7 @@ def test_agent_error_feedback_is_logged_after_its_reply(tmp_path):
     assert [(e["turn_seq"], e["kind"]) for e in data["events"]] == [(2, "feedback"), (3, "feedback")]
     assert "no tool call" in data["events"][0]["text"] and "no_such_tool" in data["events"][1]["text"]
     shown = format_transcript(data)
-    order = ["I will just chat instead.", "[feedback]", "no_such_tool", "[feedback]", '{"final": "done"}']
+    order = ["I will just chat instead.", "[feedback]", "no_such_tool", "[feedback]", '{"final": "there is no such tool"}']
     pos, at = 0, []
     for s in order:
         pos = shown.index(s, pos)
