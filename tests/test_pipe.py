@@ -20,6 +20,7 @@ import time
 import pytest
 
 from sinkchat.apps.summarize.batching import Batcher
+from sinkchat.apps.summarize.digest import severities
 from sinkchat.apps.summarize.reader import (
     End, LineSplitter, Line, Notice, Reader, clean_line, follow_chunks, stream_chunks,
 )
@@ -37,10 +38,32 @@ def test_splitter_keeps_bounded_prefix_of_a_huge_line_split_across_reads():
     for i in range(0, len(big), 65536):
         out += sp.feed(big[i : i + 65536])
     out += sp.feed(b"\nnext\npartial")
-    assert [(len(k), t) for k, t in out] == [(100, 10_000_000), (4, 4)]
+    assert [(len(k), t, m) for k, t, m in out] == [(100, 10_000_000, ""), (4, 4, "")]
     assert len(sp.buf) <= 100
-    assert sp.flush() == (b"partial", 7)
+    assert sp.flush() == (b"partial", 7, "")
     assert sp.flush() is None
+
+
+def test_a_cut_line_keeps_its_end_and_names_the_severity_words_of_what_was_cut():
+    """A long payload, then "-> ERROR upstream failed": the cut kept the payload and the summary said "no errors".
+    The end is kept; a FATAL in a 10 MB middle, split across two reads, is named in the marker."""
+    sp = LineSplitter(100, tail=40)
+    line = b"INFO payload=" + b"a" * 5000 + b" -> ERROR upstream failed"
+    (kept, total, middle), = sp.feed(line + b"\n")
+    assert kept.endswith(b"-> ERROR upstream failed") and len(kept) == 140 and total == len(line) and middle == ""
+    text, cut = clean_line(kept, total, 160, middle)
+    assert cut and text.startswith("INFO payload=aaa") and text.endswith(" -> ERROR upstream failed"), text
+    assert f"{len(line)} bytes]" in text and len(text) < 160 + 40, text
+    big = b"x " * 2_000_000 + b"FATAL: worker lost " + b"y " * 2_000_000
+    cut_at = big.index(b"FATAL") + 2  # "FA" | "TAL"
+    out = sp.feed(big[:cut_at]) + sp.feed(big[cut_at:] + b"\n")
+    (kept, total, middle), = out
+    assert middle == "fatal" and len(kept) == 140 and total == len(big)
+    text, _ = clean_line(kept, total, 60, middle)
+    assert "the cut part holds fatal" in text and severities(text)["fatal"] == 1, text
+    raw = b"INFO " + b"b" * 300 + b" WARNING x " + b"c" * 300 + b" end"
+    text, cut = clean_line(raw, len(raw), 100)
+    assert cut and "620 chars; the cut part holds warning]" in text and text.endswith("c end"), text
 
 
 def test_clean_line_handles_crlf_invalid_utf8_control_bytes_ansi_and_length():
@@ -50,9 +73,9 @@ def test_clean_line_handles_crlf_invalid_utf8_control_bytes_ansi_and_length():
     raw = b"\x1b[31mred\x1b[0m\x00x\ty"
     assert clean_line(raw, len(raw), 50) == ("red\ufffdx\ty", False)
     text, cut = clean_line(b"x" * 40, 1000, 30)
-    assert cut and text.startswith("x" * 30) and "1000 bytes" in text and "xxxx" * 8 not in text
+    assert cut and text.startswith("x" * 23 + " …") and "1000 bytes" in text and "xxxx" * 8 not in text
     text, cut = clean_line("é".encode() * 40, 80, 30)
-    assert cut and text.startswith("é" * 30) and "40 chars" in text
+    assert cut and text.startswith("é" * 23 + " …") and "40 chars" in text
 
 
 def _read_all(data: bytes, **kw) -> list:

@@ -119,6 +119,18 @@ class _Template:
     changes: Counter[str] = field(default_factory=Counter)
     first_text: str = ""  # the first line of the kind this period, timestamp cut off
     token_lists: list[tuple[str, ...]] = field(default_factory=list)
+    # per severity / change key: [lines holding it, the first such line's number, its timestamp, its text]. Why
+    # apart from the kind's count and first line: Drain put an access log's 200 and 502 lines in one template, and
+    # "15 lines show error" quoted a 200 line where 5 lines were 502s
+    severity_at: dict[str, list[Any]] = field(default_factory=dict)
+    changes_at: dict[str, list[Any]] = field(default_factory=dict)
+
+    def mark(self, at: dict[str, list[Any]], keys: Counter[str], no: int, ts: str | None, text: str,
+             count: int) -> None:
+        """Count `count` lines ending at `no` under each of `keys`, keeping the first such line."""
+        for k in keys:
+            entry = at.setdefault(k, [0, no - count + 1, ts, text[:FIRST_TEXT_CHARS]])
+            entry[0] += count
 
 
 def _new_miner() -> Any:
@@ -185,6 +197,8 @@ class Digest:
         for k, v in chg.items():
             t.changes[k] += v * count
             self.changes[k] += v * count
+        t.mark(t.severity_at, sev, no, ts, content, count)
+        t.mark(t.changes_at, chg, no, ts, content, count)
         if sev:
             self._severe.append((no, text))
         elif chg:
@@ -206,8 +220,10 @@ class Digest:
                 item["first_ts"], item["last_ts"] = t.first_ts, t.last_ts
             if t.severity:
                 item["severity"] = dict(t.severity)
+                item["severity_at"] = {k: list(v) for k, v in t.severity_at.items()}
             if t.changes:
                 item["changes"] = dict(t.changes)
+                item["changes_at"] = {k: list(v) for k, v in t.changes_at.items()}
             if t.first_text:
                 item["first_text"] = t.first_text
             params, exact = _params(template, t.token_lists, t.count)
@@ -248,6 +264,15 @@ def _params(template: str, token_lists: list[tuple[str, ...]], count: int) -> tu
                 c[toks[i]] += 1
     params = [{"values": [v for v, _ in c.most_common(MAX_VALUES)], "distinct": len(c)} for c in counters if c]
     return params, len(token_lists) >= count
+
+
+def marks(t: dict[str, Any], field: str) -> dict[str, list[Any]]:
+    """Per key of a template's `field`: [lines holding it, the first such line's number, timestamp, text]. A record
+    from before these were kept falls back on the whole template (its count, first line and text)."""
+    at = t.get(field + "_at")
+    if at is not None:
+        return at
+    return {k: [t["count"], t["first_line"], t.get("first_ts"), t.get("first_text", "")] for k in t.get(field) or {}}
 
 
 def render(rec: dict[str, Any], count_tokens: Callable[[str], int], budget: int) -> str:

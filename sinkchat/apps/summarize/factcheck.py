@@ -25,7 +25,8 @@ from typing import Any, Callable
 
 import snowballstemmer
 
-from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, severities
+from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, marks, severities
+from sinkchat.apps.summarize.written import filled
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, FUNCTION_WORDS, NEGATIONS, SUMMARY_WORDS, negated
 
 NAME_RE = re.compile(r"(?<![\w/.-])(/?[A-Za-z0-9][\w+]*(?:[-_./:][\w+]+)+)")
@@ -60,6 +61,11 @@ def claims(summary: str) -> list[tuple[str, str]]:
     return out
 
 
+def _quotable(text: str) -> str:
+    """Text as a quote of it compares: whitespace collapsed, a double quote as the code's quotes show it (')."""
+    return " ".join(text.replace('"', "'").split())
+
+
 class Support:
     """What a summary may claim: the period's lines, their digest record and the period's own figures (line range,
     counts); the severity keys among them and the stems of their words."""
@@ -69,8 +75,13 @@ class Support:
         lines"). The question itself is never support: the prompt says "error, warning or failure", and a reply
         that echoes it must not back its own words."""
         joined = "\n".join(texts)
-        self.lines = [ln.lower() for ln in joined.splitlines()]
+        self.raw_lines = joined.splitlines()  # as written: a quote must be one's text (quoted.py)
+        self.lines = [ln.lower() for ln in self.raw_lines]
         self.text = joined.lower() + "\n" + numbers.lower()
+        self.kinds = [(_quotable(t.get("first_text", "")), t["count"]) for t in (digest or {}).get("templates", [])]
+        self.raw_digest = "\n".join(_quotable(x) for t in (digest or {}).get("templates", [])
+                                    for x in [t["template"], t.get("first_text", ""), filled(t)]
+                                    + [m[3] for f in ("severity", "changes") for m in marks(t, f).values()])
         self.severity = set(severities(joined))
         self.failures = set(changes(joined)) & FAILURE_CHANGES  # a traceback: "no errors" is contradicted (guard)
         if digest:
@@ -86,6 +97,7 @@ class Support:
         joined = "\n".join(texts)
         more = copy.copy(self)
         sev = set(severities(joined)) - self.severity
+        more.raw_lines = self.raw_lines + joined.splitlines()
         more.lines = self.lines + [ln.lower() for ln in joined.splitlines()]
         more.severity = self.severity | sev
         more.failures = self.failures | (set(changes(joined)) & FAILURE_CHANGES)
@@ -101,6 +113,12 @@ class Support:
         if kind == "number":
             return re.search(r"(?<![\d])" + re.escape(claim) + r"(?![\d])", self.text) is not None
         return claim.lower() in self.text
+
+    def kind_count(self, quote: str) -> int:
+        """The lines of the digest's kinds whose first line holds `quote` (lines summarized by the digest alone are
+        not among `raw_lines`)."""
+        q = _quotable(quote)
+        return sum(n for first, n in self.kinds if q and q in first)
 
     def backs_word(self, word: str) -> bool:
         """A content word occurs in the lines or digest, as written or by its stem."""
@@ -160,10 +178,11 @@ def _digest_text(d: dict[str, Any]) -> str:
              str(d.get("binary", "")), str(len(d.get("templates") or []))]  # "of 7 kinds"
     parts += [f"{k} {v}" for k, v in (d.get("severity") or {}).items()]
     parts += [f"{k} {v}" for k, v in (d.get("changes") or {}).items()]  # "1 line shows restart"
-    for key in d.get("changes") or {}:
-        parts.append(str(sum(t["count"] for t in d.get("templates", []) if key in (t.get("changes") or {}))))
-    for key in d.get("severity") or {}:  # "2 lines show error": the lines of the templates holding the key
-        parts.append(str(sum(t["count"] for t in d.get("templates", []) if key in (t.get("severity") or {}))))
+    for field in ("changes", "severity"):  # "2 lines show error": the lines holding the key, over its templates
+        for key in d.get(field) or {}:
+            at = [marks(t, field).get(key) for t in d.get("templates", [])]
+            parts.append(str(sum(m[0] for m in at if m)))
+            parts += [f"{m[1]} {m[2] or ''} {m[3]}" for m in at if m]  # the first line holding it, as quoted
     for t in d.get("templates", []):
         parts += [t["template"], t.get("first_text", ""), str(t["count"]), str(t["first_line"]), str(t["last_line"]),
                   str(t.get("first_ts") or ""), str(t.get("last_ts") or "")]

@@ -36,6 +36,7 @@ from sinkchat.apps.summarize.digest import (CHANGE_GROUP_TO_KEY, CHANGE_RE, SEVE
                                             severities)
 from sinkchat.apps.summarize.factcheck import (SENTENCE_END_RE, Support, _negated, claims,
                                                content_words, stem, stitched, unbacked_words, unsupported)
+from sinkchat.apps.summarize import quoted
 from sinkchat.apps.summarize.written import (MAX_INCIDENT_SENTENCES, NO_INCIDENT, UNREADABLE_RE,  # noqa: F401
                                              Incident, digest_summary, incident_sentence, incident_sentences,
                                              incidents, state_changes)
@@ -152,7 +153,7 @@ def problems(sentence: str, support: Support, echo: Echo) -> tuple[list[str], st
         return [], "unreadable characters"
     if echo(sentence) or _WILDCARD_RE.search(sentence):  # the digest's "status * libfoo *" copied back
         return [], "echoed the question"
-    bad = unsupported(sentence, support) + contradicted(sentence, support)
+    bad = unsupported(sentence, support) + contradicted(sentence, support) + quoted.problems(sentence, support)
     bad += [w for w in unbacked_words(sentence, support) if not any(w in b.lower() for b in bad)]  # not "nginx"
     bad += [c for c in stitched(sentence, support) if c.rsplit(" at ", 1)[0] not in bad]  # of "nginx.service"
     if bad:
@@ -213,6 +214,12 @@ def _cite(sentence: str, nos: list[int]) -> str:
     return sentence[:cut] + f" (earlier, at {where})" + (sentence[cut:] or ".")
 
 
+def cited(sentence: str) -> list[int]:
+    """The earlier line numbers a sentence kept by `_cite` names."""
+    m = re.search(r"\(earlier, at lines? ([\d, and]+)\)", sentence)
+    return [int(n) for n in re.findall(r"\d+", m.group(1))] if m else []
+
+
 def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None, question: str = "",
           earlier: list[tuple[int, str]] | None = None) -> Guarded:
     """Drop the sentences of a checked reply that may not be shown, then state what the digest shows that the
@@ -252,14 +259,26 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
     return _complete(g, kept, digest, support)
 
 
-def _refers(prose: str, stems: set[str], inc: Incident) -> bool:
+def _refers(prose: str, stems: set[str], inc: Incident, common: set[str]) -> bool:
     """The prose speaks of this incident, not just of its severity: it shares a content word or a name with the
-    incident's template ("The backup job failed with an error." does not name an ext4 error's remount)."""
-    words = content_words(inc.template.replace("<*>", " "))
+    incident's template ("The backup job failed with an error." does not name an ext4 error's remount). Words most
+    of the period's kinds of lines share (`common`: the host "web01" on every syslog line) tell no incident apart:
+    a sentence on nginx's lines named "web01", and the oom-kill line with it went unsaid."""
+    words = [w for w in content_words(inc.template.replace("<*>", " ")) if stem(w) not in common]
     names = [c.lower() for k, c in claims(inc.template) if k == "name"]
     if not words and not names:
         return True
     return any(stem(w) in stems for w in words) or any(n in prose.lower() for n in names)
+
+
+def _common(digest: dict[str, Any]) -> set[str]:
+    """Stems of the content words in more than half of the period's kinds of lines (two kinds or more)."""
+    temps = digest.get("templates") or []
+    seen: dict[str, int] = {}
+    for t in temps:
+        for s in {stem(w) for w in content_words(t["template"].replace("<*>", " "))}:
+            seen[s] = seen.get(s, 0) + 1
+    return {s for s, n in seen.items() if n >= 2 and n * 2 > len(temps)}
 
 
 def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None, support: Support) -> Guarded:
@@ -279,8 +298,9 @@ def _complete(g: Guarded, kept: list[str], digest: dict[str, Any] | None, suppor
         prose = " ".join(kept)
         said = mentioned(prose) | mentioned_changes(prose)
         stems = {stem(w) for w in content_words(prose)}
+        common = _common(digest)
         missing = [i for i in incidents(digest) + state_changes(digest)
-                   if not (set(i.keys) <= said and _refers(prose, stems, i))]
+                   if not (set(i.keys) <= said and _refers(prose, stems, i, common))]
         g.added = incident_sentences(missing)
         if g.added:
             g.prose = "model+digest"

@@ -39,6 +39,8 @@ def counts_text(b: dict[str, Any]) -> str:
     if b["skipped"]:
         binary = b.get("binary") or 0
         parts.append(f"{b['skipped']} skipped" + (f" ({binary} binary)" if binary else ""))
+    if b.get("truncated"):  # shown as their start and end, the marker naming the severity words cut out
+        parts.append(f"{b['truncated']} cut (over --max-line-chars)")
     full = b.get("lines_in_full")
     if full is not None and b["summarized"] and full < b["summarized"]:
         parts.append(f"{full} read in full, {b.get('lines_digest_only', 0)} only through the digest")

@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 READ_SIZE = 65536
 POLL_SECONDS = 0.2
+TAIL_CHARS = 120  # a cut line keeps this much of its end (at most a quarter of --max-line-chars)
+MIDDLE_OVERLAP = 48  # bytes carried between dropped pieces, so a severity word split by a read is still found
 ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-Z\\-_]")
 CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -77,16 +79,23 @@ class LineQueue(queue.Queue):  # type: ignore[type-arg]
 
 # ------------------------------------------------------------------------------------------------- bytes -> lines
 class LineSplitter:
-    """Splits a byte stream into lines in bounded memory: a line keeps at most `limit` bytes, the rest is only
-    counted (a 10 MB line costs `limit` bytes, not 10 MB). Handles lines split across reads."""
+    """Splits a byte stream into lines in bounded memory: a line keeps at most `limit` bytes from its start and
+    `tail` from its end, the rest is only counted and searched for severity words (a 10 MB line costs `limit` +
+    `tail` bytes, not 10 MB). Handles lines split across reads. Why the tail and the search: a line of a long
+    payload and then "-> ERROR upstream failed" was cut before its error, and the summary said "no errors"."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, tail: int = 0) -> None:
         self.limit = max(1, limit)
+        self.tail_limit = max(0, tail)
         self.buf = bytearray()
+        self.tail = bytearray()
         self.total = 0  # bytes of the current line seen so far, kept or not
+        self.middle: set[str] = set()  # severity keys in the bytes dropped between the head and the tail
+        self._carry = b""  # the end of the last dropped piece: a word split across two
 
-    def feed(self, data: bytes) -> list[tuple[bytes, int]]:
-        """Complete lines in `data` as (kept bytes, total bytes), newline excluded."""
+    def feed(self, data: bytes) -> list[tuple[bytes, int, str]]:
+        """Complete lines in `data` as (kept bytes: head then tail, total bytes, severity keys of the dropped
+        middle joined by ", "), newline excluded."""
         out = []
         start = 0
         while True:
@@ -99,34 +108,60 @@ class LineSplitter:
         self._append(data[start:])
         return out
 
-    def flush(self) -> tuple[bytes, int] | None:
+    def flush(self) -> tuple[bytes, int, str] | None:
         """The partial last line (input ended or the file changed under us), if any."""
         return self._take() if self.total else None
 
     def _append(self, piece: bytes) -> None:
+        self.total += len(piece)
         room = self.limit - len(self.buf)
         if room > 0:
             self.buf += piece[:room]
-        self.total += len(piece)
+            piece = piece[room:]
+        if not piece:
+            return
+        self.tail += piece
+        over = len(self.tail) - self.tail_limit
+        if over > 0:
+            self._search(bytes(self.tail[:over]))
+            del self.tail[:over]
 
-    def _take(self) -> tuple[bytes, int]:
-        line = (bytes(self.buf), self.total)
+    def _search(self, dropped: bytes) -> None:
+        from sinkchat.apps.summarize.digest import severities
+
+        text = (self._carry + dropped).decode("utf-8", errors="replace")
+        self.middle.update(severities(text))
+        self._carry = dropped[-MIDDLE_OVERLAP:]
+
+    def _take(self) -> tuple[bytes, int, str]:
+        line = (bytes(self.buf + self.tail), self.total, ", ".join(sorted(self.middle)))
         self.buf.clear()
+        self.tail.clear()
         self.total = 0
+        self.middle = set()
+        self._carry = b""
         return line
 
 
-def clean_line(raw: bytes, total: int, max_chars: int) -> tuple[str, bool]:
+def clean_line(raw: bytes, total: int, max_chars: int, middle: str = "") -> tuple[str, bool]:
     """UTF-8 with replacement, CR stripped, ANSI colours removed, other control bytes shown as U+FFFD, cut to
-    `max_chars` with a marker that says how long the line really was. Returns (text, truncated)."""
+    `max_chars` with a marker that says how long the line really was. A cut line keeps its last TAIL_CHARS (where a
+    line of a payload ends with its "ERROR ..."), and the marker names the severity words of the part cut out
+    (`middle`: those of the bytes the splitter dropped). Returns (text, truncated)."""
     text = raw.decode("utf-8", errors="replace")
     if text.endswith("\r") and total == len(raw):
         text = text[:-1]
     text = CONTROL_RE.sub("\ufffd", ANSI_RE.sub("", text)).replace("\r", "")
     cut = total > len(raw) or len(text) > max_chars
     if cut:
+        from sinkchat.apps.summarize.digest import severities
+
         size = f"{total} bytes" if total > len(raw) else f"{len(text)} chars"
-        text = text[:max_chars] + f" …[line truncated, {size}]"
+        keep = min(TAIL_CHARS, max_chars // 4)
+        head, tail = text[: max_chars - keep], text[len(text) - keep:] if keep else ""
+        found = {k for k in middle.split(", ") if k} | set(severities(text[len(head): len(text) - len(tail)]))
+        holds = f"; the cut part holds {', '.join(sorted(found))}" if found else ""
+        text = f"{head} …[line truncated, {size}{holds}]…" + (f" {tail}" if tail else "")
     return text, cut
 
 
@@ -215,7 +250,8 @@ class Reader(threading.Thread):
         self.dropped = 0  # dropped since the last item that got through
 
     def run(self) -> None:
-        splitter = LineSplitter(self.max_chars * 4 + 4)  # UTF-8 needs at most 4 bytes a character
+        # UTF-8 needs at most 4 bytes a character
+        splitter = LineSplitter(self.max_chars * 4 + 4, min(TAIL_CHARS, self.max_chars // 4) * 4)
         error = None
         try:
             for data in self.chunks:
@@ -226,8 +262,8 @@ class Reader(threading.Thread):
                     lines = [tail] if tail else []
                 else:
                     lines = splitter.feed(data)
-                for raw, total in lines:
-                    self._emit(raw, total)
+                for raw, total, middle in lines:
+                    self._emit(raw, total, middle)
             tail = splitter.flush()
             if tail and not self.stop.is_set():
                 self._emit(*tail)
@@ -237,12 +273,12 @@ class Reader(threading.Thread):
             error = f"{type(e).__name__}: {e}"
         self._put(End(self.n, self.dropped, error), force=True)
 
-    def _emit(self, raw: bytes, total: int) -> None:
+    def _emit(self, raw: bytes, total: int, middle: str = "") -> None:
         self.n += 1
         if self.backpressure == "drop" and self.q.full():
             self.dropped += 1
             return
-        text, cut = clean_line(raw, total, self.max_chars)
+        text, cut = clean_line(raw, total, self.max_chars, middle)
         if self._put(Line(self.n, text, self.dropped, cut), force=self.backpressure == "block"):
             self.dropped = 0
         else:

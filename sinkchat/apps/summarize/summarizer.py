@@ -30,6 +30,7 @@ from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask
                                             settle_conversation)
 from sinkchat.apps.summarize.batching import Batcher, Period
 from sinkchat.apps.summarize.factcheck import Support, period_numbers
+from sinkchat.apps.summarize.guard import cited
 from sinkchat.apps.summarize.output import Output
 from sinkchat.apps.summarize.reader import End, Item, Notice
 from sinkchat.apps.summarize.status import Status
@@ -81,6 +82,9 @@ class Summarizer:
         self.retry = True  # regenerate once when a summary claims something the lines do not say
         self.last_final = False
         self.told_fit = False
+        # earlier lines a kept sentence cited: each is cited once. Why: in a Java log the model repeated "Error
+        # Message: ... request failed" in every summary after its line, each time kept as "(earlier, at line 41)"
+        self.cited: set[int] = set()
         self.q: Any = None
         base = getattr(engine, "prefill_chunk", None)
         self.chunk_sizer = ChunkSizer(base) if base else None  # the prefill chunk sized to the rate: stop.py
@@ -239,6 +243,7 @@ class Summarizer:
                  "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "why": ans.why, "digest": digest}
         if ans.earlier:
             extra["earlier"] = ans.earlier
+            self.cited.update(n for s in ans.earlier for n in cited(s))
         if final and self.clock is not None:
             extra["stopped_by"] = self.clock.by
             extra["skipped_by_stop"] = max(0, p.skipped - self.skipped_at_stop)
@@ -255,7 +260,7 @@ class Summarizer:
         t0 = time.perf_counter()
         support = Support(self.period_text, digest, numbers=period_numbers(
             p.first_line, p.last_line, p.lines, p.summarized, p.filtered, p.deduped, p.skipped, p.binary))
-        earlier = [(no, text) for no, text in self.batcher.digest.notable if no < p.first_line]
+        earlier = [(no, text) for no, text in self.batcher.digest.notable if no < p.first_line and no not in self.cited]
         if self.clock is not None:
             ans = final_ask(self.engine, self._events, question, support, digest, earlier, self.max_tokens,
                             self.clock, self.metrics)

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from sinkchat.apps.summarize.digest import marks
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, ROUTINE_CHANGES, ROUTINE_TRIGGERS
 from sinkchat.textutil import plural
 
@@ -49,21 +50,23 @@ class Incident:
 
 
 def _grouped(digest: dict[str, Any], field: str) -> list[Incident]:
-    """The digest's keys of `field` ("severity" or "changes") as incidents: lines with the key (sum over its
-    templates), the first such line and its template; keys found in exactly the same templates are one incident
-    ("oom and killed"). A state change on a line that holds a severity is that severity's incident already."""
-    by_templates: dict[tuple[int, ...], list[str]] = {}
+    """The digest's keys of `field` ("severity" or "changes") as incidents: the lines holding the key (over its
+    templates), the first of them, as written; keys held by the same lines (the same counts and first lines in
+    the same templates) are one incident ("oom and killed"). A state change on a line that holds a severity is
+    that severity's incident already."""
+    by_lines: dict[tuple[tuple[int, int, int], ...], list[str]] = {}
     temps = digest.get("templates") or []
+    at = [marks(t, field) if field == "severity" or not t.get("severity") else {} for t in temps]
     for key in digest.get(field) or {}:
-        idx = tuple(i for i, t in enumerate(temps) if key in (t.get(field) or {})
-                    and (field == "severity" or not t.get("severity")))
-        if idx:
-            by_templates.setdefault(idx, []).append(key)
+        sig = tuple((i, m[key][0], m[key][1]) for i, m in enumerate(at) if key in m)
+        if sig:
+            by_lines.setdefault(sig, []).append(key)
     out = []
-    for idx, keys in by_templates.items():
-        first = min((temps[i] for i in idx), key=lambda t: t["first_line"])
-        out.append(Incident(keys, sum(temps[i]["count"] for i in idx), first["first_line"], first.get("first_ts"),
-                            first["template"], first.get("first_text", ""), field == "changes"))
+    for sig, keys in by_lines.items():
+        i, n, first_no = min(sig, key=lambda s: s[2])
+        _, _, ts, text = at[i][keys[0]]
+        out.append(Incident(keys, sum(s[1] for s in sig), first_no, ts, temps[i]["template"], text or "",
+                            field == "changes"))
     out.sort(key=lambda x: x.first_line)
     return out
 
