@@ -348,8 +348,13 @@ def test_summarize_sessions_are_logged(run_inprocess, tmp_path, monkeypatch):
 
 
 def test_cli_empty_input_bad_regex_and_filters(run_inprocess):
-    res, blocks = run_inprocess(b"")
-    assert res.exit_code == 0 and res.exception is None and blocks == [] and "no input lines" in res.stderr
+    res, blocks = run_inprocess(b"")  # JSONL ends with a final record, on empty input too (docs/summarize.md)
+    assert res.exit_code == 0 and res.exception is None and "no input lines" in res.stderr
+    assert [(b["lines"], b["final"], b["summary"]) for b in blocks] == [(0, True, "")]
+    for args, said in [(("--follow", "a.log", "b.log"), "--follow reads one file: a.log (and b.log given too)"),
+                       (("--from-end",), "--from-end goes with --follow FILE")]:
+        res, _ = run_inprocess(b"x\n", *args)
+        assert res.exit_code == 2 and said in res.stderr and "Traceback" not in res.stderr, res.stderr
     res, _ = run_inprocess(b"x\n", "--grep", "([")
     assert res.exit_code == 2 and "not a valid regular expression" in res.stderr and res.exception is not None
     assert isinstance(res.exception, SystemExit)  # a usage error, not a crash

@@ -129,3 +129,38 @@ def test_an_error_at_the_end_of_a_line_cut_for_length_is_still_named():
     assert b["truncated"] == 1 and b["lines"] == 12, b
     assert "1 line shows error" in b["summary"] and "No line shows a severity word" not in b["summary"], b
     assert "1 cut (over --max-line-chars)" in render_block(b, "text").splitlines()[0]
+
+
+def test_the_time_range_is_the_earliest_and_latest_timestamp_not_the_first_and_last_line():
+    """A line logged late (out of order) ended the period and the summary said "from 13:00:00 to 12:59:58"."""
+    from sinkchat.apps.summarize.digest import ts_order
+
+    lines = [f"2025-03-14T13:00:{i:02d}Z INFO worker heartbeat seq={i}" for i in range(10)]
+    lines.append("2025-03-14T12:59:58Z INFO late line out of order seq=999")
+    rec, _ = _digest(lines)
+    assert (rec["first_ts"], rec["last_ts"]) == ("2025-03-14T12:59:58Z", "2025-03-14T13:00:09Z"), rec
+    syslog = ["Mar 14 09:03:14 web01 app: ok", "Mar  2 23:59:59 web01 app: late", "Mar 14 09:03:15 web01 app: ok"]
+    rec, _ = _digest(syslog)
+    assert (rec["first_ts"], rec["last_ts"]) == ("Mar  2 23:59:59", "Mar 14 09:03:15"), rec
+    assert ts_order("14/Mar/2025:11:00:01 +0000") < ts_order("01/Apr/2025:00:00:00 +0000")  # not as text
+
+
+def test_json_lines_records_are_read_as_time_level_message_and_fields():
+    """`{"ts": ..., "level": "info", "msg": ...}` records were mined as `{'ts': {'2025-...Z',, ...`, with no time
+    range; an error record's level was a word inside quotes."""
+    import json
+
+    from sinkchat.apps.summarize.reader import clean_line
+
+    recs = [{"ts": f"2025-03-14T10:00:{i:02d}Z", "level": "info", "svc": "payments", "msg": "payment processed",
+             "amount": 100 + i} for i in range(12)]
+    recs.insert(5, {"ts": "2025-03-14T10:00:30Z", "level": "error", "svc": "payments", "msg": "card declined",
+                    "err": {"code": 51}})
+    lines = [clean_line(json.dumps(r).encode(), len(json.dumps(r).encode()), 500)[0] for r in recs]
+    assert lines[5] == '2025-03-14T10:00:30Z ERROR card declined svc=payments err={"code":51}', lines[5]
+    rec, _ = _digest(lines)
+    text = " ".join(digest_summary(rec))
+    assert text.startswith("13 lines from 2025-03-14T10:00:00Z to 2025-03-14T10:00:30Z"), text
+    assert '12 x "INFO payment processed svc=payments {amount=100, amount=101, … 12 in all}"' in text, text
+    assert "1 line shows error, first at line 6" in text and "'ts'" not in text and ",," not in text, text
+    assert clean_line(b'{"a": 1', 7, 500)[0] == '{"a": 1'  # not a whole JSON object: as it was

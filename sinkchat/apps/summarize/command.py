@@ -84,6 +84,10 @@ def summarize_command(ctx: click.Context, file_arg: str | None, file_path: str |
     setup_logging(opts["verbose"] or 0)
     status = Status(sys.stderr, quiet)
     with user_errors():
+        if file_arg and follow_path:  # `--follow a.log b.log`: "use either --file or --follow" named no --file
+            raise click.UsageError(f"--follow reads one file: {follow_path} (and {file_arg} given too)")
+        if from_end and not follow_path:
+            raise click.UsageError("--from-end goes with --follow FILE (it skips what the followed file holds)")
         if file_arg and file_path and file_arg != file_path:
             raise click.UsageError(f"two files given: {file_arg} and --file {file_path}")
         file_path = file_path or file_arg  # `summarize app.log`, as `--file app.log`

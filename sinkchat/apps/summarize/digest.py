@@ -73,6 +73,27 @@ def split_timestamp(line: str) -> tuple[str | None, str]:
     return None, line.strip()
 
 
+_MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
+
+
+def ts_order(ts: str) -> tuple[Any, ...] | None:
+    """A sortable key for a timestamp `split_timestamp` found (None when its shape is not known): ISO and nginx /
+    Go times by their digits, syslog by month, day and time (no year on the line), the common log format by
+    date and time, dmesg by its seconds. Zones are not converted: one log is in one zone."""
+    m = re.match(r"(\d{4})[-/](\d{2})[-/](\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?", ts)
+    if m:
+        return tuple(int(g) for g in m.groups()[:6]) + (float("0." + (m.group(7) or "0")),)
+    m = re.match(r"([A-Z][a-z]{2}) ([ \d]\d) (\d{2}):(\d{2}):(\d{2})", ts)
+    if m and m.group(1) in _MONTHS:
+        return (_MONTHS[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
+    m = re.match(r"(\d{2})/([A-Z][a-z]{2})/(\d{4}):(\d{2}):(\d{2}):(\d{2})", ts)
+    if m and m.group(2) in _MONTHS:
+        return (int(m.group(3)), _MONTHS[m.group(2)], int(m.group(1)), int(m.group(4)), int(m.group(5)),
+                int(m.group(6)))
+    m = re.match(r"\[\s*(\d+\.\d+)\]", ts)
+    return (float(m.group(1)),) if m else None
+
+
 def severities(text: str) -> Counter[str]:
     """Canonical severity keys found in `text` (an HTTP 5xx status counts as an error)."""
     found: Counter[str] = Counter()
@@ -161,6 +182,8 @@ class Digest:
         self.binary = 0
         self.first_ts: str | None = None
         self.last_ts: str | None = None
+        self._first_key: tuple[Any, ...] | None = None
+        self._last_key: tuple[Any, ...] | None = None
         self.severity: Counter[str] = Counter()
         self.changes: Counter[str] = Counter()
         self._severe: deque[tuple[int, str]] = deque(maxlen=NOTABLE_KEPT)
@@ -187,8 +210,7 @@ class Digest:
         if ts:
             t.first_ts = t.first_ts or ts
             t.last_ts = ts
-            self.first_ts = self.first_ts or ts
-            self.last_ts = ts
+            self._span(ts)
         sev = severities(text)
         for k, v in sev.items():
             t.severity[k] += v * count
@@ -206,6 +228,20 @@ class Digest:
         if len(t.token_lists) < MAX_TOKENS_KEPT:
             t.token_lists.extend([tuple((content or "(empty line)").split())] * min(count, MAX_TOKENS_KEPT))
         self.lines += count
+
+    def _span(self, ts: str) -> None:
+        """The period's time range: its earliest and latest timestamps, not its first and last line's (a line
+        logged late, out of order, made "from 13:00:00 to 12:59:58"); in line order where a shape is unknown."""
+        key = ts_order(ts)
+        if self.first_ts is None:
+            self.first_ts = self.last_ts = ts
+            self._first_key = self._last_key = key
+        elif key is None or self._first_key is None or self._last_key is None:
+            self.last_ts, self._last_key = ts, key
+        elif key < self._first_key:
+            self.first_ts, self._first_key = ts, key
+        elif key > self._last_key:
+            self.last_ts, self._last_key = ts, key
 
     def record(self) -> dict[str, Any]:
         """The period's digest as plain JSON data: templates ordered by severity, then count."""

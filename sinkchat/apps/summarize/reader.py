@@ -17,6 +17,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+from sinkchat.apps.summarize.structured import flatten
+
 READ_SIZE = 65536
 POLL_SECONDS = 0.2
 TAIL_CHARS = 120  # a cut line keeps this much of its end (at most a quarter of --max-line-chars)
@@ -145,13 +147,16 @@ class LineSplitter:
 
 def clean_line(raw: bytes, total: int, max_chars: int, middle: str = "") -> tuple[str, bool]:
     """UTF-8 with replacement, CR stripped, ANSI colours removed, other control bytes shown as U+FFFD, cut to
-    `max_chars` with a marker that says how long the line really was. A cut line keeps its last TAIL_CHARS (where a
+    `max_chars` with a marker that says how long the line really was; a JSON-lines record as `TIME LEVEL message
+    key=value ...` (structured.py). A cut line keeps its last TAIL_CHARS (where a
     line of a payload ends with its "ERROR ..."), and the marker names the severity words of the part cut out
     (`middle`: those of the bytes the splitter dropped). Returns (text, truncated)."""
     text = raw.decode("utf-8", errors="replace")
     if text.endswith("\r") and total == len(raw):
         text = text[:-1]
     text = CONTROL_RE.sub("\ufffd", ANSI_RE.sub("", text)).replace("\r", "")
+    if total == len(raw) and text[:1] == "{":  # a JSON-lines record, read whole (structured.py)
+        text = flatten(text)
     cut = total > len(raw) or len(text) > max_chars
     if cut:
         from sinkchat.apps.summarize.digest import severities

@@ -297,7 +297,7 @@ class Summarizer:
         self.last_final = final
         for k in ("summarized", "filtered", "deduped", "skipped", "truncated", "binary"):
             setattr(self.totals, k, getattr(self.totals, k) + getattr(p, k))
-        self.summaries += 1
+        self.summaries += 1 if p.lines else 0  # the end-of-run marker is no summary
         self.due = self._next_due()
         self.status.clear()
         self.out.write(block)
@@ -354,7 +354,7 @@ class Summarizer:
         self.batcher.end_run()
         if self.batcher.period.lines:
             self.summarize(final=True)
-        elif self.summaries and not self.last_final:  # a consumer of the JSONL sees where the run ended
+        elif not self.last_final:  # a consumer of the JSONL sees where the run ended (on empty input too)
             last = self.batcher.last_no
             self.emit(Period(first_line=last + 1, last_line=last), "", True, {"lines_in_full": 0})
         self.status.done()
