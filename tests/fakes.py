@@ -210,3 +210,16 @@ def emit_reply(engine: Any, text: str) -> Iterator[Any]:
     engine.last_reply_ids = ids
     yield TokenEvent(ids[-1], text, 0.0, engine.cache.length)
     yield DoneEvent("eos", len(ids), 0.0, text, tuple(ids))
+
+
+def tap_ledger(eng: Any) -> list[int]:
+    """Every token id the engine's ledger takes in from now on, in stream order (the list fills as it feeds)."""
+    ids: list[int] = []
+    real = eng.ledger.append
+
+    def append(token_ids: list[int]) -> None:
+        ids.extend(token_ids)
+        real(token_ids)
+
+    eng.ledger.append = append
+    return ids

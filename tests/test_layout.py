@@ -13,7 +13,7 @@ ROOT = Path(sinkchat.__file__).parent
 
 # lower number = lower layer; a module may import its own package and anything strictly lower
 LAYERS = {
-    "sinkchat": 0, "sinkchat.errors": 0, "sinkchat.textutil": 0, "sinkchat.prompts": 0,
+    "sinkchat": 0, "sinkchat.errors": 0, "sinkchat.textutil": 0, "sinkchat.prompts": 0, "sinkchat.private": 0,
     "sinkchat.config": 1,
     "sinkchat.kernels": 2,
     "sinkchat.model": 3,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fakes import tiny_model
+from fakes import tap_ledger, tiny_model
 from sinkchat.config import CacheConfig, SamplingConfig
 from sinkchat.core.engine import Engine
 from sinkchat.core.literal import control_pattern, control_texts, text_ids
@@ -26,16 +26,10 @@ def engine(tok, system: str | None = "be brief") -> Engine:
 
 
 def fed_ids(eng: Engine, role: str, content: str) -> list[int]:
-    got: list[int] = []
-    real = eng.ledger.append
-
-    def append(ids: list[int]) -> None:
-        got.extend(ids)
-        real(ids)
-
-    eng.ledger.append = append  # type: ignore[method-assign]
+    """The token ids one message feeds."""
+    got = tap_ledger(eng)
     list(eng.add_message(role, content))
-    eng.ledger.append = real  # type: ignore[method-assign]
+    del eng.ledger.append  # the tap is an instance attribute over the class's method
     return got
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from fakes import CharTokenizer, tiny_model
+from fakes import CharTokenizer, tap_ledger, tiny_model
 from sinkchat.apps.chat.repl import ChatLoop, lines_reader
 from sinkchat.apps.logs import format_transcript
 from sinkchat.apps.memory_view import age_text, fit_memory, memory_variants, recalled_line
@@ -87,19 +87,6 @@ def watch_choices(eng: Engine) -> list[set[int]]:
 
     mem.prepare = prepare  # type: ignore[method-assign]
     return per_turn
-
-
-def stream_of(eng: Engine) -> list[int]:
-    """Every token id the ledger takes in, in stream order (index = stream index)."""
-    ids: list[int] = []
-    real = eng.ledger.append
-
-    def append(token_ids: list[int]) -> None:
-        ids.extend(token_ids)
-        real(token_ids)
-
-    eng.ledger.append = append  # type: ignore[method-assign]
-    return ids
 
 
 def ranges(blocks: list[tuple[int, int]]) -> str:
@@ -203,7 +190,7 @@ def test_recall_prints_the_evicted_text_of_the_blocks_the_last_reply_read(tmp_pa
     loop, _, _ = make(tmp_path / "m")
     eng = loop.engine
     assert eng.memory.rule == "far"
-    stream = stream_of(eng)
+    stream = tap_ledger(eng)
     per_turn = watch_choices(eng)
     layers: dict[int, int] = {}
     real = eng.memory.prepare

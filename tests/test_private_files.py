@@ -8,7 +8,7 @@ import os
 import stat
 from pathlib import Path
 
-from sinkchat.store.atomic import private_dir, private_file
+from sinkchat.private import private_dir, private_file
 from sinkchat.store.logdb import connect
 
 

@@ -21,6 +21,7 @@ import torch
 
 from sinkchat.memory.blocks import HEADER, Block, Shape, layer_of, tokens_of
 from sinkchat.memory.sweep import claim
+from sinkchat.private import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,7 @@ class BlockStore:
 
     def __init__(self, root: Path, budget: int, bits: int = 16) -> None:
         self.root = Path(root)
-        for d in reversed([p for p in (self.root, *self.root.parents) if not p.exists()]):
-            d.mkdir(mode=0o700, exist_ok=True)  # the folders it makes above too (mkdir(parents=True): 0755)
-        os.chmod(self.root, 0o700)
+        os.chmod(private_dir(self.root), 0o700)  # the folders it makes above too (mkdir(parents=True): 0755)
         claim(self.root)  # so that a store this process leaves behind (killed) can be swept (sweep.py)
         self.budget, self.bits = budget, bits  # bits: how records are written (8: int8 keys / values)
         self.segment_bytes = max(1, budget // SEGMENTS)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from sinkchat.errors import UserError
-from sinkchat.store.atomic import private_dir, private_file
+from sinkchat.private import private_dir, private_file
 from sinkchat.textutil import utf8_safe
 
 SCHEMA_VERSION = 4

@@ -27,7 +27,7 @@ import torch
 
 from sinkchat.errors import UserError
 from sinkchat.config import SamplingConfig, data_dir
-from sinkchat.store.atomic import private_dir
+from sinkchat.private import private_dir
 from sinkchat.memory import folders, persist
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from sinkchat.store.atomic import private_dir, private_file
+from sinkchat.private import private_dir, private_file
 
 log = logging.getLogger(__name__)
 

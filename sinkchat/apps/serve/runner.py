@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from sinkchat.apps.serve.grammar import Constraint, GrammarError, compile_lark, schema_lark, tools_lark
 from sinkchat.apps.serve.requests import ApiError, ChatRequest, Msg, canonical_args
@@ -129,7 +129,12 @@ class Runner:
         """/v1/completions: the prompt as raw text on a fresh stream (the session's own cache, if it has one)."""
         self.store.reset(sess, None)(True)
         sess.key = "completion"
-        gen = self.engine.feed(prompt)
+        self._drain(sess, self.engine.feed(prompt))
+        return int(self.engine.ledger.seen)
+
+    def _drain(self, sess: ServeSession, gen: Iterator[Any]) -> None:
+        """Run a feed to its end, counting its evictions; a client that went away mid-prompt stops it (499: the
+        message is taken back, as an interrupted add_message is)."""
         try:
             for ev in gen:
                 sess.evictions += type(ev).__name__ == "EvictionEvent"
@@ -137,7 +142,6 @@ class Runner:
                     raise ApiError(499, "the client closed the request", code="client_closed")
         finally:
             gen.close()
-        return int(self.engine.ledger.seen)
 
     def _sync(self, sess: ServeSession, req: ChatRequest, system: str | None) -> tuple[int, int]:
         """Feed what the session does not hold yet; returns (tokens it held of this prompt, tokens fed now)."""
@@ -180,14 +184,8 @@ class Runner:
             role, text = feed_as(m)
             before, t0 = eng.ledger.seen, time.perf_counter()
             last = i == len(req.messages) - 1  # the request's new message (not history, not a tool result)
-            gen = eng.add_message(role, text, add_generation_prompt=last, recall=last and m.role == "user")
-            try:
-                for ev in gen:
-                    sess.evictions += type(ev).__name__ == "EvictionEvent"
-                    if self.client_gone.is_set():  # the client went away mid-prompt: the message is taken back
-                        raise ApiError(499, "the client closed the request", code="client_closed")
-            finally:
-                gen.close()
+            self._drain(sess, eng.add_message(role, text, add_generation_prompt=last,
+                                              recall=last and m.role == "user"))
             sess.history.append(m)
             sess.marks[i + 1] = mark(eng)
             if sess.log is not None:
