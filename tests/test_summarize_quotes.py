@@ -83,6 +83,8 @@ def test_a_quoted_line_is_not_said_to_come_from_another_source():
         bad, _ = problems(f"The log shows an error message from the kernel: {q}.", support, Echo(""))
         assert bad == ["kernel"], bad
         assert problems(f"The app could not write /data/x.db: {q}.", support, Echo(""))[0] == []
+    bad, _ = problems('Error: "kernel: eth0 link up".', support, Echo(""))  # a severity its line does not hold
+    assert bad == ["error"], bad
 
 
 def test_incidents_stay_named_beside_a_kept_sentence_that_shares_only_the_host_name():
@@ -143,6 +145,10 @@ def test_the_time_range_is_the_earliest_and_latest_timestamp_not_the_first_and_l
     rec, _ = _digest(syslog)
     assert (rec["first_ts"], rec["last_ts"]) == ("Mar  2 23:59:59", "Mar 14 09:03:15"), rec
     assert ts_order("14/Mar/2025:11:00:01 +0000") < ts_order("01/Apr/2025:00:00:00 +0000")  # not as text
+    mixed = ["2025/03/01 11:00:00 [error] 31#31: upstream refused", "[ 1003.000000] usb 1-2: new device",
+             "2025/03/01 11:00:21 [notice] 13#44: signal process started"]  # dmesg seconds beside dates: unordered
+    rec, _ = _digest(mixed)
+    assert (rec["first_ts"], rec["last_ts"]) == ("2025/03/01 11:00:00", "2025/03/01 11:00:21"), rec
 
 
 def test_json_lines_records_are_read_as_time_level_message_and_fields():

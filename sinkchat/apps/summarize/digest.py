@@ -77,21 +77,21 @@ _MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct N
 
 
 def ts_order(ts: str) -> tuple[Any, ...] | None:
-    """A sortable key for a timestamp `split_timestamp` found (None when its shape is not known): ISO and nginx /
-    Go times by their digits, syslog by month, day and time (no year on the line), the common log format by
-    date and time, dmesg by its seconds. Zones are not converted: one log is in one zone."""
+    """A sortable key for a timestamp `split_timestamp` found, its shape first (None when the shape is not known):
+    ISO and nginx / Go times by their digits, syslog by month, day and time (no year on the line), the common log
+    format by date and time, dmesg by its seconds. Zones are not converted: one log is in one zone."""
     m = re.match(r"(\d{4})[-/](\d{2})[-/](\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?", ts)
     if m:
-        return tuple(int(g) for g in m.groups()[:6]) + (float("0." + (m.group(7) or "0")),)
+        return ("iso",) + tuple(int(g) for g in m.groups()[:6]) + (float("0." + (m.group(7) or "0")),)
     m = re.match(r"([A-Z][a-z]{2}) ([ \d]\d) (\d{2}):(\d{2}):(\d{2})", ts)
     if m and m.group(1) in _MONTHS:
-        return (_MONTHS[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
+        return ("syslog", _MONTHS[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
     m = re.match(r"(\d{2})/([A-Z][a-z]{2})/(\d{4}):(\d{2}):(\d{2}):(\d{2})", ts)
     if m and m.group(2) in _MONTHS:
-        return (int(m.group(3)), _MONTHS[m.group(2)], int(m.group(1)), int(m.group(4)), int(m.group(5)),
+        return ("clf", int(m.group(3)), _MONTHS[m.group(2)], int(m.group(1)), int(m.group(4)), int(m.group(5)),
                 int(m.group(6)))
     m = re.match(r"\[\s*(\d+\.\d+)\]", ts)
-    return (float(m.group(1)),) if m else None
+    return ("dmesg", float(m.group(1))) if m else None
 
 
 def severities(text: str) -> Counter[str]:
@@ -184,6 +184,8 @@ class Digest:
         self.last_ts: str | None = None
         self._first_key: tuple[Any, ...] | None = None
         self._last_key: tuple[Any, ...] | None = None
+        self._seen_first: str | None = None  # the first line's timestamp, for a period of mixed shapes
+        self._mixed = False
         self.severity: Counter[str] = Counter()
         self.changes: Counter[str] = Counter()
         self._severe: deque[tuple[int, str]] = deque(maxlen=NOTABLE_KEPT)
@@ -231,16 +233,19 @@ class Digest:
 
     def _span(self, ts: str) -> None:
         """The period's time range: its earliest and latest timestamps, not its first and last line's (a line
-        logged late, out of order, made "from 13:00:00 to 12:59:58"); in line order where a shape is unknown."""
+        logged late, out of order, made "from 13:00:00 to 12:59:58"). Where the lines' timestamps are of more than
+        one shape (a journal mixing dmesg seconds and dates) or of one not known, the first and last line's."""
         key = ts_order(ts)
         if self.first_ts is None:
-            self.first_ts = self.last_ts = ts
+            self.first_ts = self.last_ts = self._seen_first = ts
             self._first_key = self._last_key = key
-        elif key is None or self._first_key is None or self._last_key is None:
-            self.last_ts, self._last_key = ts, key
+            self._mixed = key is None
+        elif self._mixed or key is None or self._first_key is None or key[0] != self._first_key[0]:
+            self._mixed = True
+            self.first_ts, self.last_ts = self._seen_first, ts
         elif key < self._first_key:
             self.first_ts, self._first_key = ts, key
-        elif key > self._last_key:
+        elif key > self._last_key:  # type: ignore[operator]
             self.last_ts, self._last_key = ts, key
 
     def record(self) -> dict[str, Any]:

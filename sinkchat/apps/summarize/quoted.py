@@ -6,8 +6,9 @@ sentence could pass while each of its parts came from a different place. Seen in
 later summary); `24 lines "web01 nginx[811]: upstream connect error ..."` for 7 such lines (24 was the period's line
 count); `an error message from the kernel: "app: ERROR disk full"` where the kernel's lines said `eth0 link up`.
 So a quote of QUOTE_MIN characters or more must be a piece of a line (or of the digest) as written; a count put in
-front of it ("7 lines", "7 x") must be the number of lines holding it; and the sentence's other content words must
-be on the lines holding the quote (the sentence says what those lines are, not what others are).
+front of it ("7 lines", "7 x") must be the number of lines holding it; and the sentence's other content words and
+severity words must be on the lines holding the quote (the sentence says what those lines are, not what others are:
+`Error: "usb 1-2: new high-speed USB device ..."` was kept, an error on another line backing the word).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from sinkchat.apps.summarize.digest import CHANGE_RE
+from sinkchat.apps.summarize.digest import _GROUP_TO_KEY, CHANGE_RE, SEVERITY_RE, severities
 from sinkchat.apps.summarize.factcheck import _quotable as _norm
 from sinkchat.apps.summarize.factcheck import content_words, stem
-from sinkchat.apps.summarize.vocab import CHANGE_WORDS
+from sinkchat.apps.summarize.vocab import CHANGE_WORDS, negated
 
 if TYPE_CHECKING:
     from sinkchat.apps.summarize.factcheck import Support
@@ -68,4 +69,7 @@ def problems(sentence: str, support: "Support") -> list[str]:
         rest = CHANGE_RE.sub(" ", rest)
         stems = {stem(w) for w in content_words(" ".join(on))}
         out += [w for w in dict.fromkeys(content_words(rest)) if stem(w) not in stems and w not in KEY_WORDS]
+        held = set(severities(" ".join(on)))  # `Error: "usb 1-2: new high-speed USB device ..."` was kept
+        out += [m.group(0).lower() for m in SEVERITY_RE.finditer(rest)
+                if not negated(rest, m.start()) and _GROUP_TO_KEY[m.lastgroup or ""] not in held]
     return out
