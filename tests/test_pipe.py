@@ -61,6 +61,9 @@ def test_a_cut_line_keeps_its_end_and_names_the_severity_words_of_what_was_cut()
     assert middle == "fatal" and len(kept) == 140 and total == len(big)
     text, _ = clean_line(kept, total, 60, middle)
     assert "the cut part holds fatal" in text and severities(text)["fatal"] == 1, text
+    sp = LineSplitter(100, tail=40)  # a word the tail lets go of in two pieces, one read apart
+    out = sp.feed(b"a" * 100 + b"x " * 250 + b" FATAL" + b" y" * 18 + b"y") + sp.feed(b" z" * 500 + b"\n")
+    assert out[0][2] == "fatal", out[0][2]
     raw = b"INFO " + b"b" * 300 + b" WARNING x " + b"c" * 300 + b" end"
     text, cut = clean_line(raw, len(raw), 100)
     assert cut and "620 chars; the cut part holds warning]" in text and text.endswith("c end"), text

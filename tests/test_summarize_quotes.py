@@ -63,6 +63,11 @@ def test_a_count_in_front_of_a_quoted_line_must_be_the_lines_holding_it():
     assert bad and "the log has 7" in bad[0], bad
     assert problems(f'7 x "{NGINX}".', support, Echo(""))[0] == []
     assert problems(f'9 x "{NGINX}".', support, Echo(""))[0]
+    assert problems(f'Of {len(lines)} lines, 7 lines "{NGINX}".', support, Echo(""))[0] == []  # the count before it
+    reqs = [f"INFO app: request ok id={i}" for i in range(5)]
+    _, support = _digest(reqs)  # one kind with a variable part: its first line is not in all five
+    assert problems('5 x "INFO app: request ok id=0".', support, Echo(""))[0]
+    assert problems('1 x "INFO app: request ok id=0".', support, Echo(""))[0] == []
 
 
 def test_a_quote_must_be_a_line_as_written():
@@ -71,8 +76,9 @@ def test_a_quote_must_be_a_line_as_written():
              for i in range(10)] + ["2025-03-14 12:02:30,000 ERROR [exec-3] c.e.OrderController - Request failed"]
     _, support = _digest(lines)
     assert problems('Error message: "c.e.OrderController - Request failed".', support, Echo(""))[0] == []
-    bad, _ = problems('Error message: "c.e.OrderController - request failed".', support, Echo(""))
-    assert bad and bad[0].startswith("quote not in the log as written"), bad
+    for q in ('"c.e.OrderController - request failed"', "‘c.e.OrderController - request failed’"):
+        bad, _ = problems(f"Error message: {q}.", support, Echo(""))
+        assert bad and bad[0].startswith("quote not in the log as written"), bad
 
 
 def test_a_quoted_line_is_not_said_to_come_from_another_source():
@@ -85,6 +91,12 @@ def test_a_quoted_line_is_not_said_to_come_from_another_source():
         assert problems(f"The app could not write /data/x.db: {q}.", support, Echo(""))[0] == []
     bad, _ = problems('Error: "kernel: eth0 link up".', support, Echo(""))  # a severity its line does not hold
     assert bad == ["error"], bad
+    lines = ["web01 systemd[1]: db.service: Scheduled restart job", "db01 postgres[9]: connection refused to db01:5432",
+             "db01 postgres[9]: connection refused to db01:5432", "web01 app[3]: falling back to the cache"]
+    _, support = _digest(lines)  # words that are no program's: left to the word checks, which they pass
+    said = '"connection refused to db01:5432" appears 2 times, then falling back to the cache.'
+    assert problems(said, support, Echo(""))[0] == []
+    assert problems(said.replace("then", "then the app is"), support, Echo(""))[0] == ["app"]  # a program, not its
 
 
 def test_incidents_stay_named_beside_a_kept_sentence_that_shares_only_the_host_name():
@@ -95,6 +107,10 @@ def test_incidents_stay_named_beside_a_kept_sentence_that_shares_only_the_host_n
     assert g.prose == "model+digest" and g.text.startswith("7 lines"), g.text
     assert "Failed with result 'oom-kill'" in g.text and "Out of memory" in g.text, g.text
     assert "restart counter" in g.text, g.text
+    lines = [f"web01 app[7]: request ok id={i}" for i in range(10)]
+    rec, support = _digest(lines + ["web01 app[7]: request failed", "web01 app[7]: upload to s3 bucket failed"])
+    g = guard("One upload failed.", False, support, rec, "")  # every word of "request failed" is in most kinds
+    assert '2 lines show fail, first at line 11: "web01 app[7]: request failed"' in g.text, g.text
 
 
 def test_an_earlier_line_backs_a_sentence_once_not_in_every_later_summary():
@@ -141,9 +157,12 @@ def test_the_time_range_is_the_earliest_and_latest_timestamp_not_the_first_and_l
     lines.append("2025-03-14T12:59:58Z INFO late line out of order seq=999")
     rec, _ = _digest(lines)
     assert (rec["first_ts"], rec["last_ts"]) == ("2025-03-14T12:59:58Z", "2025-03-14T13:00:09Z"), rec
-    syslog = ["Mar 14 09:03:14 web01 app: ok", "Mar  2 23:59:59 web01 app: late", "Mar 14 09:03:15 web01 app: ok"]
+    syslog = ["Dec 31 23:59:58 web01 app: ok", "Jan  1 00:00:02 web01 app: ok"]  # no year: in line order
     rec, _ = _digest(syslog)
-    assert (rec["first_ts"], rec["last_ts"]) == ("Mar  2 23:59:59", "Mar 14 09:03:15"), rec
+    assert (rec["first_ts"], rec["last_ts"]) == ("Dec 31 23:59:58", "Jan  1 00:00:02"), rec
+    apt = ["Start-Date: 2024-01-05  10:22:33", "Start-Date: 2024-01-05  09:00:00", "Start-Date: 2024-01-05  10:00:00"]
+    rec, _ = _digest(apt)
+    assert (rec["first_ts"], rec["last_ts"]) == ("2024-01-05  09:00:00", "2024-01-05  10:22:33"), rec
     assert ts_order("14/Mar/2025:11:00:01 +0000") < ts_order("01/Apr/2025:00:00:00 +0000")  # not as text
     mixed = ["2025/03/01 11:00:00 [error] 31#31: upstream refused", "[ 1003.000000] usb 1-2: new device",
              "2025/03/01 11:00:21 [notice] 13#44: signal process started"]  # dmesg seconds beside dates: unordered
@@ -170,3 +189,11 @@ def test_json_lines_records_are_read_as_time_level_message_and_fields():
     assert '12 x "INFO payment processed svc=payments {amount=100, amount=101, … 12 in all}"' in text, text
     assert "1 line shows error, first at line 6" in text and "'ts'" not in text and ",," not in text, text
     assert clean_line(b'{"a": 1', 7, 500)[0] == '{"a": 1'  # not a whole JSON object: as it was
+    deep = b'{"a":' + b"[" * 1200 + b"]" * 1200 + b"}"  # json's RecursionError stopped the reader
+    assert clean_line(deep, len(deep), 5000)[0] == deep.decode()
+    for raw, want in [(rb'{"log":"\u001b[32mINFO\u001b[0m server started\n","stream":"stdout"}',
+                       "INFO server started stream=stdout"),  # Docker's json-file: escapes cleaned as in a line
+                      (rb'{"level":"info\nERROR fake","x":1}', "INFO ERROR FAKE x=1"),  # one record, one line
+                      (rb'{"level":50,"time":1710412800123,"msg":"db down","pid":3}',  # pino: numbers
+                       "2024-03-14T10:40:00.123Z ERROR db down pid=3")]:
+        assert clean_line(raw, len(raw), 500)[0] == want, raw

@@ -73,19 +73,17 @@ def split_timestamp(line: str) -> tuple[str | None, str]:
     return None, line.strip()
 
 
-_MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}
+_MONTHS = {m: i for i, m in enumerate("Jan Feb Mar Apr May Jun Jul Aug Sep Oct Nov Dec".split(), 1)}  # CLF
 
 
 def ts_order(ts: str) -> tuple[Any, ...] | None:
-    """A sortable key for a timestamp `split_timestamp` found, its shape first (None when the shape is not known):
-    ISO and nginx / Go times by their digits, syslog by month, day and time (no year on the line), the common log
-    format by date and time, dmesg by its seconds. Zones are not converted: one log is in one zone."""
-    m = re.match(r"(\d{4})[-/](\d{2})[-/](\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?", ts)
+    """A sortable key for a timestamp `split_timestamp` found, its shape first, or None where it cannot be ordered:
+    ISO, apt's and nginx / Go times by their digits, the common log format by date and time, dmesg by its seconds.
+    Syslog's (no year on the line: `Dec 31 23:59:58` then `Jan  1 00:00:02` is the new year) goes by line order.
+    Zones are not converted: one log is in one zone."""
+    m = re.match(r"(\d{4})[-/](\d{2})[-/](\d{2})(?:T|\s+)(\d{2}):(\d{2}):(\d{2})(?:[.,](\d+))?", ts)
     if m:
         return ("iso",) + tuple(int(g) for g in m.groups()[:6]) + (float("0." + (m.group(7) or "0")),)
-    m = re.match(r"([A-Z][a-z]{2}) ([ \d]\d) (\d{2}):(\d{2}):(\d{2})", ts)
-    if m and m.group(1) in _MONTHS:
-        return ("syslog", _MONTHS[m.group(1)], int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5)))
     m = re.match(r"(\d{2})/([A-Z][a-z]{2})/(\d{4}):(\d{2}):(\d{2}):(\d{2})", ts)
     if m and m.group(2) in _MONTHS:
         return ("clf", int(m.group(3)), _MONTHS[m.group(2)], int(m.group(1)), int(m.group(4)), int(m.group(5)),

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import snowballstemmer
 
-from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, marks, severities
+from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, marks, severities, split_timestamp
 from sinkchat.apps.summarize.written import filled
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, FUNCTION_WORDS, NEGATIONS, SUMMARY_WORDS, negated
 
@@ -66,6 +66,20 @@ def _quotable(text: str) -> str:
     return " ".join(text.replace('"', "'").split())
 
 
+_SOURCE_RE = re.compile(r"(?<![\w./-])([A-Za-z][\w.-]*?)(?:\[\d+\])?:(?=\s)")
+
+
+def _sources(lines: list[str]) -> set[str]:
+    """The words of the programs the lines come from (`kernel:`, `orders-api[4242]:` -> orders, api): the first
+    `name:` or `name[pid]:` within a line's first 60 characters after its timestamp."""
+    out: set[str] = set()
+    for line in lines:
+        m = _SOURCE_RE.search(split_timestamp(line)[1][:60])
+        if m:
+            out.update(w for w in _ALPHA_RE.findall(m.group(1).lower()) if len(w) > 2)
+    return out
+
+
 class Support:
     """What a summary may claim: the period's lines, their digest record and the period's own figures (line range,
     counts); the severity keys among them and the stems of their words."""
@@ -78,7 +92,10 @@ class Support:
         self.raw_lines = joined.splitlines()  # as written: a quote must be one's text (quoted.py)
         self.lines = [ln.lower() for ln in self.raw_lines]
         self.text = joined.lower() + "\n" + numbers.lower()
-        self.kinds = [(_quotable(t.get("first_text", "")), t["count"]) for t in (digest or {}).get("templates", [])]
+        self.sources = _sources(self.raw_lines)
+        # kinds with no variable part: each of their lines is the first one's text, so a quote of it is in all
+        self.kinds = [(_quotable(t.get("first_text", "")), t["count"]) for t in (digest or {}).get("templates", [])
+                      if "<*>" not in t["template"]]
         self.raw_digest = "\n".join(_quotable(x) for t in (digest or {}).get("templates", [])
                                     for x in [t["template"], t.get("first_text", ""), filled(t)]
                                     + [m[3] for f in ("severity", "changes") for m in marks(t, f).values()])
@@ -98,6 +115,7 @@ class Support:
         more = copy.copy(self)
         sev = set(severities(joined)) - self.severity
         more.raw_lines = self.raw_lines + joined.splitlines()
+        more.sources = self.sources | _sources(joined.splitlines())
         more.lines = self.lines + [ln.lower() for ln in joined.splitlines()]
         more.severity = self.severity | sev
         more.failures = self.failures | (set(changes(joined)) & FAILURE_CHANGES)

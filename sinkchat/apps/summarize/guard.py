@@ -264,7 +264,8 @@ def _refers(prose: str, stems: set[str], inc: Incident, common: set[str]) -> boo
     incident's template ("The backup job failed with an error." does not name an ext4 error's remount). Words most
     of the period's kinds of lines share (`common`: the host "web01" on every syslog line) tell no incident apart:
     a sentence on nginx's lines named "web01", and the oom-kill line with it went unsaid."""
-    words = [w for w in content_words(inc.template.replace("<*>", " ")) if stem(w) not in common]
+    words = content_words(inc.template.replace("<*>", " "))
+    words = [w for w in words if stem(w) not in common] or words  # all common: they are all it has
     names = [c.lower() for k, c in claims(inc.template) if k == "name"]
     if not words and not names:
         return True

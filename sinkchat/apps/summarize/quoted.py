@@ -6,9 +6,11 @@ sentence could pass while each of its parts came from a different place. Seen in
 later summary); `24 lines "web01 nginx[811]: upstream connect error ..."` for 7 such lines (24 was the period's line
 count); `an error message from the kernel: "app: ERROR disk full"` where the kernel's lines said `eth0 link up`.
 So a quote of QUOTE_MIN characters or more must be a piece of a line (or of the digest) as written; a count put in
-front of it ("7 lines", "7 x") must be the number of lines holding it; and the sentence's other content words and
-severity words must be on the lines holding the quote (the sentence says what those lines are, not what others are:
-`Error: "usb 1-2: new high-speed USB device ..."` was kept, an error on another line backing the word).
+front of it ("7 lines", "7 x") must be the number of lines holding it; and in a sentence with one quote, a program
+it names (a line's source: `kernel:`, `nginx[811]:`) and its severity words must be those of the lines holding the
+quote (`Error: "usb 1-2: new high-speed USB device ..."` was kept, an error on another line backing the word). Other
+words around a quote are left to the word checks: "orders-api restarted after 'Out of memory: ...'" relates two
+lines, and dropping every such sentence lost true ones.
 """
 
 from __future__ import annotations
@@ -19,15 +21,15 @@ from typing import TYPE_CHECKING
 from sinkchat.apps.summarize.digest import _GROUP_TO_KEY, CHANGE_RE, SEVERITY_RE, severities
 from sinkchat.apps.summarize.factcheck import _quotable as _norm
 from sinkchat.apps.summarize.factcheck import content_words, stem
-from sinkchat.apps.summarize.vocab import CHANGE_WORDS, negated
+from sinkchat.apps.summarize.vocab import negated
 
 if TYPE_CHECKING:
     from sinkchat.apps.summarize.factcheck import Support
 
 QUOTE_MIN = 12  # shorter quoted text ("ok", a status word) is a word, checked as words are
-QUOTE_RE = re.compile(r"[\"“`]([^\"”`\n]{%d,}?)[\"”`]|(?<!\w)'([^'\n]{%d,}?)'(?!\w)" % (QUOTE_MIN, QUOTE_MIN))
-COUNT_RE = re.compile(r"(\d[\d,]*)\s+(?:x|×|times|lines?|entries|messages|occurrences)\b[^\"“`']{0,24}$", re.I)
-KEY_WORDS = frozenset(w for k in CHANGE_WORDS for w in k.split())  # "2 lines show exception": the digest's own key
+QUOTE_RE = re.compile(r"[\"“`]([^\"”`\n]{%d,}?)[\"”`]|(?<!\w)['‘]([^'’\n]{%d,}?)['’](?!\w)" % (QUOTE_MIN, QUOTE_MIN))
+# the count right in front of a quote: no other number between ("Of 24 lines, 7 lines "..."" counts 7)
+COUNT_RE = re.compile(r"(\d[\d,]*)\s+(?:x|×|times|lines?|entries|messages|occurrences)\b[^\"“`'‘\d]{0,24}$", re.I)
 _ELLIPSIS_RE = re.compile(r"(?:…|\.\.\.)\s*$")
 
 
@@ -67,8 +69,8 @@ def problems(sentence: str, support: "Support") -> list[str]:
     if on and not out and len(found) == 1:  # a sentence listing kinds ("22 x "..."; 1 x "..."") speaks of them all
         rest = re.sub(r"\S*\d\S*", " ", QUOTE_RE.sub(" ", sentence))  # times and counts: "from 01/Mar/2025"
         rest = CHANGE_RE.sub(" ", rest)
-        stems = {stem(w) for w in content_words(" ".join(on))}
-        out += [w for w in dict.fromkeys(content_words(rest)) if stem(w) not in stems and w not in KEY_WORDS]
+        stems = {stem(w) for w in content_words(" ".join(on))}  # a program named that the quoted lines are not from
+        out += [w for w in dict.fromkeys(content_words(rest)) if stem(w) not in stems and w in support.sources]
         held = set(severities(" ".join(on)))  # `Error: "usb 1-2: new high-speed USB device ..."` was kept
         out += [m.group(0).lower() for m in SEVERITY_RE.finditer(rest)
                 if not negated(rest, m.start()) and _GROUP_TO_KEY[m.lastgroup or ""] not in held]

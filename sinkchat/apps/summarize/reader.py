@@ -154,9 +154,9 @@ def clean_line(raw: bytes, total: int, max_chars: int, middle: str = "") -> tupl
     text = raw.decode("utf-8", errors="replace")
     if text.endswith("\r") and total == len(raw):
         text = text[:-1]
-    text = CONTROL_RE.sub("\ufffd", ANSI_RE.sub("", text)).replace("\r", "")
     if total == len(raw) and text[:1] == "{":  # a JSON-lines record, read whole (structured.py)
         text = flatten(text)
+    text = CONTROL_RE.sub("\ufffd", ANSI_RE.sub("", text)).replace("\r", "").replace("\n", " ")
     cut = total > len(raw) or len(text) > max_chars
     if cut:
         from sinkchat.apps.summarize.digest import severities
