@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from sinkchat.apps.summarize.factcheck import Support
 
 QUOTE_MIN = 12  # shorter quoted text ("ok", a status word) is a word, checked as words are
-QUOTE_RE = re.compile(r"[\"“`]([^\"”`\n]{%d,}?)[\"”`]|(?<!\w)['‘]([^'’\n]{%d,}?)['’](?!\w)" % (QUOTE_MIN, QUOTE_MIN))
+QUOTE_RE = re.compile(r"[\"“`]([^\"”`\n]{%d,}?)[\"”`]|(?<!\w)['‘]([^'’\n]{%d,}?)['’](?!\w)"
+                      % (QUOTE_MIN, QUOTE_MIN))
 # the count right in front of a quote: no other number between ("Of 24 lines, 7 lines "..."" counts 7)
-COUNT_RE = re.compile(r"(\d[\d,]*)\s+(?:x|×|times|lines?|entries|messages|occurrences)\b[^\"“`'‘\d]{0,24}$", re.I)
+COUNT_RE = re.compile(r"(\d[\d,]*)\s+(?:x|×|times|lines?|entries|messages|occurrences)\b"
+                      r"[^\"“`'‘\d]{0,24}$", re.I)
 _ELLIPSIS_RE = re.compile(r"(?:…|\.\.\.)\s*$")
 
 

@@ -260,7 +260,8 @@ class Summarizer:
         t0 = time.perf_counter()
         support = Support(self.period_text, digest, numbers=period_numbers(
             p.first_line, p.last_line, p.lines, p.summarized, p.filtered, p.deduped, p.skipped, p.binary))
-        earlier = [(no, text) for no, text in self.batcher.digest.notable if no < p.first_line and no not in self.cited]
+        earlier = [(no, text) for no, text in self.batcher.digest.notable
+                   if no < p.first_line and no not in self.cited]
         if self.clock is not None:
             ans = final_ask(self.engine, self._events, question, support, digest, earlier, self.max_tokens,
                             self.clock, self.metrics)
