@@ -147,6 +147,23 @@ def test_an_error_at_the_end_of_a_line_cut_for_length_is_still_named():
     assert b["truncated"] == 1 and b["lines"] == 12, b
     assert "1 line shows error" in b["summary"] and "No line shows a severity word" not in b["summary"], b
     assert "1 cut (over --max-line-chars)" in render_block(b, "text").splitlines()[0]
+    incident = b["summary"][b["summary"].index("1 line shows error"):]
+    assert "INFO api request payload=aaa" in incident and "ERROR upstream failed: reset" in incident, incident
+    support = Support([i.text for i in _lines_of(data)], b["digest"])
+    for sentence in [s + "." for s in b["summary"].split(". ") if s]:  # the code's own sentences pass the rule
+        assert problems(sentence.rstrip(".") + ".", support, Echo(""))[0] == [], sentence
+
+
+def _lines_of(data: bytes) -> list:
+    import io
+    import queue
+    import threading
+
+    from sinkchat.apps.summarize.reader import Line, Reader, stream_chunks
+
+    q: queue.Queue = queue.Queue()
+    Reader(stream_chunks(io.BytesIO(data), threading.Event()), q, max_line_chars=500).run()
+    return [i for i in q.queue if isinstance(i, Line)]
 
 
 def test_the_time_range_is_the_earliest_and_latest_timestamp_not_the_first_and_last_line():

@@ -63,6 +63,19 @@ HTTP_5XX_RE = re.compile(r"\"\s+(5\d\d)\s+(?:\d+|-)")  # access log: status afte
 OOM_CLASS_RE = re.compile(r"OutOfMemory|(?<![A-Za-z])MemoryError")
 
 
+CUT_MARK = " …[line truncated"  # reader.clean_line's marker
+
+
+def kept_text(content: str) -> str:
+    """A line as the digest keeps it for quoting: its first FIRST_TEXT_CHARS characters; of a line cut for length,
+    its start and then the marker with the line's kept end (where `-> ERROR upstream failed` is)."""
+    i = content.find(CUT_MARK)
+    if i < 0 or len(content) <= FIRST_TEXT_CHARS:
+        return content[:FIRST_TEXT_CHARS]
+    end = content[i:][-(FIRST_TEXT_CHARS * 3 // 4):]
+    return content[: FIRST_TEXT_CHARS - len(end)] + end
+
+
 def split_timestamp(line: str) -> tuple[str | None, str]:
     """(timestamp text or None, the line without it) for the common log timestamp shapes."""
     for pat in _TS_PATTERNS:
@@ -148,7 +161,7 @@ class _Template:
              count: int) -> None:
         """Count `count` lines ending at `no` under each of `keys`, keeping the first such line."""
         for k in keys:
-            entry = at.setdefault(k, [0, no - count + 1, ts, text[:FIRST_TEXT_CHARS]])
+            entry = at.setdefault(k, [0, no - count + 1, ts, kept_text(text)])
             entry[0] += count
 
 
@@ -204,7 +217,7 @@ class Digest:
         t = self.templates.get(result["cluster_id"])
         if t is None:
             t = self.templates[result["cluster_id"]] = _Template(first_line=no - count + 1,
-                                                                 first_text=content[:FIRST_TEXT_CHARS])
+                                                                 first_text=kept_text(content))
         t.count += count
         t.last_line = no
         if ts:

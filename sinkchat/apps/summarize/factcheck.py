@@ -26,7 +26,7 @@ from typing import Any, Callable
 import snowballstemmer
 
 from sinkchat.apps.summarize.digest import SEVERITY_RE, _GROUP_TO_KEY, changes, marks, severities, split_timestamp
-from sinkchat.apps.summarize.written import filled
+from sinkchat.apps.summarize.written import QUOTE_LIMITS, filled, quote
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, FUNCTION_WORDS, NEGATIONS, SUMMARY_WORDS, negated
 
 NAME_RE = re.compile(r"(?<![\w/.-])(/?[A-Za-z0-9][\w+]*(?:[-_./:][\w+]+)+)")
@@ -96,9 +96,11 @@ class Support:
         # kinds with no variable part: each of their lines is the first one's text, so a quote of it is in all
         self.kinds = [(_quotable(t.get("first_text", "")), t["count"]) for t in (digest or {}).get("templates", [])
                       if "<*>" not in t["template"]]
-        self.raw_digest = "\n".join(_quotable(x) for t in (digest or {}).get("templates", [])
-                                    for x in [t["template"], t.get("first_text", ""), filled(t)]
-                                    + [m[3] for f in ("severity", "changes") for m in marks(t, f).values()])
+        shown = [x for t in (digest or {}).get("templates", []) for x in [t["template"], t.get("first_text", ""),
+                 filled(t)] + [m[3] for f in ("severity", "changes") for m in marks(t, f).values()]]
+        self.raw_digest = "\n".join(_quotable(x) for x in shown)
+        # as the code quotes them: a run of one letter cut short ("payload=aaa…") is a word no line holds as such
+        self.text += "\n" + "\n".join(quote(x, n) for x in shown for n in QUOTE_LIMITS).lower()
         self.severity = set(severities(joined))
         self.failures = set(changes(joined)) & FAILURE_CHANGES  # a traceback: "no errors" is contradicted (guard)
         if digest:

@@ -43,10 +43,22 @@ def quotes(sentence: str) -> list[tuple[str, int]]:
     return [(_ELLIPSIS_RE.sub("", m.group(1) or m.group(2)).strip(), m.start()) for m in QUOTE_RE.finditer(sentence)]
 
 
+def _pieces_in(pieces: list[str], text: str) -> bool:
+    """Each piece found in `text`, in order."""
+    at = 0
+    for p in pieces:
+        at = text.find(p, at)
+        if at < 0:
+            return False
+        at += len(p)
+    return True
+
+
 def holding(quote: str, lines: list[str]) -> list[str]:
-    """The lines that hold `quote` as written."""
-    q = _norm(quote)
-    return [ln for ln in lines if q in _norm(ln)]
+    """The lines that hold `quote` as written; a "…" inside it stands for what was left out (a line cut for length
+    is quoted by its start and end), so its pieces are found in order."""
+    pieces = [p for p in (_norm(x) for x in _norm(quote).split("…")) if p]
+    return [ln for ln in lines if _pieces_in(pieces, _norm(ln))]
 
 
 def problems(sentence: str, support: "Support") -> list[str]:
@@ -60,7 +72,7 @@ def problems(sentence: str, support: "Support") -> list[str]:
     on: list[str] = []
     for q, start in found:
         lines = holding(q, support.raw_lines)
-        if not lines and _norm(q) not in support.raw_digest:
+        if not lines and not holding(q, support.raw_digest.splitlines()):
             out.append(f'quote not in the log as written: "{q[:40]}"')
             continue
         on += lines

@@ -30,6 +30,7 @@ RARE_COUNT = 2  # a kind of line with at most this many lines in the period is r
 RARE_SHOWN = 4  # ... and up to this many rare kinds are quoted in a summary written from the digest
 TEMPLATE_CHARS = 100  # a quoted template is cut to this many characters
 VALUE_CHARS = 40  # a value shown in a filled template is cut to this many
+QUOTE_LIMITS = (TEMPLATE_CHARS, TEMPLATE_CHARS + 40)  # the lengths lines are quoted at: an incident's, a kind's
 NO_INCIDENT = "No line shows a severity word (no errors or warnings)."  # negated: checked against the lines
 UNREADABLE_RE = re.compile(r"[\ufffd\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _EDGE_RE = re.compile(r"^([^\w]*)(.*?)([^\w]*)$", re.DOTALL)
@@ -107,6 +108,9 @@ def quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
     t = " ".join(UNREADABLE_RE.sub("", template).replace('"', "'").split())
     if len(t) <= limit:
         return t
+    if "…[line truncated" in t:  # a line cut for length: its start, then its kept end (quoted.py reads the "…")
+        head = t[: limit // 3].rstrip()
+        return head + " … " + t[len(t) - (limit - len(head) - 3):].lstrip()
     cut = t[: limit - 1]
     return (cut.rsplit(" ", 1)[0] if " " in cut[limit // 2:] else cut).rstrip() + "…"
 
@@ -149,7 +153,7 @@ def filled(t: dict[str, Any]) -> str:
     """A template with each `<*>` slot shown as its values (`_slot`); a kind seen once is its line as written.
     Braces and commas, not "/": "unpacked/half-configured" would read back as one name no line holds."""
     if t.get("count") == 1 and t.get("first_text"):
-        return quote(t["first_text"], TEMPLATE_CHARS + 40)
+        return quote(t["first_text"], QUOTE_LIMITS[1])
     params = iter(t.get("params") or [])
 
     def slot(_: re.Match[str]) -> str:
@@ -158,7 +162,7 @@ def filled(t: dict[str, Any]) -> str:
             return "…"
         return _slot(list(p["values"]), p.get("distinct", len(p["values"])))
 
-    return quote(re.sub(r"<\*>", slot, t["template"]), TEMPLATE_CHARS + 40)
+    return quote(re.sub(r"<\*>", slot, t["template"]), QUOTE_LIMITS[1])
 
 
 def incident_sentence(inc: Incident) -> str:
