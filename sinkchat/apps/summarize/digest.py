@@ -63,7 +63,7 @@ HTTP_5XX_RE = re.compile(r"\"\s+(5\d\d)\s+(?:\d+|-)")  # access log: status afte
 OOM_CLASS_RE = re.compile(r"OutOfMemory|(?<![A-Za-z])MemoryError")
 
 
-CUT_MARK = " …[line truncated"  # reader.clean_line's marker
+CUT_MARK = " …[line truncated"  # the start of the marker reader.clean_line puts where it cut a line
 
 
 def kept_text(content: str) -> str:

@@ -89,16 +89,17 @@ class Support:
         lines"). The question itself is never support: the prompt says "error, warning or failure", and a reply
         that echoes it must not back its own words."""
         joined = "\n".join(texts)
-        self.raw_lines = joined.splitlines()  # as written: a quote must be one's text (quoted.py)
-        self.lines = [ln.lower() for ln in self.raw_lines]
+        raw = joined.splitlines()
+        self.quotable = [_quotable(ln) for ln in raw]  # as written, for quotes (quoted.py)
+        self.lines = [ln.lower() for ln in raw]
         self.text = joined.lower() + "\n" + numbers.lower()
-        self.sources = _sources(self.raw_lines)
+        self.sources = _sources(raw)
         # kinds with no variable part: each of their lines is the first one's text, so a quote of it is in all
         self.kinds = [(_quotable(t.get("first_text", "")), t["count"]) for t in (digest or {}).get("templates", [])
                       if "<*>" not in t["template"]]
         shown = [x for t in (digest or {}).get("templates", []) for x in [t["template"], t.get("first_text", ""),
                  filled(t)] + [m[3] for f in ("severity", "changes") for m in marks(t, f).values()]]
-        self.raw_digest = "\n".join(_quotable(x) for x in shown)
+        self.quotable_digest = [_quotable(x) for x in shown]
         # as the code quotes them: a run of one letter cut short ("payload=aaa…") is a word no line holds as such
         self.text += "\n" + "\n".join(quote(x, n) for x in shown for n in QUOTE_LIMITS).lower()
         self.severity = set(severities(joined))
@@ -116,7 +117,7 @@ class Support:
         joined = "\n".join(texts)
         more = copy.copy(self)
         sev = set(severities(joined)) - self.severity
-        more.raw_lines = self.raw_lines + joined.splitlines()
+        more.quotable = self.quotable + [_quotable(ln) for ln in joined.splitlines()]
         more.sources = self.sources | _sources(joined.splitlines())
         more.lines = self.lines + [ln.lower() for ln in joined.splitlines()]
         more.severity = self.severity | sev
@@ -135,8 +136,8 @@ class Support:
         return claim.lower() in self.text
 
     def kind_count(self, quote: str) -> int:
-        """The lines of the digest's kinds whose first line holds `quote` (lines summarized by the digest alone are
-        not among `raw_lines`)."""
+        """The lines of the digest's kinds with no variable part whose line holds `quote` (lines summarized by the
+        digest alone are not among `quotable`)."""
         q = _quotable(quote)
         return sum(n for first, n in self.kinds if q and q in first)
 

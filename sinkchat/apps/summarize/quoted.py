@@ -35,8 +35,6 @@ COUNT_RE = re.compile(r"(\d[\d,]*)\s+(?:x|×|times|lines?|entries|messages|occur
 _ELLIPSIS_RE = re.compile(r"(?:…|\.\.\.)\s*$")
 
 
-
-
 def quotes(sentence: str) -> list[tuple[str, int]]:
     """(quoted text, its start in the sentence) for each quote of QUOTE_MIN characters or more; a trailing "…" (a
     quote cut short) is taken off."""
@@ -55,10 +53,10 @@ def _pieces_in(pieces: list[str], text: str) -> bool:
 
 
 def holding(quote: str, lines: list[str]) -> list[str]:
-    """The lines that hold `quote` as written; a "…" inside it stands for what was left out (a line cut for length
-    is quoted by its start and end), so its pieces are found in order."""
-    pieces = [p for p in (_norm(x) for x in _norm(quote).split("…")) if p]
-    return [ln for ln in lines if _pieces_in(pieces, _norm(ln))]
+    """The lines (compared as `Support.quotable` holds them) that hold `quote` as written; a "…" inside it stands
+    for what was left out (a line cut for length is quoted by its start and end), so its pieces are found in order."""
+    pieces = [p for p in (x.strip() for x in _norm(quote).split("…")) if p]
+    return [ln for ln in lines if _pieces_in(pieces, ln)]
 
 
 def problems(sentence: str, support: "Support") -> list[str]:
@@ -71,8 +69,8 @@ def problems(sentence: str, support: "Support") -> list[str]:
     out: list[str] = []
     on: list[str] = []
     for q, start in found:
-        lines = holding(q, support.raw_lines)
-        if not lines and not holding(q, support.raw_digest.splitlines()):
+        lines = holding(q, support.quotable)
+        if not lines and not holding(q, support.quotable_digest):
             out.append(f'quote not in the log as written: "{q[:40]}"')
             continue
         on += lines

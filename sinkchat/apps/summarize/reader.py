@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
+from sinkchat.apps.summarize.digest import CUT_MARK, severities
 from sinkchat.apps.summarize.structured import flatten
 
 READ_SIZE = 65536
@@ -129,8 +130,6 @@ class LineSplitter:
             del self.tail[:over]
 
     def _search(self, dropped: bytes) -> None:
-        from sinkchat.apps.summarize.digest import severities
-
         text = (self._carry + dropped).decode("utf-8", errors="replace")
         self.middle.update(severities(text))
         self._carry = dropped[-MIDDLE_OVERLAP:]
@@ -143,6 +142,11 @@ class LineSplitter:
         self.middle = set()
         self._carry = b""
         return line
+
+
+def tail_chars(max_chars: int) -> int:
+    """The characters a cut line keeps of its end: TAIL_CHARS, at most a quarter of the line's limit."""
+    return min(TAIL_CHARS, max_chars // 4)
 
 
 def clean_line(raw: bytes, total: int, max_chars: int, middle: str = "") -> tuple[str, bool]:
@@ -159,14 +163,12 @@ def clean_line(raw: bytes, total: int, max_chars: int, middle: str = "") -> tupl
     text = CONTROL_RE.sub("\ufffd", ANSI_RE.sub("", text)).replace("\r", "").replace("\n", " ")
     cut = total > len(raw) or len(text) > max_chars
     if cut:
-        from sinkchat.apps.summarize.digest import severities
-
         size = f"{total} bytes" if total > len(raw) else f"{len(text)} chars"
-        keep = min(TAIL_CHARS, max_chars // 4)
+        keep = tail_chars(max_chars)
         head, tail = text[: max_chars - keep], text[len(text) - keep:] if keep else ""
         found = {k for k in middle.split(", ") if k} | set(severities(text[len(head): len(text) - len(tail)]))
         holds = f"; the cut part holds {', '.join(sorted(found))}" if found else ""
-        text = f"{head} …[line truncated, {size}{holds}]…" + (f" {tail}" if tail else "")
+        text = f"{head}{CUT_MARK}, {size}{holds}]…" + (f" {tail}" if tail else "")
     return text, cut
 
 
@@ -256,7 +258,7 @@ class Reader(threading.Thread):
 
     def run(self) -> None:
         # UTF-8 needs at most 4 bytes a character
-        splitter = LineSplitter(self.max_chars * 4 + 4, min(TAIL_CHARS, self.max_chars // 4) * 4)
+        splitter = LineSplitter(self.max_chars * 4 + 4, tail_chars(self.max_chars) * 4)
         error = None
         try:
             for data in self.chunks:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sinkchat.apps.summarize.digest import marks
+from sinkchat.apps.summarize.digest import CUT_MARK, marks
 from sinkchat.apps.summarize.vocab import FAILURE_CHANGES, ROUTINE_CHANGES, ROUTINE_TRIGGERS
 from sinkchat.textutil import plural
 
@@ -108,7 +108,7 @@ def quote(template: str, limit: int = TEMPLATE_CHARS) -> str:
     t = " ".join(UNREADABLE_RE.sub("", template).replace('"', "'").split())
     if len(t) <= limit:
         return t
-    if "…[line truncated" in t:  # a line cut for length: its start, then its kept end (quoted.py reads the "…")
+    if CUT_MARK.strip() in t:  # a line cut for length: its start, then its kept end (quoted.py reads the "…")
         head = t[: limit // 3].rstrip()
         return head + " … " + t[len(t) - (limit - len(head) - 3):].lstrip()
     cut = t[: limit - 1]
