@@ -82,6 +82,7 @@ class Answer:
     question_tokens: int = 0  # tokens fed for the question (its chat template included)
     question_seconds: float = 0.0  # seconds spent feeding them
     earlier: list[str] = field(default_factory=list)  # model sentences kept on an earlier line, citing it
+    cited: list[int] = field(default_factory=list)  # the numbers of the earlier lines they cite
     asked: bool = True  # False: written from the digest without asking the model (a stop left no time)
 
 
@@ -155,7 +156,7 @@ def ask(engine: Any, events: Callable[[Any], str], question: str, support: Suppo
     if digest is not None:
         g = guard(text, ans.cut, support, digest, question, earlier)
         ans.text, ans.prose, ans.dropped, ans.added = g.text, g.prose, g.dropped, g.added
-        ans.unsupported, ans.why, ans.earlier = g.unsupported, g.why, g.earlier
+        ans.unsupported, ans.why, ans.earlier, ans.cited = g.unsupported, g.why, g.earlier, g.cited
     return ans
 
 

@@ -59,6 +59,7 @@ class Guarded:
     dropped: list[str] = field(default_factory=list)  # the model's sentences taken out
     added: list[str] = field(default_factory=list)  # the sentences written by code
     earlier: list[str] = field(default_factory=list)  # model sentences kept because an earlier line backs them
+    cited: list[int] = field(default_factory=list)  # the numbers of those earlier lines
 
 
 _BOUNDARY_RE = re.compile(SENTENCE_END_RE.pattern + r"|\n")
@@ -214,12 +215,6 @@ def _cite(sentence: str, nos: list[int]) -> str:
     return sentence[:cut] + f" (earlier, at {where})" + (sentence[cut:] or ".")
 
 
-def cited(sentence: str) -> list[int]:
-    """The earlier line numbers a sentence kept by `_cite` names."""
-    m = re.search(r"\(earlier, at lines? ([\d, and]+)\)", sentence)
-    return [int(n) for n in re.findall(r"\d+", m.group(1))] if m else []
-
-
 def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None, question: str = "",
           earlier: list[tuple[int, str]] | None = None) -> Guarded:
     """Drop the sentences of a checked reply that may not be shown, then state what the digest shows that the
@@ -247,6 +242,7 @@ def guard(text: str, cut: bool, support: Support, digest: dict[str, Any] | None,
             if nos:
                 bad, claim = [], _cite(claim, nos)
                 g.earlier.append(claim)
+                g.cited += nos
         if why is None and not bad and claim.lower() in (k.lower() for k in kept):
             why = "repeated"
         if bad or why:

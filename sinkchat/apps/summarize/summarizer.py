@@ -30,7 +30,6 @@ from sinkchat.apps.summarize.answer import (TEMPLATE_TOKENS, Answer, Budget, ask
                                             settle_conversation)
 from sinkchat.apps.summarize.batching import Batcher, Period
 from sinkchat.apps.summarize.factcheck import Support, period_numbers
-from sinkchat.apps.summarize.guard import cited
 from sinkchat.apps.summarize.output import Output
 from sinkchat.apps.summarize.reader import End, Item, Notice
 from sinkchat.apps.summarize.status import Status
@@ -243,7 +242,7 @@ class Summarizer:
                  "prose": ans.prose, "dropped": ans.dropped, "added": ans.added, "why": ans.why, "digest": digest}
         if ans.earlier:
             extra["earlier"] = ans.earlier
-            self.cited.update(n for s in ans.earlier for n in cited(s))
+            self.cited.update(ans.cited)
         if final and self.clock is not None:
             extra["stopped_by"] = self.clock.by
             extra["skipped_by_stop"] = max(0, p.skipped - self.skipped_at_stop)
