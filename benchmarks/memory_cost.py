@@ -79,24 +79,25 @@ def main() -> None:
         fed += len(chunk)
     timed = min(args.window, args.tokens)
     t_dec, c_dec = {"off": 0.0, "on": 0.0}, {"off": 0.0, "on": 0.0}
+    made = {"off": 0, "on": 0}  # tokens each really decoded: a reply can end early at EOS
     for _ in range(args.decode // 16):
         for mode, eng in engines.items():
             t0, c0 = time.perf_counter(), time.process_time()
             list(eng.generate(max_tokens=16))
             t_dec[mode] += time.perf_counter() - t0
             c_dec[mode] += time.process_time() - c0
-    n_dec = args.decode // 16 * 16
+            made[mode] += len(eng.last_reply_ids)
     mem = engines["on"].memory
     res = {"tokens": args.tokens, "cache": args.cache, "threads": args.threads, "off_tail": args.off_tail,
            "prefill_tok_s": {m: timed / t for m, t in t_pre.items()},
-           "decode_tok_s": {m: n_dec / t for m, t in t_dec.items()},
+           "decode_tok_s": {m: made[m] / t for m, t in t_dec.items()}, "decoded": made,
            "memory": {"blocks": mem.blocks, "tokens": mem.tokens, "forgotten": mem.forgotten,
                       "index_bytes": mem.index_bytes, "disk_bytes": mem.disk_bytes, "lru_bytes": mem.lru_bytes},
            "rss_mb": rss_bytes() / 2**20}
     res["prefill_ratio"] = res["prefill_tok_s"]["on"] / res["prefill_tok_s"]["off"]
     res["decode_ratio"] = res["decode_tok_s"]["on"] / res["decode_tok_s"]["off"]
     res["prefill_ratio_cpu"] = c_pre["off"] / c_pre["on"]
-    res["decode_ratio_cpu"] = c_dec["off"] / c_dec["on"]
+    res["decode_ratio_cpu"] = (c_dec["off"] / made["off"]) / (c_dec["on"] / made["on"])
     mem.close()
     if args.json:
         print(json.dumps(res, indent=1))
@@ -107,7 +108,7 @@ def main() -> None:
     print(f"prefill tok/s  off {res['prefill_tok_s']['off']:8.1f}  on {res['prefill_tok_s']['on']:8.1f}  "
           f"ratio {res['prefill_ratio']:.2f}  (the last {timed} tokens)")
     print(f"decode  tok/s  off {res['decode_tok_s']['off']:8.1f}  on {res['decode_tok_s']['on']:8.1f}  "
-          f"ratio {res['decode_ratio']:.2f}  ({n_dec} tokens)")
+          f"ratio {res['decode_ratio']:.2f}  ({made['off']} / {made['on']} tokens)")
     print(f"in CPU time: prefill ratio {res['prefill_ratio_cpu']:.2f}, decode ratio {res['decode_ratio_cpu']:.2f}")
     print(f"memory: {m['blocks']} blocks, {m['tokens']} tokens ({m['forgotten']} forgotten), index "
           f"{m['index_bytes'] / 2**20:.1f} MiB ({m['index_bytes'] / per:.0f} B/token), disk "

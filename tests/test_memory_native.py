@@ -87,6 +87,36 @@ def test_dots_and_block_maxima_equal_torchs_per_batch_matmul(flavour: str, threa
 
 
 @needs_lib
+@pytest.mark.skipif("avx2" not in FLAVOURS, reason="no AVX2 here: only the scalar dots are built")
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("g", [2, 3, 16])
+def test_eight_rows_at_once_keep_the_scalar_bits_on_ties_zeros_and_nan(r: int, g: int) -> None:
+    """The AVX2 dots take eight rows at a time (their hsums, bf16 rounding and block maxima in vectors); the scalar
+    code takes one. Both must give the same bits where the max is a choice: equal dots (the first kept), +0 against
+    -0 (the first kept: torch.equal would not see the sign), a NaN anywhere in a block (it wins), blocks that do not
+    tile the eight rows (r 3), and a tail of rows after the last eight."""
+    gen = torch.Generator().manual_seed(r * 100 + g)
+    w, b = 64, 3
+    n = r * (40 // r + 1) + (r if r < 8 else 0) * 3  # not a multiple of 8 where r allows: the scalar tail runs too
+    rows = torch.randint(-3, 4, (b, n, w), generator=gen).to(torch.bfloat16)  # small integers: many equal dots
+    rows[:, 0:8:2] = -0.0  # dots of -0 and +0 in turn: every block of the first eight rows holds only zeros
+    rows[:, 1:8:2] = 0.0
+    rows[1, 9, 3] = float("nan")
+    rows[2, n - 1, 0] = float("inf")
+    rows[2, n - 1, 1] = float("-inf")  # inf - inf: a NaN in the tail
+    qt = torch.randint(1, 3, (b, g, w), generator=gen).to(torch.bfloat16)  # positive: a -0 row dots to -0
+    for rr in (0, r):
+        want = native.dots(rows, qt, rr, "ref")
+        got = native.dots(rows, qt, rr, "avx2")
+        assert want is not None and got is not None
+        view = torch.int16 if rr == 0 else torch.int32
+        assert torch.equal(got.view(view), want.view(view)), (rr, (got.view(view) != want.view(view)).nonzero()[:5])
+    best = native.dots(rows, qt, r, "avx2")
+    assert best is not None and best.isnan().any()
+    assert (best[:, 0] == 0).all() and torch.signbit(best[:, 0]).all()  # the first of the zeros: -0
+
+
+@needs_lib
 def test_c_dots_that_disagree_with_this_torch_are_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     """`agrees` probes the C dots against torch once per width: a kernel off by one bit in one dot is refused, and
     the index scores with torch."""

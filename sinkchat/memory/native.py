@@ -5,10 +5,12 @@ loaded with ctypes; where it cannot be (no compiler, SINKCHAT_KERNELS=torch, an 
 Why: a choice of blocks scores every block in every layer, twice per 256-token chunk (the chunk, then the feed's
 last token), and torch's bf16 matmul on a CPU without AVX-512 BF16 is a dot loop: with 100k tokens in memory
 (1,550 blocks) `Index.scores` took 112-124 ms of CPU time a choice, 35 ms with the C dots (236 blocks, 16k tokens:
-22 against 6.8 ms); a block's keys are rotated twice (its slots -> the recall position, back for its index rows)
-and the queue's at every call, 2.1-2.5 ms of CPU a call in torch against 0.5-0.6 in C (30 layers x 3 heads
-x 64 tokens; 1 thread, a 2-core AMD EPYC at load 4-5, `time.thread_time`). In a cProfile of 10 chunks at 16k tokens
-the memory's own Python went from ~340 to ~240 ms a chunk (choosing 83 -> 33, rotating 91 -> 31) at a higher load.
+22 against 6.8 ms), 15 ms since they take eight rows at once (sums reduced, rounded and maxed per block in vectors:
+the dots alone 20.4 -> 10.5 ms, the same bits); a block's keys are rotated twice (its slots -> the recall
+position, back for its index rows) and the queue's at every call, 2.1-2.5 ms of CPU a call in torch against
+0.5-0.6 in C (30 layers x 3 heads x 64 tokens; 1 thread, a 2-core AMD EPYC at load 4-5, `time.thread_time`). In
+a cProfile of 10 chunks at 16k tokens the memory's own Python went from ~340 to ~240 ms a chunk (choosing 83 -> 33,
+rotating 91 -> 31) at a higher load.
 Why its own library and not the step's (sinkchat/kernels): these are no part of the step's ABI, and a memory
 without them still works (the torch code is the reference the tests hold them to: tests/test_memory_native.py).
 

@@ -63,8 +63,8 @@ static inline float hsum(__m256 v) { /* lanes i + i+4, then + i+2, then + i+1 */
     return _mm_cvtss_f32(s);
 }
 
-/* The G dots of one row a [W] with the fp32 queries qf [G][W] into out [G]. */
-static void row_avx2(const uint16_t *a, const float *qf, int g, int w, float *out) {
+/* The G dots of one row a [W] with the fp32 queries qf [G][W], each left as 8 lanes v[c] whose hsum is the dot. */
+static inline void row_lanes(const uint16_t *a, const float *qf, int g, int w, __m256 *v) {
     __m256 x[8];
     for (int r = 0; r < 8; r++) x[r] = load8(a + 8 * r);
     for (int c = 0; c < g; c++) {
@@ -77,10 +77,88 @@ static void row_avx2(const uint16_t *a, const float *qf, int g, int w, float *ou
         for (int r = 0; r < 4; r++) s[r] = _mm256_add_ps(s[r], s[r + 4]);
         s[0] = _mm256_add_ps(s[0], s[2]);
         s[1] = _mm256_add_ps(s[1], s[3]);
-        out[c] = hsum(_mm256_add_ps(s[0], s[1]));
+        v[c] = _mm256_add_ps(s[0], s[1]);
     }
 }
+
+/* The G dots of one row a [W] with the fp32 queries qf [G][W] into out [G]. */
+static void row_avx2(const uint16_t *a, const float *qf, int g, int w, float *out) {
+    __m256 v[16];
+    row_lanes(a, qf, g, w, v);
+    for (int c = 0; c < g; c++) out[c] = hsum(v[c]);
+}
+
+/* hsum of eight vectors at once, the same additions in the same order (lanes l + l+4, then + l+2, then + l+1):
+ * lane t holds v[t]'s sum. */
+static inline __m256 hsum8(const __m256 *v) {
+    __m256 t[4];
+    for (int k = 0; k < 4; k++)
+        t[k] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * k], v[2 * k + 1], 0x31));  /* [v0 l+l4 | v1 l+l4] */
+    __m256 u0 = _mm256_add_ps(_mm256_shuffle_ps(t[0], t[1], 0x44), _mm256_shuffle_ps(t[0], t[1], 0xEE));
+    __m256 u1 = _mm256_add_ps(_mm256_shuffle_ps(t[2], t[3], 0x44), _mm256_shuffle_ps(t[2], t[3], 0xEE));
+    __m256 s = _mm256_add_ps(_mm256_shuffle_ps(u0, u1, 0x88), _mm256_shuffle_ps(u0, u1, 0xDD));  /* 0 2 4 6 | 1 3 5 7 */
+    return _mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* x rounded to bf16 to nearest even (f32_bf16), as fp32 bits: the low 16 bits zero, a NaN 0x7fc00000. */
+static inline __m256i round8_bf16(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+}
+
+/* The max of each r consecutive lanes of x (r 1, 2, 4 or 8), in the group's first lane: the first of equal values
+ * (+0 / -0) and a NaN winning, as keep() does one value at a time (a NaN here is 0x7fc00000, the rounding's). */
+static inline __m256 block_max8(__m256 x, int r) {
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    if (r >= 2) { /* lane 2k: max(later 2k+1, earlier 2k); maxps returns its second operand on a tie */
+        x = _mm256_max_ps(_mm256_permute_ps(x, 0xB1), x);
+        nan = _mm256_or_ps(nan, _mm256_permute_ps(nan, 0xB1));
+    }
+    if (r >= 4) {
+        x = _mm256_max_ps(_mm256_permute_ps(x, 0x4E), x);
+        nan = _mm256_or_ps(nan, _mm256_permute_ps(nan, 0x4E));
+    }
+    if (r >= 8) {
+        x = _mm256_max_ps(_mm256_permute2f128_ps(x, x, 0x01), x);
+        nan = _mm256_or_ps(nan, _mm256_permute2f128_ps(nan, nan, 0x01));
+    }
+    return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000)), nan);
+}
+
+/* Eight rows a [8][W] at once: per query c the eight dots rounded to bf16, as fp32 bits, into bits [G][8]. */
+static void rows8_avx2(const uint16_t *a, const float *qf, int g, int w, uint32_t *bits) {
+    __m256 v[16][8];
+    for (int t = 0; t < 8; t++) {
+        __m256 lanes[16];
+        row_lanes(a + (int64_t)t * w, qf, g, w, lanes);
+        for (int c = 0; c < g; c++) v[c][t] = lanes[c];
+    }
+    for (int c = 0; c < g; c++) _mm256_storeu_si256((__m256i *)(bits + 8 * c), round8_bf16(hsum8(v[c])));
+}
 #endif
+
+/* Dot c of row j of batch i, already rounded to bf16 (v): into out as bf16 (r 0), or into its block's max in best,
+ * the first of equal values kept and a NaN winning, as torch's amax (branch-free: which row wins is data). */
+static inline void keep(uint16_t *out, float *best, int i, int n, int j, int g, int r, int c, float v) {
+    if (!r) {
+        uint32_t u;
+        memcpy(&u, &v, 4);
+        out[((int64_t)i * n + j) * g + c] = (uint16_t)(u >> 16);
+        return;
+    }
+    float *m = best + ((int64_t)i * (n / r) + j / r) * g + c;
+    if (j % r == 0) {
+        *m = v;
+        return;
+    }
+    float o = *m;
+    *m = ((o == o) & ((v != v) | (v > o))) ? v : o;
+}
 
 /* Per batch b the dots of rows[b] [N, W] (bf16; batch b at rows + b * stride) with q[b] [G, W] (bf16), each in the
  * order above and rounded to bf16: into out [B, N, G] (bf16) when r is 0, else their max over each r consecutive
@@ -94,7 +172,28 @@ MK_API int mk_dots(const uint16_t *rows, int64_t stride, int b, int n, int w, co
     for (int i = 0; i < b; i++) {
         for (int k = 0; k < g * w; k++) qf[k] = bf16_f32(q[(int64_t)i * g * w + k]);
         const uint16_t *ri = rows + (int64_t)i * stride;
-        for (int j = 0; j < n; j++) {
+        int j = 0;
+#if MK_AVX2
+        for (; !ref && j + 8 <= n; j += 8) {  /* eight rows at once: the same sums, hsums and roundings */
+            uint32_t bits[16 * 8];
+            rows8_avx2(ri + (int64_t)j * w, qf, g, w, bits);
+            if (r && 8 % r == 0) { /* whole blocks: their maxima in lanes 0, r, 2r, ... */
+                for (int c = 0; c < g; c++) {
+                    float m[8];
+                    _mm256_storeu_ps(m, block_max8(_mm256_loadu_ps((const float *)(bits + 8 * c)), r));
+                    for (int t = 0; t < 8; t += r) best[((int64_t)i * (n / r) + (j + t) / r) * g + c] = m[t];
+                }
+                continue;
+            }
+            for (int t = 0; t < 8; t++)
+                for (int c = 0; c < g; c++) {
+                    float v;
+                    memcpy(&v, &bits[8 * c + t], 4);
+                    keep(out, best, i, n, j + t, g, r, c, v);
+                }
+        }
+#endif
+        for (; j < n; j++) {
             const uint16_t *a = ri + (int64_t)j * w;
 #if MK_AVX2
             if (!ref)
@@ -102,18 +201,7 @@ MK_API int mk_dots(const uint16_t *rows, int64_t stride, int b, int n, int w, co
             else
 #endif
                 for (int c = 0; c < g; c++) tmp[c] = dot_ref(a, qf + (int64_t)c * w, w);
-            if (!r) {
-                for (int c = 0; c < g; c++) out[((int64_t)i * n + j) * g + c] = f32_bf16(tmp[c]);
-                continue;
-            }
-            float *m = best + ((int64_t)i * (n / r) + j / r) * g;
-            for (int c = 0; c < g; c++) {
-                float v = bf16_f32(f32_bf16(tmp[c]));
-                if (j % r == 0)
-                    m[c] = v;
-                else if (m[c] == m[c] && (v != v || v > m[c]))
-                    m[c] = v;
-            }
+            for (int c = 0; c < g; c++) keep(out, best, i, n, j, g, r, c, bf16_f32(f32_bf16(tmp[c])));
         }
     }
     return 0;
