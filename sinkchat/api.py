@@ -131,6 +131,8 @@ class Session:
 
     def feed(self, text: str) -> int:
         """Feed raw text (no chat template) into the cache; returns how many tokens it was."""
+        if not isinstance(text, str):  # `feed(5)` was an AttributeError from inside the tokenizer
+            raise ConfigError(f"the text to feed must be a string, not {type(text).__name__}")
         before = self.engine.ledger.seen
         self._drain(self.engine.feed(text))
         return int(self.engine.ledger.seen - before)
@@ -238,23 +240,33 @@ def settings_for(model: str | None = None, cache: int | None = None, **settings:
     return build_settings(opts, FRIENDLY)
 
 
-def load(model: str | None = None, cache: int | None = 2048, *, resume: str | os.PathLike[str] | None = None,
-         system: str | None = None, progress: Any = None, **settings: Any) -> Session:
+class _DefaultCache(int):
+    """`load`'s default cache size (2048), told apart from a caller's own 2048 by identity."""
+
+
+_CACHE_DEFAULT = _DefaultCache(2048)
+_SHAPE = {"cache_size": "capacity", "sinks": "n_sink", "policy": "policy", "evict_chunk": "evict_chunk", "pin": "pin"}
+
+
+def load(model: str | None = None, cache: int | None = _CACHE_DEFAULT, *,
+         resume: str | os.PathLike[str] | None = None, system: str | None = None, progress: Any = None,
+         **settings: Any) -> Session:
     """Load a model and return a Session on a fresh sink cache of `cache` tokens (`None`: the configured size).
 
     `model`: a .gguf file, a Hugging Face folder or None (the bundled demo model); `system`: a system prompt
-    (pinned in the cache); `resume`: a snapshot written by `Session.save` (or the chat REPL's /save), whose cache
-    size then applies; any other keyword is a setting (`temperature=0`, `sinks=4`, `policy="sink"`, ...): a
-    misspelled one raises ConfigError naming it."""
-    s = settings_for(model, cache, **settings)
+    (pinned in the cache); `resume`: a snapshot written by `Session.save` (or the chat REPL's /save), which goes on
+    with its own cache (size, sinks, policy): one of those given here that differs is a ConfigError, while sampling
+    settings given here (`temperature=`, `seed=`, `max_tokens=`, ...) replace the snapshot's; any other keyword is
+    a setting (`temperature=0`, `sinks=4`, `policy="sink"`, ...): a misspelled one raises ConfigError naming it."""
+    s = settings_for(model, None if cache is _CACHE_DEFAULT and resume is not None else cache, **settings)
     head = None
     if resume is not None:
         from sinkchat.store.snapshot import snapshot_info
 
         head = snapshot_info(Path(resume).expanduser())
-        cc = head.get("cache") or {}
-        s = replace(s, cache=replace(s.cache, capacity=int(cc.get("capacity", s.cache.capacity)),
-                                     n_sink=int(cc.get("n_sink", s.cache.n_sink))))
+        given = {FRIENDLY.get(k, k) for k, v in settings.items() if v is not None}
+        given |= {"cache_size"} if cache is not None and cache is not _CACHE_DEFAULT else set()
+        s = _resumed_cache(s, head.get("cache") or {}, given, resume)
     session = start(s, system, progress)
     engine = session.engine
     if resume is not None:
@@ -263,4 +275,32 @@ def load(model: str | None = None, cache: int | None = 2048, *, resume: str | os
         got = load_snapshot(engine, Path(resume).expanduser())
         record = (got.get("extra") or {}).get("evictions") or {}
         session.evictions = int(record.get("count", 0)) if isinstance(record, dict) else 0
+        session.settings = _resumed_sampling(session, s, {FRIENDLY.get(k, k) for k, v in settings.items()
+                                                          if v is not None})
     return session
+
+
+def _resumed_cache(s: Settings, saved: dict[str, Any], given: set[str], resume: Any) -> Settings:
+    """The settings with the snapshot's cache; a cache setting the caller gave that differs is a ConfigError (it
+    was ignored: `load(resume=..., cache=256)` went on at 512, and `settings` said 256)."""
+    for key, attr in _SHAPE.items():
+        if key in given and attr in saved and getattr(s.cache, attr) != saved[attr]:
+            name = {v: k for k, v in FRIENDLY.items()}.get(key, key)
+            raise ConfigError(f"{resume} goes on with its own cache ({attr} {saved[attr]!r}): {name}="
+                              f"{getattr(s.cache, attr)!r} cannot apply to it; leave it out, or load without resume")
+    kept = {attr: type(getattr(s.cache, attr))(saved[attr]) for attr in _SHAPE.values() if attr in saved}
+    return replace(s, cache=replace(s.cache, **kept))
+
+
+def _resumed_sampling(session: Session, s: Settings, given: set[str]) -> Settings:
+    """Sampling settings the caller gave replace the snapshot's (which `load_snapshot` adopted); the Session's
+    `settings` then say what runs: the engine's cache and sampling."""
+    eng = session.engine
+    mine = {k: getattr(s.sampling, k) for k in SAMPLING_KEYS if k in given}
+    if mine:
+        eng.sampling = replace(eng.sampling, **mine)
+        if "seed" in mine:
+            from sinkchat.core.sampling import make_generator
+
+            eng.generator = make_generator(mine["seed"])
+    return replace(s, cache=eng.cache_cfg, sampling=eng.sampling)

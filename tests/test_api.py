@@ -90,6 +90,8 @@ def test_unknown_setting_is_named(tiny_dir):
     s = _load(tiny_dir)
     with pytest.raises(ConfigError, match="'temprature'"):
         s.chat("hi", temprature=0.5)
+    with pytest.raises(ConfigError, match="must be a string, not int"):
+        s.feed(5)
 
 
 def test_engine_states_swap_without_mixing(tiny_dir):
@@ -171,3 +173,25 @@ def test_a_message_that_is_not_text_is_refused():
     s = api.Session(engine=None)  # refused before the engine is touched
     with pytest.raises(ConfigError, match="the message must be a string, not NoneType"):
         s.chat(None)  # type: ignore[arg-type]
+
+
+def test_resume_takes_sampling_settings_and_refuses_another_cache(tiny_dir, tmp_path):
+    """`load(resume=..., **settings)`: sampling settings given replace the snapshot's, cache settings that differ
+    are a ConfigError, and `settings` says what runs. Before, all were ignored: `temperature=1.5` replied greedily,
+    `cache=256` ran at the snapshot's size, and `settings` claimed both (a new user's audit)."""
+    import sinkchat
+    from sinkchat.config import ConfigError
+
+    s = _load(tiny_dir)  # temperature 0, max_tokens 6, cache 96
+    s.chat("remember the number seven")
+    path = s.save(tmp_path / "talk.safetensors")
+    r = _load(tiny_dir, cache=None, resume=path, max_tokens=3)
+    r.chat("what was it?")
+    assert r.stats()["last_reply"]["tokens"] == 3 and r.settings.sampling.max_tokens == 3
+    own = sinkchat.load(str(tiny_dir), resume=path, quant="none")  # nothing given: the snapshot's own settings
+    assert (own.settings.sampling.temperature, own.settings.sampling.max_tokens) == (0, 6)
+    assert own.settings.cache.capacity == own.stats()["capacity"] == 96
+    for kw, name in (({"cache": 256}, "cache=256"), ({"sinks": 8}, "sinks=8"), ({"policy": "window"}, "policy=")):
+        with pytest.raises(ConfigError, match=name):
+            _load(tiny_dir, **{"cache": None, **kw}, resume=path)
+    assert _load(tiny_dir, cache=96, sinks=4, policy="sink", resume=path).stats()["capacity"] == 96  # the same: fine

@@ -5,6 +5,7 @@ line, and `sinkchat agent --mcp ... --no-builtin-tools` calling it end to end on
 from __future__ import annotations
 
 import subprocess
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -123,3 +124,19 @@ def test_a_server_that_writes_other_lines_to_stdout_is_one_warning_line(tmp_path
     said = [r for r in caplog.records if r.name.startswith("mcp")]
     assert said and all(r.exc_info is None and r.exc_text is None and "\n" not in r.getMessage() for r in said)
     assert any("not JSON-RPC" in r.getMessage() for r in said)
+
+
+def test_no_builtin_tools_with_failed_servers_says_they_offered_none(tmp_path):
+    """--mcp given, its server dead at start, --no-builtin-tools: the error said "needs --tools-module or --mcp
+    tools" as if no --mcp had been given (a new user's audit); it now says the servers offered none, after the
+    warning that quotes why (the server's last stderr line)."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    said = "import sys; sys.stderr.write('ModuleNotFoundError: no mcp here' + chr(10)); sys.exit(1)"
+    dead = f'{sys.executable} -c "{said}"'
+    out = subprocess.run([sys.executable, "-m", "sinkchat", "agent", "x", "--no-builtin-tools", "--workspace", str(ws),
+                          "--mcp", dead, "--mcp-timeout", "20", "--no-log"], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL, env={**os.environ, "SINKCHAT_HOME": str(tmp_path)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "the --mcp servers offered none" in out.stderr
+    assert 'it said: "ModuleNotFoundError: no mcp here"' in out.stderr

@@ -133,7 +133,8 @@ def test_failing_server_stderr_goes_to_a_file(tmp_path):
         other.wait()
     assert alive
     assert len(warnings) == 1 and "could not start" in warnings[0] and "\n" not in warnings[0]
-    path = Path(warnings[0].split("its stderr: ")[1])
+    assert 'it said: "ValueError: bad config' in warnings[0]  # its last line: why, in the warning itself
+    path = Path(warnings[0].split("its stderr: ")[1].rstrip(")"))
     assert path.parent == tmp_path / "home" / "mcp" and "ValueError: bad config" in path.read_text()
 
 

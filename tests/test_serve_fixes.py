@@ -6,6 +6,7 @@ streamed reply end with its final chunk and [DONE]."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
@@ -265,3 +266,23 @@ def test_a_client_that_gives_up_on_a_reply_not_streamed_stops_it(served):
     assert 0 < st["seen"] < 20000, st
     assert post(url, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).status_code == 200  # served
     # (not in "gave-up": a cut reply that evicted makes another first message a 409 there, as it should)
+
+
+def test_a_text_reply_under_tool_choice_auto_is_not_forced_to_closers(served):
+    """`tool_choice: "auto"` allows a call or plain text; the last tokens of a reply are held to closing tokens so
+    that a call is whole at max_tokens, and that once held a text reply too: "The weather in Paris"]]]]]]]]]]]]]]]"
+    (a new user's audit, bundled model, max_tokens 20). A text reply is left alone; a call still closes."""
+    from test_serve import WEATHER
+
+    url, texts = served[0], []
+    for seed in range(6):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+                "tools": [WEATHER], "max_tokens": 24, "temperature": 1.0, "seed": seed}
+        r = post(url, body)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        if not msg.get("tool_calls") and not (msg.get("content") or "").startswith("{"):
+            texts.append(msg["content"])
+    assert texts  # the tiny random model writes text for most seeds
+    for text in texts:
+        assert not re.search(r'["\]}]{8,}$', text), text  # 16 tokens of closers ended every one before

@@ -70,7 +70,7 @@ def _shell_refused(mode: str, explicit: bool, interactive: bool) -> bool:
 
 
 def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: list[Callable[..., Any]],
-             builtin: bool = True, mcp_tools: list[Any] = ()) -> Any:
+             builtin: bool = True, mcp_tools: list[Any] = (), mcp_asked: bool = False) -> Any:
     """The built-in tools (unless --no-builtin-tools), --tools-module functions, then MCP tools (a name already
     taken is skipped with one line: the first one offered keeps it)."""
     from sinkchat.apps.agent.tools.toolbox import Toolbox
@@ -88,6 +88,9 @@ def _toolbox(ws: Workspace, allow_shell: bool, max_result_chars: int, extra: lis
                 box.add(t)
     except ValueError as e:
         raise ConfigError(f"bad tool: {e}") from None
+    if not box.names and mcp_asked:  # the servers were given, and none offered a tool (their warnings say why)
+        raise ConfigError("no tools to offer: the --mcp servers offered none (see the warnings above), and "
+                          "--no-builtin-tools leaves out the built-in ones")
     if not box.names:
         raise ConfigError("no tools to offer: --no-builtin-tools needs --tools-module or --mcp tools")
     return box
@@ -260,7 +263,7 @@ def _tools_with_mcp(ws: Any, shell: bool, max_result_chars: int, extra: Any, bui
     when the toolbox cannot be built."""
     mcp_servers, mcp_tools = start_mcp(mcp_commands, mcp_timeout)
     try:
-        return mcp_servers, _toolbox(ws, shell, max_result_chars, extra, builtin, mcp_tools)
+        return mcp_servers, _toolbox(ws, shell, max_result_chars, extra, builtin, mcp_tools, bool(mcp_commands))
     except BaseException:
         if mcp_servers is not None:
             mcp_servers.close()

@@ -98,9 +98,11 @@ class Constraint:
 
     `budget` (the reply's max_tokens): in its last CLOSE_RESERVE tokens only closing tokens are allowed where the
     grammar allows any, so a free string closes and the call is whole (measured: a random model's free string
-    ran to max_tokens and the client got no tool call at all)."""
+    ran to max_tokens and the client got no tool call at all). `text`: the grammar also allows plain text
+    (`tool_choice: "auto"`); the reserve then holds only once the reply has started a call (its first token starts
+    with `{`): a text reply forced to closers ended `The weather in Paris"]]]]]]]]]]]]]]]` at max_tokens 20."""
 
-    def __init__(self, engine: Any, grammar: Any, budget: int | None = None) -> None:
+    def __init__(self, engine: Any, grammar: Any, budget: int | None = None, text: bool = False) -> None:
         import llguidance
 
         tok = engine.tokenizer
@@ -113,6 +115,8 @@ class Constraint:
         self._closer = _closers(lt, (id(tok), self.vocab), self.vocab)
         self.closing_at = None if budget is None else max(0, budget - CLOSE_RESERVE)
         self._n = 0
+        self._decode = engine.tokenizer.decode
+        self._call: bool | None = None if text else True  # is the reply a call? (None: not known yet)
         if self.matcher.is_error():
             raise GrammarError(str(self.matcher.get_error()).splitlines()[0][:300])
         self._bits = np.zeros((self.vocab + 31) // 32, dtype=np.int32)
@@ -133,10 +137,14 @@ class Constraint:
             out = torch.full_like(logits, float("-inf"))
             out[..., self._eos.to(logits.device)] = logits[..., self._eos.to(logits.device)]
             return out
+        if self._pending and self._call is None and recent_ids:
+            first = self._decode([int(recent_ids[-1])])
+            self._call = first.startswith("{") if first else None
         self._pending = True
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         allowed = np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(np.bool_)
-        if self.closing_at is not None and self._n >= self.closing_at and (allowed & self._closer).any():
+        closing = self.closing_at is not None and self._n >= self.closing_at and self._call is True
+        if closing and (allowed & self._closer).any():
             allowed = allowed & self._closer
         self._n += 1
         mask = torch.from_numpy(allowed.copy()).to(logits.device)

@@ -199,7 +199,8 @@ class Runner:
 
         eng = self.engine
         budget = req.max_tokens or eng.sampling.max_tokens
-        procs = [Constraint(eng, grammar, budget)] if grammar is not None else []
+        text = bool(req.tools) and req.tool_choice == "auto"  # the grammar: a call or plain text (`_constraint`)
+        procs = [Constraint(eng, grammar, budget, text=text)] if grammar is not None else []
         if "seed" in req.sampling:
             eng.generator = make_generator(req.sampling["seed"])
         cfg = replace(eng.sampling, **{k: v for k, v in req.sampling.items() if k != "seed"})

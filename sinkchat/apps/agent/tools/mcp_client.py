@@ -170,12 +170,20 @@ class McpServers:
         return self._errfiles[cmd]
 
     def _where(self, cmd: str) -> str:
-        """'; its stderr: PATH' for a server whose stderr went to a file and wrote something there."""
+        """'; it said: "LAST LINE" (its stderr: PATH)' for a server whose stderr went to a file and wrote something
+        there. Why the last line: a server that dies at start says why there (`ModuleNotFoundError: No module named
+        'mcp'` for a `python` without the SDK), and the warning alone said "Connection closed"."""
         f = self._errfiles.get(cmd)
         if f is None:
             return ""
         f.flush()
-        return f"; its stderr: {f.name}" if os.path.getsize(f.name) else ""
+        if not os.path.getsize(f.name):
+            return ""
+        with open(f.name, "rb") as r:
+            r.seek(max(0, os.path.getsize(f.name) - 4096))
+            lines = [ln.strip() for ln in r.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        said = f"; it said: \"{' '.join(lines[-1].split())[:200]}\"" if lines else ""
+        return f"{said} (its stderr: {f.name})"
 
     def _tool(self, cmd: str, t: Any) -> Tool:
         name = str(t.name)
