@@ -249,6 +249,11 @@ def test_regenerating_the_last_reply_works_once_the_cache_is_full(served):
     first = msgs[:1] + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
     gone = post(url, {"model": MODEL, "messages": first}, "regen")  # back past evicted tokens
     assert gone.status_code == 409 and "goes back to message 1 of" in gone.json()["error"]["message"], gone.text
+    anew = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "hello"}]
+    fresh = post(url, {"model": MODEL, "messages": anew}, "regen")  # a new system prompt: the conversation over
+    assert fresh.status_code == 200, fresh.text
+    st = httpx.get(url + "/v1/sessions/regen").json()
+    assert st["messages"] == 2 and fresh.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
 def test_a_client_that_gives_up_on_a_reply_not_streamed_stops_it(served):

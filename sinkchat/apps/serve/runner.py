@@ -155,8 +155,9 @@ class Runner:
         moved = end is not None and (end.cache_len, end.seen) != (eng.cache.length, eng.ledger.seen)
         reset: Callable[[bool], None] | None = None
         if key != sess.key or k < len(sess.history) or moved:  # moved: a reply that failed half-way
-            if k == 0 and eng.ledger.evicted == 0:
-                reset = self.store.reset(sess, system)
+            if k == 0 and (eng.ledger.evicted == 0 or key != sess.key):  # a new system prompt or tool list: a new
+                reset = self.store.reset(sess, system)  # conversation asked for, at any length (it was a 409 past
+                #                                         the first eviction, a user audit)
             elif k not in sess.marks or not rollback(eng, sess.marks[k]):
                 raise ApiError(409, f"this request goes back to message {k} of this session's history (of "
                                     f"{len(sess.history)}), and the tokens to go back to were evicted already: send "
