@@ -194,6 +194,9 @@ def test_a_refused_request_leaves_its_session_as_it_was(served):
     msgs += [{"role": "assistant", "content": r1["choices"][0]["message"]["content"]}, {"role": "user", "content": "x"}]
     r2 = post(url, {"model": MODEL, "messages": msgs}, "keep").json()
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == r1["usage"]["total_tokens"]
+    first = post(url, {"model": MODEL, "messages": big}, "never")  # a new session refused at its first request
+    assert first.status_code == 400
+    assert httpx.get(url + "/v1/sessions/never").status_code == 404  # not left behind, empty (a user audit)
 
 
 def test_an_unreadable_session_is_a_409_that_says_why_and_can_be_deleted(served):

@@ -96,7 +96,17 @@ class Runner:
         if req.system is None and req.raw_prompt is None:
             req.system = self.default_system
         system = system_text(req)
+        new = sid is not None and not self.store.exists(sid)
         sess = self.store.activate(sid, system)
+        try:
+            return self._answer(sess, req, system, constraint, emit, cancelled, on_ready)
+        except BaseException:
+            if new and sess.requests == 0 and sid is not None:  # refused at its first request: no empty session
+                self.store.delete(sid)  # left behind (GET /v1/sessions/ID said 200, 0 requests)
+            raise
+
+    def _answer(self, sess: ServeSession, req: ChatRequest, system: str | None, constraint: Any,
+                emit: Callable[[str], None], cancelled: threading.Event, on_ready: Callable[[], None]) -> Result:
         try:
             if req.raw_prompt is not None:
                 cached, fed = 0, self._feed_raw(sess, req.raw_prompt)

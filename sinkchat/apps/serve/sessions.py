@@ -292,6 +292,10 @@ class SessionStore:
         if self.active is not None:
             release(capture(self.engine))
 
+    def exists(self, sid: str) -> bool:
+        """Whether session `sid` is held, in RAM or on disk."""
+        return sid in self.ram or (bool(SESSION_ID.match(sid)) and self.path(sid).is_file())
+
     def delete(self, sid: str) -> bool:
         """DELETE /v1/sessions/{id}: the session goes from RAM and disk (its snapshot, its recall memory's folders,
         its log closed); False if there was none. Run between requests (the generation thread)."""
