@@ -100,6 +100,26 @@ def test_generation_stops_after_a_complete_call(ws):
     assert "1999" not in results[0].text
 
 
+def test_examples_call_only_the_tools_offered(ws):
+    """With `--no-builtin-tools --mcp ...` every example turn called a built-in tool the run did not have (a new
+    user's audit): examples that call a tool not offered are left out, the rest keep their order."""
+    from sinkchat.apps.agent.protocol import EXAMPLES, examples_for
+    from sinkchat.apps.agent.tools.toolbox import Toolbox
+
+    def add(a: float, b: float) -> str:
+        """Add two numbers."""
+        return str(a + b)
+
+    box = Toolbox()
+    box.add(add, ws)
+    eng = FakeEngine(['{"final": "3"}'])
+    list(Agent(eng, box, ws).run("add 1 and 2", 2))
+    assert eng.fed[0][1].startswith("Task: add 1 and 2")  # no example: none calls only `add`
+    calc = [ex for ex in EXAMPLES if all('"tool"' not in t or '"calculator"' in t for r, t in ex if r == "assistant")]
+    assert calc and examples_for("What is 3 times 4?", ["calculator", "add"]) == [t for ex in calc for t in ex]
+    assert examples_for(None) == FEW_SHOT
+
+
 def test_few_shot_exchange_is_fed_once_before_the_first_task(ws):
     eng = FakeEngine(['{"final": "a"}', '{"final": "b"}'])
     agent = Agent(eng, build_default_tools(ws), ws)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 from sinkchat.apps.agent.checkpoint import TaskCheckpoint
 from sinkchat.apps.agent.constrain import ToolCallConstraint, build_constraint
 from sinkchat.apps.agent.protocol import (
-    FEW_SHOT, AgentErrorEvent, AgentEvent, Denied, FinalRejectedEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent,
+    AgentErrorEvent, AgentEvent, Denied, FinalRejectedEvent, ModelTextEvent, Parsed, StepEvent, TaskDoneEvent,
     ToolCallEvent, ToolResultEvent, ToolsTokenizer, complete_call, examples_for, is_example_call, parse_reply,
     render_system, result_message, task_message, template_has_tools,
 )
@@ -122,9 +122,10 @@ class Agent:
             self.primed = not per_task
             scaffold = per_task and hasattr(self.engine, "not_kept")  # fed again each task: the memory keeps no copy
             with self.engine.not_kept() if scaffold else nullcontext():
-                for role, text in examples_for(task) if per_task else FEW_SHOT:
+                turns = examples_for(task if per_task else None, self.tools.names)
+                for role, text in turns:
                     yield from self.engine.add_message(role, text, add_generation_prompt=False)
-            self._examples_held = len(FEW_SHOT)  # not counted against keep_messages until compacted away
+            self._examples_held = len(turns)  # not counted against keep_messages until compacted away
         check = TaskCheck(task, self.workspace, tuple(self.tools.tools))
         self._offer(check)
         yield from self.engine.add_message("user", content)

@@ -18,7 +18,7 @@ import json
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Collection
 
 NAME_KEYS = ("tool", "name", "tool_name", "function", "action")
 ARG_KEYS = ("args", "arguments", "parameters", "input", "action_input", "params")
@@ -346,16 +346,26 @@ EXAMPLES: list[list[tuple[str, str]]] = [
 FEW_SHOT = [turn for ex in EXAMPLES for turn in ex]
 
 
-def examples_for(task: str) -> list[tuple[str, str]]:
-    """All of EXAMPLES, the one sharing most words with `task` last: the model copies the nearest example most, so
-    the nearest should be the most similar task (measured: with a fixed order the bundled model answered "What is
-    37 times 43?" with the last example's count_words, and "lines ... contain ERROR" with count_lines)."""
+def _calls(ex: list[tuple[str, str]]) -> set[str]:
+    """The tools an example calls."""
+    return {json.loads(t)["tool"] for r, t in ex if r == "assistant" and '"tool"' in t}
+
+
+def examples_for(task: str | None, offered: Collection[str] | None = None) -> list[tuple[str, str]]:
+    """The EXAMPLES that call only `offered` tools (None: all), the one sharing most words with `task` last (None:
+    their own order): the model copies the nearest example most, so the nearest should be the most similar task
+    (measured: with a fixed order the bundled model answered "What is 37 times 43?" with the last example's
+    count_words, and "lines ... contain ERROR" with count_lines). Why only offered tools: with
+    `--no-builtin-tools --mcp ...` every example called a tool the run does not have (a new user's audit)."""
+    kept = [ex for ex in EXAMPLES if offered is None or _calls(ex) <= set(offered)]
+    if task is None:
+        return [turn for ex in kept for turn in ex]
     words = set(re.findall(r"[a-z]+", task.lower()))
 
     def score(ex: list[tuple[str, str]]) -> int:
         return len(words & set(re.findall(r"[a-z]+", ex[0][1].lower())))
 
-    return [turn for ex in sorted(EXAMPLES, key=score) for turn in ex]
+    return [turn for ex in sorted(kept, key=score) for turn in ex]
 
 
 def is_example_call(name: str, args: dict[str, Any]) -> bool:
