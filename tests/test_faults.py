@@ -289,6 +289,32 @@ def test_chat_log_on_full_disk_and_sigterm(tiny_dir, tmp_path):
     assert con.execute("SELECT ended FROM sessions").fetchone()[0] is not None  # closed: not listed as crashed
 
 
+def test_sighup_ends_chat_as_bye_does(tiny_dir, tmp_path):
+    """Closing the terminal (SIGHUP) killed the chat: `sinkchat logs` listed the session as crashed and its recall
+    memory's files stayed on disk until the next start (a user audit). It ends as /bye does now: exit 129, no
+    traceback, the session log closed, the memory's store removed."""
+    need("chat")
+    home = tmp_path / "home"
+    proc = subprocess.Popen([sys.executable, "-m", "sinkchat.cli", "chat", "--model", tiny_dir, *TINY, "--max-tokens",
+                             "8", "--memory", "on", "--cache", "128"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "SINKCHAT_HOME": str(home)})
+    proc.stdin.write(("tell me about the sea and the sky and the hills " * 30 + "\n").encode())
+    proc.stdin.flush()
+    db, stores = home / "sinkchat.db", home / "memory"
+    deadline, held = time.time() + 240, False
+    while time.time() < deadline:
+        held = held or (stores.is_dir() and any(stores.iterdir()))
+        if held and db.exists() and sqlite3.connect(db).execute("SELECT COUNT(*) FROM turns").fetchone()[0] >= 2:
+            break
+        time.sleep(0.5)
+    assert held, "the memory never made its store"
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 129 and b"Traceback" not in err, err[-2000:]
+    assert sqlite3.connect(db).execute("SELECT ended FROM sessions").fetchone()[0] is not None  # not "crashed"
+    assert not [p for p in stores.iterdir() if p.is_dir()], list(stores.iterdir())  # the store went with it
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 def test_bad_model_paths(mode, tmp_path):
