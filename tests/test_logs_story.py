@@ -251,3 +251,22 @@ def test_forgotten_tokens_are_logged_and_shown_apart_from_evictions(tmp_path):
     assert "<evicted 64 tokens [4,68): old words>" in shown
     assert "<forgotten 64 tokens [4,68) (budget)>" in shown
     assert "1 evictions, 64 tokens evicted" in shown and "64 tokens forgotten by the recall memory" in shown
+
+
+def test_every_eviction_the_chat_makes_is_in_the_log(tmp_path):
+    """`logs show`'s totals left out the tokens a /window evicted (logged only in the command's own line) and every
+    eviction of a transcript replay (/load FILE.json feeds it without showing them): its totals said 8 evictions of
+    383 tokens where the chat had made 9 of 503 and 368 more (a user audit). Each is now in the log."""
+    slog = SessionLog.open("chat", "tiny", {}, system="be brief")
+    eng = chat_engine(capacity=96)
+    loop = chat_loop(eng, slog)
+    path = tmp_path / "talk.json"
+    loop.run(lines_reader(["hello there " * 5, f"/save {path}", "more words here " * 5, "/window 40"]))
+    before = loop.metrics.evicted  # the stream's: the replay below starts the live figures over
+    window = export(slog.id)["evictions"]  # before the replay
+    loop.run(lines_reader([f"/load {path}"]))
+    replayed = loop.metrics.evicted
+    slog.close()
+    evs = export(slog.id)["evictions"]
+    assert before > 0 and replayed > 0 and len(evs) > len(window) > 0
+    assert sum(e["count"] for e in evs) == before + replayed

@@ -79,6 +79,7 @@ def _reconfigure(loop: ChatHost, **changes: Any) -> str:
     events = loop.engine.reconfigure(**changes)  # ConfigError before any change
     for ev in events:
         loop.metrics.fold(ev)
+        loop.slog.eviction(ev)  # in `logs show`'s events and totals too (a /window's were in neither, a user audit)
         loop.r.eviction(ev)
     c = loop.engine.cache_cfg
     what = f"cache: {c.policy}, {cache_shape(loop.engine)} ({plural(loop.engine.cache.length, 'token')} held)"

@@ -207,8 +207,10 @@ class ChatLoop:
             raise ConfigError(f"the chat template refused a {role} message here: {e}") from None
         for ev in events:
             self.metrics.fold(ev)
-            if isinstance(ev, (EvictionEvent, ForgottenEvent)) and not quiet:
-                self.r.eviction(ev)
+            if isinstance(ev, (EvictionEvent, ForgottenEvent)):
+                self.slog.eviction(ev)  # logged even when not shown: a replay's evictions were missing from the log
+                if not quiet:
+                    self.r.eviction(ev)
         recall.take(self)  # what feeding it read is no reply's: the next reply's report starts here
         return eng.ledger.seen - before
 
