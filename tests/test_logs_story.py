@@ -250,7 +250,7 @@ def test_forgotten_tokens_are_logged_and_shown_apart_from_evictions(tmp_path):
     shown = format_transcript(export(slog.id))
     assert "<evicted 64 tokens [4,68): old words>" in shown
     assert "<forgotten 64 tokens [4,68) (budget)>" in shown
-    assert "1 evictions, 64 tokens evicted" in shown and "64 tokens forgotten by the recall memory" in shown
+    assert "1 eviction, 64 tokens evicted" in shown and "64 tokens forgotten by the recall memory" in shown
 
 
 def test_every_eviction_the_chat_makes_is_in_the_log(tmp_path):
