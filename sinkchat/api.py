@@ -259,14 +259,13 @@ def load(model: str | None = None, cache: int | None = _CACHE_DEFAULT, *,
     settings given here (`temperature=`, `seed=`, `max_tokens=`, ...) replace the snapshot's; any other keyword is
     a setting (`temperature=0`, `sinks=4`, `policy="sink"`, ...): a misspelled one raises ConfigError naming it."""
     s = settings_for(model, None if cache is _CACHE_DEFAULT and resume is not None else cache, **settings)
-    head = None
+    given = {FRIENDLY.get(k, k) for k, v in settings.items() if v is not None}  # what the caller asked for
     if resume is not None:
         from sinkchat.store.snapshot import snapshot_info
 
         head = snapshot_info(Path(resume).expanduser())
-        given = {FRIENDLY.get(k, k) for k, v in settings.items() if v is not None}
-        given |= {"cache_size"} if cache is not None and cache is not _CACHE_DEFAULT else set()
-        s = _resumed_cache(s, head.get("cache") or {}, given, resume)
+        shape = given | ({"cache_size"} if cache is not None and cache is not _CACHE_DEFAULT else set())
+        s = _resumed_cache(s, head.get("cache") or {}, shape, resume)
     session = start(s, system, progress)
     engine = session.engine
     if resume is not None:
@@ -275,8 +274,7 @@ def load(model: str | None = None, cache: int | None = _CACHE_DEFAULT, *,
         got = load_snapshot(engine, Path(resume).expanduser())
         record = (got.get("extra") or {}).get("evictions") or {}
         session.evictions = int(record.get("count", 0)) if isinstance(record, dict) else 0
-        session.settings = _resumed_sampling(session, s, {FRIENDLY.get(k, k) for k, v in settings.items()
-                                                          if v is not None})
+        session.settings = _resumed_sampling(session, s, given)
     return session
 
 
@@ -285,7 +283,7 @@ def _resumed_cache(s: Settings, saved: dict[str, Any], given: set[str], resume: 
     was ignored: `load(resume=..., cache=256)` went on at 512, and `settings` said 256)."""
     for key, attr in _SHAPE.items():
         if key in given and attr in saved and getattr(s.cache, attr) != saved[attr]:
-            name = {v: k for k, v in FRIENDLY.items()}.get(key, key)
+            name = next((k for k, v in FRIENDLY.items() if v == key), key)
             raise ConfigError(f"{resume} goes on with its own cache ({attr} {saved[attr]!r}): {name}="
                               f"{getattr(s.cache, attr)!r} cannot apply to it; leave it out, or load without resume")
     kept = {attr: type(getattr(s.cache, attr))(saved[attr]) for attr in _SHAPE.values() if attr in saved}

@@ -138,8 +138,7 @@ def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
     gone = [e for e in data["evictions"] if _verb(e) == "forgotten"]
     parts = []
     if evs:
-        n = len(evs)
-        parts.append(f"{n} eviction{'' if n == 1 else 's'}, {sum(e['count'] for e in evs)} tokens evicted")
+        parts.append(f"{plural(len(evs), 'eviction')}, {sum(e['count'] for e in evs)} tokens evicted")
     copies = sum(e["count"] for e in gone if str(e.get("policy")) == "forgotten:re-read")
     lost = sum(e["count"] for e in gone) - copies
     if lost:
@@ -148,7 +147,7 @@ def _totals(data: dict[str, Any], markdown: bool) -> list[str]:
         parts.append(f"{copies} tokens of blocks read again let go (their blocks held)")
     recalls = [e for e in data.get("events", []) if e["kind"] == "recalled"]
     if recalls:
-        parts.append(f"{len(recalls)} {'reply' if len(recalls) == 1 else 'replies'} read the recall memory")
+        parts.append(f"{plural(len(recalls), 'reply', 'replies')} read the recall memory")
     in_turns = sum(t["tokens"] for t in data["turns"])
     if s.get("tokens_counted") and s["tokens"] >= in_turns:
         parts.append(f"{s['tokens']} tokens processed: {in_turns} in the turns, {s['tokens'] - in_turns} between them")

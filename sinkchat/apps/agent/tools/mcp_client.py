@@ -177,10 +177,11 @@ class McpServers:
         if f is None:
             return ""
         f.flush()
-        if not os.path.getsize(f.name):
+        size = os.path.getsize(f.name)
+        if not size:
             return ""
         with open(f.name, "rb") as r:
-            r.seek(max(0, os.path.getsize(f.name) - 4096))
+            r.seek(max(0, size - 4096))
             lines = [ln.strip() for ln in r.read().decode("utf-8", "replace").splitlines() if ln.strip()]
         said = f"; it said: \"{' '.join(lines[-1].split())[:200]}\"" if lines else ""
         return f"{said} (its stderr: {f.name})"
