@@ -77,10 +77,8 @@ def cache_shape(eng: Any) -> str:
 
 def _reconfigure(loop: ChatHost, **changes: Any) -> str:
     events = loop.engine.reconfigure(**changes)  # ConfigError before any change
-    for ev in events:
-        loop.metrics.fold(ev)
-        loop.slog.eviction(ev)  # in `logs show`'s events and totals too (a /window's were in neither, a user audit)
-        loop.r.eviction(ev)
+    for ev in events:  # folded, logged (a /window's were not, a user audit) and shown as a turn's are
+        loop.on_event(ev)
     c = loop.engine.cache_cfg
     what = f"cache: {c.policy}, {cache_shape(loop.engine)} ({plural(loop.engine.cache.length, 'token')} held)"
     loop.r.info(what)

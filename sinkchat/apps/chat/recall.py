@@ -164,9 +164,7 @@ def _drop(loop: ChatHost, reason: str) -> list[Any]:
     with deferred_sigint():
         events = loop.engine.forget_memory(reason)
     for ev in events:
-        loop.metrics.fold(ev)
-        loop.slog.eviction(ev)
-        loop.r.eviction(ev)
+        loop.on_event(ev)
     loop.last_recalled = []
     g = loop.metrics.gauge
     if g is not None and getattr(g, "memory", None):  # its share on recalled slots measured a memory now gone
